@@ -1,0 +1,1 @@
+"""Benchmarks: the paper's workloads, runners against numpy/PyTorch, reports."""

@@ -1,0 +1,113 @@
+"""The `chainfuse` command: plan a paper workload or explicit sizes, show the hardware.
+
+chainfuse plan bert-base --hw xeon-gold-6240
+chainfuse plan --gemm 12,512,64,64,512 --between softmax --json
+chainfuse plan --conv 64,56,56,64,64,1,1 --kernels 1,3 --between relu
+chainfuse hw [--hw PRESET]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from chainfuse.bench import workloads
+from chainfuse.hardware import presets, resolve
+from chainfuse.ir import Chain, conv_chain_spec, gemm_chain
+from chainfuse.planner import PlanningError, timed_plan
+from chainfuse.simulate import simulate
+
+__all__ = ["main"]
+
+
+def _ints(text: str, count: int, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{what}: expected {count} integers, got {text!r}"
+        ) from None
+    if len(values) != count:
+        raise argparse.ArgumentTypeError(f"{what}: expected {count} integers, got {len(values)}")
+    return values
+
+
+def _chain(args: argparse.Namespace) -> Chain:
+    given = [x for x in (args.workload, args.gemm, args.conv) if x]
+    if len(given) != 1:
+        raise SystemExit("chainfuse plan: give exactly one of WORKLOAD, --gemm or --conv")
+    between = None if args.between == "none" else args.between
+    if args.workload:
+        return workloads.chain_of(args.workload, between, args.dtype)
+    if args.gemm:
+        b, m, n, k, l_ = _ints(args.gemm, 5, "--gemm b,M,N,K,L")
+        return gemm_chain(b, m, n, k, l_, between, args.dtype)
+    c, h, w, k1, k2, s1, s2 = _ints(args.conv, 7, "--conv C,H,W,K1,K2,stride1,stride2")
+    r1, r2 = _ints(args.kernels, 2, "--kernels R1,R2")
+    return conv_chain_spec(1, c, h, w, k1, r1, r1, k2, r2, r2, stride=(s1, s2),
+                           padding=(r1 // 2, r2 // 2), between=between, dtype=args.dtype)  # fmt: skip
+
+
+def _plan(args: argparse.Namespace) -> int:
+    chain = _chain(args)
+    hw = resolve(args.hw)
+    result, seconds = timed_plan(chain, hw, threads=args.threads)
+    if args.json:
+        print(result.to_json())
+        return 0
+    print(chain)
+    print()
+    print(result)
+    print(f"  planned in {seconds * 1e3:.1f} ms")
+    if args.simulate:
+        sim = simulate(chain, result, hw)
+        print("  level   predicted     simulated")
+        for level, predicted in result.bytes_per_level:
+            print(f"  {level:<6} {predicted:>12,} {sim[level]:>13,}")
+    return 0
+
+
+def _hw(args: argparse.Namespace) -> int:
+    print(resolve(args.hw))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chainfuse", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    hw_help = f"a preset ({', '.join(presets())}) or 'detect' (default)"
+
+    p = sub.add_parser("plan", help="plan a chain and print the plan")
+    p.add_argument("workload", nargs="?", help=f"one of: {', '.join(workloads.names())}")
+    p.add_argument("--gemm", metavar="b,M,N,K,L", help="an explicit batched GEMM chain")
+    p.add_argument("--conv", metavar="C,H,W,K1,K2,s1,s2", help="an explicit conv chain")
+    p.add_argument("--kernels", default="3,1", metavar="R1,R2", help="conv kernel sizes")
+    p.add_argument("--between", default="none",
+                   choices=["none", "relu", "gelu", "softmax"])  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--hw", default="detect", help=hw_help)
+    p.add_argument("--threads", type=int, default=None, help="cores to plan for")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--simulate", action="store_true", help="also run the tile simulator")
+    p.set_defaults(run=_plan)
+
+    h = sub.add_parser("hw", help="print the detected (or a preset) hardware")
+    h.add_argument("--hw", default="detect", help=hw_help)
+    h.set_defaults(run=_hw)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except (ValueError, PlanningError, argparse.ArgumentTypeError) as exc:
+        print(f"chainfuse {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

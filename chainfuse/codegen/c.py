@@ -1,0 +1,376 @@
+"""Lower a `Plan` of a two-GEMM chain into one C function (CPU backend).
+
+The chains it takes: `E = f(A . B) . D` with up to two batch loops, where f is nothing, relu,
+gelu or a (scaled) row softmax over l, and B may be stored transposed (attention's Kᵀ). The
+block order is the plan's: batch loops and m outermost (split across threads), then l; inside an
+l block op1 runs over k blocks into the score tile, f is applied to the tile while it is in
+cache, and op2 runs over n blocks accumulating into E::
+
+    for (b, m_o) in this thread's share:            # prefix, parallel
+        pack A[b, m_o, :]                           # once per row block
+        for l_o:                                    # prefix
+            for k_o: C_t (+)= A[m_o, k_o] . B[k_o, l_o]      # op1 blocks, micro-kernel
+            C_t = f(C_t)  (online softmax: rescale E rows by exp(max_old - max_new))
+            for n_o: E[m_o, n_o] (+)= C_t . D[l_o, n_o]       # op2 blocks, micro-kernel
+        (softmax: E rows /= running sum)
+
+Tiles (`T_M`, `T_L`, `T_K`, `T_N`) and the micro-kernel are compiled in; every size and stride
+is a run-time argument, so a new batch or sequence length with the same tiles reuses the object.
+Tails need no padding of user tensors: packing zero-fills partial register blocks and the
+micro-kernel writes only the valid corner.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+
+from chainfuse.codegen.writer import Writer
+from chainfuse.ir import Activation, Chain, Contraction, Pointwise, Softmax
+from chainfuse.kernels import MicroKernel, emit_with_packing
+
+__all__ = ["Epilogue", "GemmChainSpec", "emit_gemm_chain", "match_gemm_chain"]
+
+MAX_BATCH = 2  # batch loops the kernel takes (attention: batch and heads)
+
+
+class Epilogue(enum.Enum):
+    """What happens to the intermediate tile between the two GEMMs."""
+
+    NONE = "none"
+    RELU = "relu"
+    GELU = "gelu"
+    SOFTMAX = "softmax"
+
+
+@dataclass(frozen=True)
+class GemmChainSpec:
+    """What the generated code depends on (and nothing it does not: no sizes)."""
+
+    batch: tuple[str, ...]  # batch loop names, outermost first
+    tensors: tuple[str, str, str, str]  # A, B, D, E names in the chain
+    b_transposed: bool  # B stored [.., l, k] (Kᵀ of attention) instead of [.., k, l]
+    epilogue: Epilogue
+    T_M: int
+    T_L: int
+    T_K: int
+    T_N: int
+    kernel: MicroKernel
+
+    @property
+    def name(self) -> str:
+        word = {Epilogue.NONE: "gemm", Epilogue.RELU: "gemm_relu", Epilogue.GELU: "gemm_gelu",
+                Epilogue.SOFTMAX: "gemm_softmax"}[self.epilogue]  # fmt: skip
+        key = f"{self}".encode()
+        return (
+            f"{word}_gemm_f32_tm{self.T_M}tl{self.T_L}tk{self.T_K}tn{self.T_N}_"
+            f"{hashlib.sha256(key).hexdigest()[:8]}"
+        )
+
+
+def match_gemm_chain(
+    chain: Chain,
+) -> tuple[tuple[str, ...], tuple[str, str, str, str], bool, Epilogue]:
+    """Recognise `E = f(A . B) . D`; raise ValueError saying what does not fit."""
+    ops = chain.ops
+    contractions = [op for op in ops if isinstance(op, Contraction)]
+    if len(contractions) != 2 or not isinstance(ops[0], Contraction):
+        raise ValueError(f"{chain.name}: the C backend takes two GEMMs with one op between")
+    first, second = contractions
+    middle = ops[1:-1]
+    epilogue = Epilogue.NONE
+    if len(middle) > 1:
+        raise ValueError(f"{chain.name}: at most one memory-intensive op between the GEMMs")
+    if middle:
+        op = middle[0]
+        if isinstance(op, Softmax):
+            if op.mask is not None or op.causal:
+                raise ValueError(f"{chain.name}: masked or causal softmax is not supported yet")
+            epilogue = Epilogue.SOFTMAX
+        elif isinstance(op, Pointwise) and op.fn in (Activation.RELU, Activation.GELU):
+            epilogue = Epilogue.RELU if op.fn is Activation.RELU else Epilogue.GELU
+        else:
+            raise ValueError(f"{chain.name}: op '{op}' between the GEMMs is not supported yet")
+    a, b = first.inputs
+    c = first.output
+    p, d = second.inputs
+    e = second.output
+    if p.tensor != (middle[0].output.tensor if middle else c.tensor):
+        raise ValueError(f"{chain.name}: the second GEMM must read the first one's result first")
+    for acc in (a, b, c, p, d, e):
+        if any(len(ix.terms) != 1 or ix.terms[0][1] != 1 or ix.offset for ix in acc.index):
+            raise ValueError(f"{chain.name}: {acc} is not a plain GEMM index (convolution?)")
+    cl = c.loops
+    if len(cl) < 2 or len(cl) - 2 > MAX_BATCH:
+        raise ValueError(f"{chain.name}: expected [batch..., m, l] for {c.tensor}")
+    batch, (m, l) = cl[:-2], cl[-2:]
+    (k,) = first.reduction
+    n = e.loops[-1]
+    want = {
+        a.tensor: (*batch, m, k),
+        d.tensor: (*batch, l, n),
+        e.tensor: (*batch, m, n),
+    }
+    for acc in (a, d, e):
+        if acc.loops != want[acc.tensor]:
+            raise ValueError(f"{chain.name}: {acc} should be indexed {want[acc.tensor]}")
+    if b.loops == (*batch, k, l):
+        transposed = False
+    elif b.loops == (*batch, l, k):
+        transposed = True
+    else:
+        raise ValueError(f"{chain.name}: {b} should be indexed [{batch}, k, l] or [{batch}, l, k]")
+    return tuple(batch), (a.tensor, b.tensor, d.tensor, e.tensor), transposed, epilogue
+
+
+_MATH = r"""
+#include <math.h>
+#include <string.h>
+
+/* exp for the softmax: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes'
+   expf coefficients, relative error < 2e-7); plain arithmetic, so loops over it vectorise. */
+static inline float cf_exp(float x)
+{
+    const float lo = -87.3f;
+    const float xc = x < lo ? lo : (x > 88.3f ? 88.3f : x);
+    const float t = xc * 1.44269504088896341f;
+    const float n = (float)(int)(t + (t >= 0.0f ? 0.5f : -0.5f));
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int bits = ((int)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < lo ? 0.0f : p * scale;
+}
+
+/* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp. */
+static inline float cf_erf(float x)
+{
+    const float ax = x < 0.0f ? -x : x;
+    const float t = 1.0f / (1.0f + 0.3275911f * ax);
+    float y = 1.061405429f;
+    y = y * t - 1.453152027f;
+    y = y * t + 1.421413741f;
+    y = y * t - 0.284496736f;
+    y = y * t + 0.254829592f;
+    y = 1.0f - y * t * cf_exp(-ax * ax);
+    return x < 0.0f ? -y : y;
+}
+"""
+
+
+def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
+    """C source of `void <name>(...)` and `long <name>_workspace(...)` for `spec`.
+
+    The code computes the transposed chain, `Eᵀ = Dᵀ . f(Bᵀ . Aᵀ)`, so that op1's micro-kernel
+    writes the intermediate tile straight into the packed layout op2's micro-kernel reads (strips
+    of `nr` rows of m, each `[l][nr]`): the tile is never repacked, only the small Eᵀ block is
+    transposed into E once per row block. m is the micro-kernel's column (nr) dimension, l and
+    n its row (mr) dimension, and a softmax over l reduces down the columns, in vectors.
+    """
+    ker = spec.kernel
+    mr, nr = ker.mr, ker.nr
+    name = spec.name
+    w = Writer()
+    w.line("/*")
+    for text in header.strip().split("\n"):
+        w.line(f" * {text}".rstrip())
+    w.line(" */")
+    w.lines(_MATH)
+    w.lines(emit_with_packing(ker))
+    w.line(f"#define T_M {spec.T_M}")
+    w.line(f"#define T_L {spec.T_L}")
+    w.line(f"#define T_K {spec.T_K}")
+    w.line(f"#define T_N {spec.T_N}")
+    w.line(f"#define MR {mr}")
+    w.line(f"#define NR {nr}")
+    w.line(f"#define MPN {-(-spec.T_M // nr) * nr} /* T_M rounded up to whole nr strips */")
+    w.line(f"#define LPM {-(-spec.T_L // mr) * mr} /* T_L rounded up to whole mr strips */")
+    w.line(f"#define NPM {-(-spec.T_N // mr) * mr}")
+    w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
+    w.line("")
+    w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
+    w.line("   packed Dᵀ, the Eᵀ accumulator and the softmax column statistics */")
+    with w.block(f"long {name}_workspace(long K, long N)"):
+        w.line("const long TK = K < T_K ? K : T_K;")
+        w.line("const long AK = TK == K ? K : TK;")
+        w.line(
+            "return ALIGN16(MPN * AK) + ALIGN16(LPM * TK) + ALIGN16(MPN * LPM)"
+            " + ALIGN16(NPM * T_L) + ALIGN16(N * MPN) + 2 * ALIGN16(MPN);"
+        )
+    w.line("")
+    w.line(
+        "/* sizes: batch0, batch1, M, N, K, L; strides (elements) of A, B, D, E: batch0, batch1,"
+    )
+    w.line(
+        "   row (the last dim is contiguous); B's row is k (or l when B is stored transposed) */"
+    )
+    with w.block(
+        f"void {name}(const float* restrict A, const float* restrict B,\n"
+        f"    const float* restrict D, float* restrict E, const long* sizes,\n"
+        f"    const long* strides, float scale, float* restrict work, long work_per_thread,\n"
+        f"    int nthreads)"
+    ):
+        w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
+        w.line("const long K = sizes[4], L = sizes[5];")
+        w.line("const long sA0 = strides[0], sA1 = strides[1], sAm = strides[2];")
+        w.line("const long sB0 = strides[3], sB1 = strides[4], sBr = strides[5];")
+        w.line("const long sD0 = strides[6], sD1 = strides[7], sDl = strides[8];")
+        w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
+        w.line("const long TK = K < T_K ? K : T_K;")
+        w.line("const long AK = TK == K ? K : TK;")
+        w.line("const long mblocks = (M + T_M - 1) / T_M;")
+        w.line("const long blocks = nb0 * nb1 * mblocks;")
+        w.line("const long share = (blocks + nthreads - 1) / nthreads;")
+        w.line("(void)scale;")
+        w.line("/* one iteration per thread, so its index names its workspace: no omp.h needed */")
+        w.line("#pragma omp parallel for schedule(static, 1) num_threads(nthreads)")
+        with w.block("for (int t = 0; t < nthreads; ++t)"):
+            w.line("float* restrict At = work + (long)t * work_per_thread;")
+            w.line("float* restrict Bt = At + ALIGN16(MPN * AK);")
+            w.line("float* restrict Pt = Bt + ALIGN16(LPM * TK);")
+            w.line("float* restrict Dt = Pt + ALIGN16(MPN * LPM);")
+            w.line("float* restrict Et = Dt + ALIGN16(NPM * T_L);")
+            w.line("float* restrict col_max = Et + ALIGN16(N * MPN);")
+            w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
+            w.line("const long first = (long)t * share;")
+            w.line("const long last = first + share < blocks ? first + share : blocks;")
+            with w.block("for (long blk = first; blk < last; ++blk)"):
+                _block(w, spec)
+    return w.text()
+
+
+def _pack_at(w: Writer, uk: str, k0: str, kc: str) -> None:
+    """Aᵀ strips (op1's B operand): strip j holds m columns j*nr.. over k."""
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
+        w.line(f"{uk}_pack_bt({kc}, n, A_b + j * NR * sAm + {k0}, sAm, At + (long)j * NR * {kc});")
+
+
+def _block(w: Writer, spec: GemmChainSpec) -> None:
+    """The body of one (batch, m_o) block."""
+    uk = spec.kernel.name
+    softmax = spec.epilogue is Epilogue.SOFTMAX
+    w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
+    w.line("const long m0 = (blk % mblocks) * T_M;")
+    w.line("const int mc = (int)(M - m0 < T_M ? M - m0 : T_M);")
+    w.line("const float* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
+    w.line("const float* restrict B_b = B + b0 * sB0 + b1 * sB1;")
+    w.line("const float* restrict D_b = D + b0 * sD0 + b1 * sD1;")
+    w.line("float* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
+    with w.block("if (TK == K)"):
+        w.line("/* k in one block: Aᵀ is packed once for the whole row block */")
+        _pack_at(w, uk, "0", "(int)K")
+    if softmax:
+        with w.block("for (int i = 0; i < MPN; ++i)"):
+            w.line("col_max[i] = -INFINITY;")
+            w.line("col_sum[i] = 0.0f;")
+    with w.block("for (long l0 = 0; l0 < L; l0 += T_L)"):
+        w.line("const int lc = (int)(L - l0 < T_L ? L - l0 : T_L);")
+        w.line("/* op1: Pᵀ[lc x mc] = Bᵀ[l_o, :] . Aᵀ[:, m_o], over k blocks */")
+        with w.block("for (long k0 = 0; k0 < K; k0 += TK)"):
+            w.line("const int kc = (int)(K - k0 < TK ? K - k0 : TK);")
+            with w.block("if (TK != K)"):
+                _pack_at(w, uk, "k0", "kc")
+            with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                if spec.b_transposed:
+                    w.line(
+                        f"{uk}_pack_a(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * MR * kc);"
+                    )
+                else:
+                    w.line(
+                        f"{uk}_pack_at(kc, m, B_b + k0 * sBr + l0 + s * MR, sBr, Bt + (long)s * MR * kc);"
+                    )
+            with w.block("for (int j = 0; j * NR < mc; ++j)"):
+                w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
+                w.line(
+                    "const float* restrict a = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
+                )
+                with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                    w.line(
+                        f"{uk}(kc, Bt + (long)s * MR * kc, a, Pt + (long)j * LPM * NR + s * MR * NR,"
+                        " NR, m, n, k0 > 0);"
+                    )
+        _epilogue(w, spec)
+        w.line("/* op2: Eᵀ[n_o, m_o] (+)= Dᵀ[n_o, l_o] . Pᵀ[l_o, m_o] */")
+        with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
+            w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
+            with w.block("for (int s = 0; s * MR < nc; ++s)"):
+                w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+                w.line(
+                    f"{uk}_pack_at(lc, m, D_b + l0 * sDl + n0 + s * MR, sDl, Dt + (long)s * MR * lc);"
+                )
+            with w.block("for (int j = 0; j * NR < mc; ++j)"):
+                w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
+                with w.block("for (int s = 0; s * MR < nc; ++s)"):
+                    w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+                    w.line(
+                        f"{uk}(lc, Dt + (long)s * MR * lc, Pt + (long)j * LPM * NR, "
+                        "Et + (n0 + s * MR) * MPN + j * NR, MPN, m, n, l0 > 0);"
+                    )
+    w.line(
+        "/* E[m_o, :] = Eᵀ transposed"
+        + (", each row over its softmax sum */" if softmax else " */")
+    )
+    if softmax:
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
+    with w.block("for (long c = 0; c < N; ++c)"):
+        w.line("const float* restrict et = Et + c * MPN;")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("E_b[i * sEm + c] = et[i]" + (" * col_sum[i];" if softmax else ";"))
+
+
+def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
+    if spec.epilogue is Epilogue.NONE:
+        return
+    if spec.epilogue in (Epilogue.RELU, Epilogue.GELU):
+        w.line(f"/* {spec.epilogue.value} on the tile while it is in cache */")
+        with w.block("for (int j = 0; j * NR < mc; ++j)"):
+            w.line("float* restrict p = Pt + (long)j * LPM * NR;")
+            with w.block("for (int x = 0; x < lc * NR; ++x)"):
+                if spec.epilogue is Epilogue.RELU:
+                    w.line("p[x] = p[x] > 0.0f ? p[x] : 0.0f;")
+                else:
+                    w.line("p[x] = 0.5f * p[x] * (1.0f + cf_erf(p[x] * 0.70710678118654752f));")
+        return
+    w.line("/* online softmax down each column (a row of the scores): new max, rescale what the")
+    w.line("   sum and Eᵀ hold by exp(old max - new max), exponentiate the tile */")
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("float* restrict p = Pt + (long)j * LPM * NR;")
+        w.line("float* restrict cmax = col_max + j * NR;")
+        w.line("float* restrict csum = col_sum + j * NR;")
+        w.line("float mx[NR], shift[NR], alpha[NR], sum[NR];")
+        w.line("for (int c = 0; c < NR; ++c) mx[c] = -INFINITY;")
+        with w.block("for (int r = 0; r < lc; ++r)"):
+            with w.block("for (int c = 0; c < NR; ++c)"):
+                w.line("const float v = p[r * NR + c] * scale;")
+                w.line("p[r * NR + c] = v;")
+                w.line("mx[c] = v > mx[c] ? v : mx[c];")
+        with w.block("for (int c = 0; c < NR; ++c)"):
+            w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
+            w.line("/* a column with nothing but -inf so far keeps zero mass */")
+            w.line("shift[c] = m_new == -INFINITY ? 0.0f : m_new;")
+            w.line("alpha[c] = cmax[c] == -INFINITY ? 0.0f : cf_exp(cmax[c] - shift[c]);")
+            w.line("cmax[c] = m_new;")
+            w.line("sum[c] = 0.0f;")
+        with w.block("for (int r = 0; r < lc; ++r)"):
+            with w.block("for (int c = 0; c < NR; ++c)"):
+                w.line("const float e = cf_exp(p[r * NR + c] - shift[c]);")
+                w.line("p[r * NR + c] = e;")
+                w.line("sum[c] += e;")
+        with w.block("for (int c = 0; c < NR; ++c)"):
+            w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
+        with w.block("if (l0 > 0)"), w.block("for (long c2 = 0; c2 < N; ++c2)"):
+            w.line("float* restrict et = Et + c2 * MPN + j * NR;")
+            w.line("for (int c = 0; c < NR; ++c) et[c] *= alpha[c];")

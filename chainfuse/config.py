@@ -1,0 +1,86 @@
+"""Every knob and environment variable of chainfuse, typed, in one place.
+
+Each knob is a function that reads the environment when it is called, so a test can
+`monkeypatch.setenv` and a long-lived process sees a changed variable without a reload. Nothing
+here caches or mutates state; the modules that act on a knob (`runtime`, ...) own that.
+
+=======================  ========================================================================
+variable                 meaning
+=======================  ========================================================================
+``CHAINFUSE_CACHE_DIR``  where compiled kernels are cached (default: the user cache directory)
+``CHAINFUSE_DUMP``       a directory that receives a copy of every generated source
+``CC``                   the C compiler (default: the first of cc, gcc, clang on ``PATH``)
+``OMP_NUM_THREADS``      default thread count of generated kernels (else the CPUs we may run on)
+``OMP_WAIT_POLICY``      set to ``PASSIVE`` by the runtime unless already set (see `runtime.cc`)
+=======================  ========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+__all__ = [
+    "ENV_CACHE_DIR",
+    "ENV_CC",
+    "ENV_DUMP",
+    "ENV_NUM_THREADS",
+    "ENV_WAIT_POLICY",
+    "cache_dir",
+    "cc_override",
+    "default_num_threads",
+    "dump_dir",
+]
+
+ENV_CACHE_DIR = "CHAINFUSE_CACHE_DIR"
+ENV_DUMP = "CHAINFUSE_DUMP"
+ENV_CC = "CC"
+ENV_NUM_THREADS = "OMP_NUM_THREADS"
+ENV_WAIT_POLICY = "OMP_WAIT_POLICY"
+
+
+def _env(name: str) -> str | None:
+    """The variable's value, or None when it is unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def cache_dir() -> Path:
+    """Root of the on-disk kernel cache: ``CHAINFUSE_CACHE_DIR``, else the user cache dir."""
+    value = _env(ENV_CACHE_DIR)
+    return Path(value).expanduser() if value else Path(platformdirs.user_cache_dir("chainfuse"))
+
+
+def dump_dir() -> Path | None:
+    """Directory that receives a copy of every generated source (``CHAINFUSE_DUMP``), or None."""
+    value = _env(ENV_DUMP)
+    return Path(value).expanduser() if value else None
+
+
+def cc_override() -> str | None:
+    """The C compiler the user asked for with ``CC`` (a name on ``PATH`` or a path), or None."""
+    return _env(ENV_CC)
+
+
+def default_num_threads() -> int:
+    """Threads a generated kernel uses unless told otherwise.
+
+    ``OMP_NUM_THREADS`` when it is set (its first entry: OpenMP allows a comma list of nested
+    levels), else the number of CPUs this process may run on (its affinity mask, which is what a
+    container or ``taskset`` gives us, not the machine's core count).
+    """
+    value = _env(ENV_NUM_THREADS)
+    if value is not None:
+        first = value.split(",")[0].strip()
+        try:
+            n = int(first)
+        except ValueError:
+            raise ValueError(f"{ENV_NUM_THREADS}={value!r} is not a positive integer") from None
+        if n < 1:
+            raise ValueError(f"{ENV_NUM_THREADS}={value!r} is not a positive integer")
+        return n
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)

@@ -1,0 +1,943 @@
+"""The chain IR: loops, tensors indexed by affine expressions of loops, and ops.
+
+A `Chain` is everything the planner and the code generators know about a computation. It is a
+frozen, hashable value that round-trips through JSON. Builders (`gemm_chain`, `attention_chain`,
+`mlp_chain`, `conv_chain_spec`, `from_einsum`) make the paper's chains; each runs `verify()`.
+
+The batched GEMM chain in this IR (the paper's convention)::
+
+    loops   b:8 m:512 n:64 k:64 l:512
+    C[b,m,l]  = sum_k A[b,m,k] * B[b,k,l]        Contraction
+    P[b,m,l]  = relu(C[b,m,l])                   Pointwise
+    E[b,m,n]  = sum_l P[b,m,l] * D[b,l,n]        Contraction
+
+A convolution reads its input through affine indices (`h = 2*p + r - 1`); reads outside the tensor
+are zeros (padding), which `Access.zero_pad` allows explicitly.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+__all__ = [
+    "Access",
+    "Activation",
+    "Affine",
+    "Chain",
+    "Contraction",
+    "DType",
+    "Loop",
+    "MaskKind",
+    "Op",
+    "Pointwise",
+    "Role",
+    "Softmax",
+    "Tensor",
+    "attention_chain",
+    "conv_chain_spec",
+    "from_einsum",
+    "gemm_chain",
+    "mlp_chain",
+]
+
+
+class DType(enum.Enum):
+    """Element types a chain can hold."""
+
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}[self.value]
+
+    @classmethod
+    def parse(cls, value: DType | str, what: str = "dtype") -> DType:
+        if isinstance(value, DType):
+            return value
+        aliases = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        text = aliases.get(str(value), str(value))
+        try:
+            return cls(text)
+        except ValueError:
+            known = ", ".join(d.value for d in cls)
+            raise ValueError(f"{what}: unknown dtype {value!r}; expected one of {known}") from None
+
+
+class Role(enum.Enum):
+    """How a tensor takes part in a chain."""
+
+    INPUT = "input"
+    OUTPUT = "output"
+    INTERMEDIATE = "intermediate"
+
+
+class Activation(enum.Enum):
+    """Memory-intensive pointwise functions that may sit between two compute ops."""
+
+    IDENTITY = "identity"
+    RELU = "relu"
+    GELU = "gelu"
+    SCALE = "scale"
+    BIAS = "bias"
+
+
+class MaskKind(enum.Enum):
+    """The kind of mask tensor a softmax adds to its scores."""
+
+    NONE = "none"
+    BOOL = "bool"
+    ADDITIVE = "additive"
+
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{what} name {name!r} must be an identifier")
+
+
+def _check_size(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{what} must be a positive integer, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A loop of the iteration space with its extent (trip count)."""
+
+    name: str
+    extent: int
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "loop")
+        _check_size(self.extent, f"loop {self.name!r} extent")
+
+
+@dataclass(frozen=True)
+class Affine:
+    """`sum(coeff * loop) + offset`: one tensor dimension's index. No terms = a constant."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    offset: int = 0
+
+    @classmethod
+    def of(cls, loop: str) -> Affine:
+        return cls(((loop, 1),))
+
+    @cached_property
+    def loops(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.terms)
+
+    def coeff(self, loop: str) -> int:
+        return sum(c for name, c in self.terms if name == loop)
+
+    def span(self, ranges: dict[str, int]) -> int:
+        """Number of index values touched when each loop runs over `ranges[loop]` values."""
+        return sum(abs(c) * (ranges[name] - 1) for name, c in self.terms) + 1
+
+    def bounds(self, lo: dict[str, int], hi: dict[str, int]) -> tuple[int, int]:
+        """Inclusive [min, max] of the index when each loop runs over [lo, hi] (inclusive)."""
+        low = high = self.offset
+        for name, c in self.terms:
+            a, b = c * lo[name], c * hi[name]
+            low += min(a, b)
+            high += max(a, b)
+        return low, high
+
+    def __str__(self) -> str:
+        parts = [name if c == 1 else f"{c}*{name}" for name, c in self.terms]
+        if self.offset or not parts:
+            parts.append(str(self.offset))
+        return "+".join(parts).replace("+-", "-")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A named, typed, dense tensor. Layout is row-major over `shape` unless a backend says so."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    role: Role
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "tensor")
+        for i, size in enumerate(self.shape):
+            _check_size(size, f"tensor {self.name!r} dim {i}")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Access:
+    """A tensor read or written at affine indices, one per dimension."""
+
+    tensor: str
+    index: tuple[Affine, ...]
+    zero_pad: bool = False
+
+    @cached_property
+    def loops(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for ix in self.index:
+            for name in ix.loops:
+                seen[name] = None
+        return tuple(seen)
+
+    def __str__(self) -> str:
+        return f"{self.tensor}[{','.join(str(i) for i in self.index)}]"
+
+
+def _plain(tensor: str, *loops: str) -> Access:
+    return Access(tensor, tuple(Affine.of(name) for name in loops))
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """`output[...] = sum over loops not in output of inputs[0][...] * inputs[1][...]`."""
+
+    output: Access
+    inputs: tuple[Access, Access]
+
+    @property
+    def reads(self) -> tuple[Access, ...]:
+        return self.inputs
+
+    @cached_property
+    def loops(self) -> tuple[str, ...]:
+        seen: dict[str, None] = dict.fromkeys(self.output.loops)
+        for acc in self.inputs:
+            seen.update(dict.fromkeys(acc.loops))
+        return tuple(seen)
+
+    @cached_property
+    def reduction(self) -> tuple[str, ...]:
+        out = set(self.output.loops)
+        return tuple(name for name in self.loops if name not in out)
+
+    def __str__(self) -> str:
+        red = ",".join(self.reduction)
+        return f"{self.output} = sum[{red}] {self.inputs[0]} * {self.inputs[1]}"
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """`output = fn(input)`; BIAS adds `operand` (broadcast), SCALE multiplies by `alpha`."""
+
+    fn: Activation
+    input: Access
+    output: Access
+    operand: Access | None = None
+    alpha: float = 1.0
+
+    @property
+    def reads(self) -> tuple[Access, ...]:
+        return (self.input,) if self.operand is None else (self.input, self.operand)
+
+    @property
+    def loops(self) -> tuple[str, ...]:
+        return self.output.loops
+
+    @property
+    def reduction(self) -> tuple[str, ...]:
+        return ()
+
+    def __str__(self) -> str:
+        extra = f", {self.operand}" if self.operand is not None else ""
+        extra += f", alpha={self.alpha}" if self.fn is Activation.SCALE else ""
+        return f"{self.output} = {self.fn.value}({self.input}{extra})"
+
+
+@dataclass(frozen=True)
+class Softmax:
+    """Row softmax over loop `axis` of `scale * input (+ additive mask | masked where False)`.
+
+    `causal` masks positions whose `axis` index exceeds the `row` index (PyTorch's `is_causal`,
+    top-left aligned). A row with every position masked gives zeros (PyTorch's CPU behaviour).
+    """
+
+    input: Access
+    output: Access
+    axis: str
+    scale: float = 1.0
+    mask: Access | None = None
+    mask_kind: MaskKind = MaskKind.NONE
+    causal: bool = False
+    row: str | None = None
+
+    @property
+    def reads(self) -> tuple[Access, ...]:
+        return (self.input,) if self.mask is None else (self.input, self.mask)
+
+    @property
+    def loops(self) -> tuple[str, ...]:
+        return self.output.loops
+
+    @property
+    def reduction(self) -> tuple[str, ...]:
+        return ()
+
+    def __str__(self) -> str:
+        extra = f", scale={self.scale:g}" if self.scale != 1.0 else ""
+        if self.mask is not None:
+            extra += f", {self.mask_kind.value} mask {self.mask}"
+        if self.causal:
+            extra += ", causal"
+        return f"{self.output} = softmax[{self.axis}]({self.input}{extra})"
+
+
+Op = Contraction | Pointwise | Softmax
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A verified chain of ops over named loops and tensors. Hashable; JSON round-trips."""
+
+    name: str
+    loops: tuple[Loop, ...]
+    tensors: tuple[Tensor, ...]
+    ops: tuple[Op, ...]
+    _by_name: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_name.update({lp.name: lp for lp in self.loops})
+        self._by_name.update({"$" + t.name: t for t in self.tensors})
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.loops, self.tensors, self.ops))
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def loop(self, name: str) -> Loop:
+        found = self._by_name.get(name)
+        if not isinstance(found, Loop):
+            raise KeyError(f"chain {self.name!r} has no loop {name!r}")
+        return found
+
+    def tensor(self, name: str) -> Tensor:
+        found = self._by_name.get("$" + name)
+        if found is None:
+            raise KeyError(f"chain {self.name!r} has no tensor {name!r}")
+        assert isinstance(found, Tensor)
+        return found
+
+    @property
+    def extents(self) -> dict[str, int]:
+        return {lp.name: lp.extent for lp in self.loops}
+
+    @property
+    def inputs(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors if t.role is Role.INPUT)
+
+    @property
+    def outputs(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors if t.role is Role.OUTPUT)
+
+    @property
+    def intermediates(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors if t.role is Role.INTERMEDIATE)
+
+    @property
+    def contractions(self) -> tuple[Contraction, ...]:
+        return tuple(op for op in self.ops if isinstance(op, Contraction))
+
+    @property
+    def dtype(self) -> DType:
+        return self.tensors[0].dtype
+
+    def producer(self, tensor: str) -> Op | None:
+        for op in self.ops:
+            if op.output.tensor == tensor:
+                return op
+        return None
+
+    def consumers(self, tensor: str) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if any(a.tensor == tensor for a in op.reads))
+
+    def flops(self) -> int:
+        """Multiply-adds count 2; memory-intensive ops count one flop per output element."""
+        ext = self.extents
+        total = 0
+        for op in self.ops:
+            n = math.prod(ext[name] for name in op.loops)
+            total += 2 * n if isinstance(op, Contraction) else n
+        return total
+
+    # -- checks ---------------------------------------------------------------------------------
+    def verify(self) -> Chain:
+        """Raise ValueError naming the tensor, loop or op that is inconsistent; return self."""
+        names = [lp.name for lp in self.loops]
+        if len(set(names)) != len(names):
+            raise ValueError(f"chain {self.name!r}: duplicate loop names in {names}")
+        tnames = [t.name for t in self.tensors]
+        if len(set(tnames)) != len(tnames):
+            raise ValueError(f"chain {self.name!r}: duplicate tensor names in {tnames}")
+        if not self.ops:
+            raise ValueError(f"chain {self.name!r} has no ops")
+        ext = self.extents
+        written: set[str] = set()
+        for op in self.ops:
+            for acc in (*op.reads, op.output):
+                self._verify_access(acc, ext, is_output=acc is op.output)
+            for acc in op.reads:
+                t = self.tensor(acc.tensor)
+                if t.role is not Role.INPUT and acc.tensor not in written:
+                    raise ValueError(f"op '{op}' reads {acc.tensor!r} before any op writes it")
+            out = self.tensor(op.output.tensor)
+            if out.role is Role.INPUT:
+                raise ValueError(f"op '{op}' writes {out.name!r}, which is a chain input")
+            if out.name in written:
+                raise ValueError(f"tensor {out.name!r} is written by more than one op")
+            written.add(out.name)
+            self._verify_op(op)
+        for t in self.tensors:
+            if t.role is Role.INPUT and not self.consumers(t.name):
+                raise ValueError(f"input tensor {t.name!r} is never read")
+            if t.role is Role.INTERMEDIATE and not self.consumers(t.name):
+                raise ValueError(f"intermediate tensor {t.name!r} is never read; make it an output")
+            if t.role is not Role.INPUT and t.name not in written:
+                raise ValueError(f"tensor {t.name!r} ({t.role.value}) is never written")
+        used = {name for op in self.ops for name in op.loops}
+        for name in names:
+            if name not in used:
+                raise ValueError(f"loop {name!r} is not used by any op")
+        return self
+
+    def _verify_access(self, acc: Access, ext: dict[str, int], is_output: bool) -> None:
+        try:
+            t = self.tensor(acc.tensor)
+        except KeyError:
+            raise ValueError(
+                f"chain {self.name!r}: access to unknown tensor {acc.tensor!r}"
+            ) from None
+        if len(acc.index) != len(t.shape):
+            raise ValueError(
+                f"tensor {t.name!r} has {len(t.shape)} dims {t.shape} but is indexed with "
+                f"{len(acc.index)}: {acc}"
+            )
+        for d, (ix, size) in enumerate(zip(acc.index, t.shape, strict=True)):
+            for name in ix.loops:
+                if name not in ext:
+                    raise ValueError(f"tensor {t.name!r} dim {d} uses unknown loop {name!r}")
+            if is_output:
+                if len(ix.terms) != 1 or ix.terms[0][1] != 1 or ix.offset != 0:
+                    raise ValueError(f"output {t.name!r} dim {d} must be indexed by one loop: {ix}")
+                loop = ix.terms[0][0]
+                if ext[loop] != size:
+                    raise ValueError(
+                        f"tensor {t.name!r} dim {d} has size {size} but loop {loop!r} has "
+                        f"extent {ext[loop]}"
+                    )
+                continue
+            low, high = ix.bounds(dict.fromkeys(ix.loops, 0), {n: ext[n] - 1 for n in ix.loops})
+            if not ix.terms and size != 1 and ix.offset == 0:
+                continue  # a constant index into a larger dim reads element 0: allowed
+            if len(ix.terms) == 1 and ix.terms[0][1] == 1 and ix.offset == 0:
+                loop = ix.terms[0][0]
+                if ext[loop] != size:
+                    raise ValueError(
+                        f"tensor {t.name!r} dim {d} has size {size} but loop {loop!r} has "
+                        f"extent {ext[loop]}"
+                    )
+            elif acc.zero_pad:
+                if high < 0 or low > size - 1:
+                    raise ValueError(
+                        f"tensor {t.name!r} dim {d}: index {ix} never hits [0, {size})"
+                    )
+            elif low < 0 or high > size - 1:
+                raise ValueError(
+                    f"tensor {t.name!r} dim {d}: index {ix} ranges over [{low}, {high}], "
+                    f"outside [0, {size - 1}]"
+                )
+
+    def _verify_op(self, op: Op) -> None:
+        if isinstance(op, Contraction):
+            for name in op.output.loops:
+                if not any(name in acc.loops for acc in op.inputs):
+                    raise ValueError(f"op '{op}': output loop {name!r} is read by no input")
+            return
+        if set(op.input.loops) != set(op.output.loops):
+            raise ValueError(f"op '{op}': input and output must be indexed by the same loops")
+        if isinstance(op, Softmax):
+            if op.axis not in op.output.loops:
+                raise ValueError(f"softmax '{op}': axis loop {op.axis!r} does not index its output")
+            if (op.mask is None) != (op.mask_kind is MaskKind.NONE):
+                raise ValueError(f"softmax '{op}': mask tensor and mask_kind must come together")
+            if op.causal and (op.row is None or op.row not in op.output.loops):
+                raise ValueError(f"softmax '{op}': causal needs a row loop that indexes the output")
+            for extra in (op.mask,) if op.mask is not None else ():
+                if not set(extra.loops).issubset(set(op.loops)):
+                    raise ValueError(f"softmax '{op}': mask uses loops the scores do not have")
+        elif op.fn is Activation.BIAS:
+            if op.operand is None:
+                raise ValueError(f"op '{op}': bias needs an operand tensor")
+            if not set(op.operand.loops).issubset(set(op.loops)):
+                raise ValueError(f"op '{op}': bias uses loops the input does not have")
+        elif op.operand is not None:
+            raise ValueError(f"op '{op}': {op.fn.value} takes no operand")
+
+    # -- text -----------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        loops = " ".join(f"{lp.name}:{lp.extent}" for lp in self.loops)
+        lines = [f"chain {self.name}  loops {loops}  dtype {self.dtype.value}"]
+        lines += [f"  {op}" for op in self.ops]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(_to_data(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Chain:
+        data = json.loads(text)
+        return _chain_from_data(data).verify()
+
+
+# -- JSON ---------------------------------------------------------------------------------------
+
+
+def _access_data(acc: Access | None) -> Any:
+    if acc is None:
+        return None
+    return {
+        "tensor": acc.tensor,
+        "index": [[list(map(list, ix.terms)), ix.offset] for ix in acc.index],
+        "zero_pad": acc.zero_pad,
+    }
+
+
+def _access_from(data: Any) -> Access | None:
+    if data is None:
+        return None
+    index = tuple(
+        Affine(tuple((str(n), int(c)) for n, c in terms), int(off)) for terms, off in data["index"]
+    )
+    return Access(data["tensor"], index, bool(data["zero_pad"]))
+
+
+def _op_data(op: Op) -> dict[str, Any]:
+    if isinstance(op, Contraction):
+        return {"op": "contraction", "output": _access_data(op.output),
+                "inputs": [_access_data(a) for a in op.inputs]}  # fmt: skip
+    if isinstance(op, Pointwise):
+        return {"op": "pointwise", "fn": op.fn.value, "input": _access_data(op.input),
+                "output": _access_data(op.output), "operand": _access_data(op.operand),
+                "alpha": op.alpha}  # fmt: skip
+    return {"op": "softmax", "input": _access_data(op.input), "output": _access_data(op.output),
+            "axis": op.axis, "scale": op.scale, "mask": _access_data(op.mask),
+            "mask_kind": op.mask_kind.value, "causal": op.causal, "row": op.row}  # fmt: skip
+
+
+def _need(acc: Access | None) -> Access:
+    assert acc is not None
+    return acc
+
+
+def _op_from(data: dict[str, Any]) -> Op:
+    if data["op"] == "contraction":
+        a, b = (_need(_access_from(x)) for x in data["inputs"])
+        return Contraction(_need(_access_from(data["output"])), (a, b))
+    if data["op"] == "pointwise":
+        return Pointwise(Activation(data["fn"]), _need(_access_from(data["input"])),
+                         _need(_access_from(data["output"])), _access_from(data["operand"]),
+                         float(data["alpha"]))  # fmt: skip
+    return Softmax(_need(_access_from(data["input"])), _need(_access_from(data["output"])),
+                   data["axis"], float(data["scale"]), _access_from(data["mask"]),
+                   MaskKind(data["mask_kind"]), bool(data["causal"]), data["row"])  # fmt: skip
+
+
+def _to_data(chain: Chain) -> dict[str, Any]:
+    return {
+        "name": chain.name,
+        "loops": [[lp.name, lp.extent] for lp in chain.loops],
+        "tensors": [[t.name, list(t.shape), t.dtype.value, t.role.value] for t in chain.tensors],
+        "ops": [_op_data(op) for op in chain.ops],
+    }
+
+
+def _chain_from_data(data: dict[str, Any]) -> Chain:
+    return Chain(
+        name=data["name"],
+        loops=tuple(Loop(n, int(e)) for n, e in data["loops"]),
+        tensors=tuple(
+            Tensor(n, tuple(int(s) for s in shape), DType(dt), Role(role))
+            for n, shape, dt, role in data["tensors"]
+        ),
+        ops=tuple(_op_from(op) for op in data["ops"]),
+    )
+
+
+# -- builders -----------------------------------------------------------------------------------
+
+
+def _between_op(
+    between: Activation | str | None, src: str, dst: str, loops: tuple[str, ...], axis: str
+) -> Op | None:
+    if between is None:
+        return None
+    if between == "softmax":
+        return Softmax(_plain(src, *loops), _plain(dst, *loops), axis=axis)
+    try:
+        fn = Activation(between)
+    except ValueError:
+        raise ValueError(
+            f"between: expected None, 'relu', 'gelu' or 'softmax', got {between!r}"
+        ) from None
+    if fn in (Activation.BIAS, Activation.SCALE):
+        raise ValueError(
+            f"between: {fn.value!r} needs an operand; build the chain with from_einsum"
+        )
+    if fn is Activation.IDENTITY:
+        return None
+    return Pointwise(fn, _plain(src, *loops), _plain(dst, *loops))
+
+
+def _two_gemm_chain(
+    name: str,
+    loops: tuple[Loop, ...],
+    first: tuple[Access, Access, Access],
+    second: tuple[Access, Access],
+    shapes: Mapping[str, tuple[int, ...]],
+    between_op: Op | None,
+    dtype: DType,
+) -> Chain:
+    """Assemble `C = A*B; [P = f(C)]; E = P*D` from accesses and shapes."""
+    a, b, c = first
+    d, e = second
+    ops: list[Op] = [Contraction(c, (a, b))]
+    mid = c
+    if between_op is not None:
+        ops.append(between_op)
+        mid = between_op.output
+    ops.append(Contraction(e, (mid, d)))
+    roles = {
+        a.tensor: Role.INPUT,
+        b.tensor: Role.INPUT,
+        d.tensor: Role.INPUT,
+        e.tensor: Role.OUTPUT,
+    }
+    tensors = [
+        Tensor(n, shapes[n], dtype, roles.get(n, Role.INTERMEDIATE))
+        for n in (a.tensor, b.tensor, c.tensor, mid.tensor, d.tensor, e.tensor)
+        if n in shapes
+    ]
+    unique = list({t.name: t for t in tensors}.values())
+    extra = []
+    if isinstance(between_op, Softmax) and between_op.mask is not None:
+        extra.append(
+            Tensor(between_op.mask.tensor, shapes[between_op.mask.tensor], dtype, Role.INPUT)
+        )
+    return Chain(name, loops, tuple(unique + extra), tuple(ops)).verify()
+
+
+def gemm_chain(
+    batch: int,
+    M: int,
+    N: int,
+    K: int,
+    L: int,
+    between: Activation | str | None = None,
+    dtype: DType | str = "float32",
+) -> Chain:
+    """`E[b,M,N] = between(A[b,M,K] @ B[b,K,L]) @ D[b,L,N]`, the paper's batched GEMM chain."""
+    for value, what in ((batch, "batch"), (M, "M"), (N, "N"), (K, "K"), (L, "L")):
+        _check_size(value, what)
+    dt = DType.parse(dtype)
+    loops = (Loop("b", batch), Loop("m", M), Loop("n", N), Loop("k", K), Loop("l", L))
+    op = _between_op(between, "C", "P", ("b", "m", "l"), "l")
+    shapes = {"A": (batch, M, K), "B": (batch, K, L), "C": (batch, M, L), "D": (batch, L, N),
+              "E": (batch, M, N)}  # fmt: skip
+    if op is not None:
+        shapes["P"] = (batch, M, L)
+    kind = "gemm" if op is None else f"gemm_{_op_word(op)}"
+    name = f"{kind}_gemm_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
+    return _two_gemm_chain(
+        name,
+        loops,
+        (_plain("A", "b", "m", "k"), _plain("B", "b", "k", "l"), _plain("C", "b", "m", "l")),
+        (_plain("D", "b", "l", "n"), _plain("E", "b", "m", "n")),
+        shapes,
+        op,
+        dt,
+    )
+
+
+def _op_word(op: Op) -> str:
+    if isinstance(op, Softmax):
+        return "softmax"
+    if isinstance(op, Pointwise):
+        return op.fn.value
+    return "gemm"
+
+
+def attention_chain(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim_qk: int,
+    head_dim_v: int,
+    causal: bool = False,
+    mask: MaskKind | str | None = None,
+    scale: float | None = None,
+    mask_shape: tuple[int, ...] | None = None,
+    dtype: DType | str = "float32",
+) -> Chain:
+    """`O = softmax(scale * Q Kᵀ + mask) V` over [batch, heads, seq, dim] tensors.
+
+    `mask_shape` (default [batch, heads, seq_q, seq_k]) broadcasts like PyTorch: any leading
+    dims may be missing or 1.
+    """
+    for value, what in ((batch, "batch"), (heads, "heads"), (seq_q, "seq_q"), (seq_k, "seq_k"),
+                        (head_dim_qk, "head_dim_qk"), (head_dim_v, "head_dim_v")):  # fmt: skip
+        _check_size(value, what)
+    dt = DType.parse(dtype)
+    kind = MaskKind.NONE if mask is None else MaskKind(mask)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim_qk)
+    loops = (Loop("b", batch), Loop("h", heads), Loop("m", seq_q), Loop("n", head_dim_v),
+             Loop("k", head_dim_qk), Loop("l", seq_k))  # fmt: skip
+    full: tuple[int, ...] = (batch, heads, seq_q, seq_k)
+    mask_acc = None
+    shapes = {"Q": (batch, heads, seq_q, head_dim_qk), "K": (batch, heads, seq_k, head_dim_qk),
+              "S": full, "P": full, "V": (batch, heads, seq_k, head_dim_v),
+              "O": (batch, heads, seq_q, head_dim_v)}  # fmt: skip
+    if kind is not MaskKind.NONE:
+        mshape = full if mask_shape is None else tuple(mask_shape)
+        if len(mshape) > 4 or any(
+            s not in (1, f) for s, f in zip(reversed(mshape), reversed(full), strict=False)
+        ):
+            raise ValueError(f"mask_shape {mshape} does not broadcast to {full}")
+        names = ("b", "h", "m", "l")[4 - len(mshape) :]
+        mask_acc = Access(
+            "mask",
+            tuple(Affine.of(n) if s != 1 else Affine() for n, s in zip(names, mshape, strict=True)),
+        )
+        shapes["mask"] = mshape
+    soft = Softmax(_plain("S", "b", "h", "m", "l"), _plain("P", "b", "h", "m", "l"), axis="l",
+                   scale=float(scale), mask=mask_acc, mask_kind=kind, causal=causal,
+                   row="m" if causal else None)  # fmt: skip
+    tag = "_causal" if causal else ""
+    tag += "" if kind is MaskKind.NONE else f"_{kind.value}mask"
+    name = (f"attention{tag}_{dt.value}_b{batch}h{heads}m{seq_q}l{seq_k}k{head_dim_qk}"
+            f"n{head_dim_v}")  # fmt: skip
+    return _two_gemm_chain(
+        name,
+        loops,
+        (
+            _plain("Q", "b", "h", "m", "k"),
+            _plain("K", "b", "h", "l", "k"),
+            _plain("S", "b", "h", "m", "l"),
+        ),
+        (_plain("V", "b", "h", "l", "n"), _plain("O", "b", "h", "m", "n")),
+        shapes,
+        soft,
+        dt,
+    )
+
+
+def mlp_chain(
+    tokens: int,
+    d_in: int,
+    d_hidden: int,
+    d_out: int,
+    act: Activation | str | None = "gelu",
+    dtype: DType | str = "float32",
+) -> Chain:
+    """`Y[m,n] = act(X[m,k] @ W1[k,l]) @ W2[l,n]`: a transformer/Mixer MLP (weights in x@W form)."""
+    for value, what in ((tokens, "tokens"), (d_in, "d_in"), (d_hidden, "d_hidden"),
+                        (d_out, "d_out")):  # fmt: skip
+        _check_size(value, what)
+    dt = DType.parse(dtype)
+    if act == "softmax":
+        raise ValueError("act: expected None, 'relu' or 'gelu', got 'softmax'")
+    op = _between_op(act, "H", "G", ("m", "l"), "l")
+    loops = (Loop("m", tokens), Loop("n", d_out), Loop("k", d_in), Loop("l", d_hidden))
+    shapes = {"X": (tokens, d_in), "W1": (d_in, d_hidden), "H": (tokens, d_hidden),
+              "G": (tokens, d_hidden), "W2": (d_hidden, d_out), "Y": (tokens, d_out)}  # fmt: skip
+    if op is None:
+        del shapes["G"]
+    word = "linear" if op is None else _op_word(op)
+    name = f"mlp_{word}_{dt.value}_m{tokens}k{d_in}l{d_hidden}n{d_out}"
+    return _two_gemm_chain(
+        name,
+        loops,
+        (_plain("X", "m", "k"), _plain("W1", "k", "l"), _plain("H", "m", "l")),
+        (_plain("W2", "l", "n"), _plain("Y", "m", "n")),
+        shapes,
+        op,
+        dt,
+    )
+
+
+def conv_out_size(size: int, kernel: int, stride: int, pad: int) -> int:
+    """Output length of a convolution along one axis (PyTorch's formula, dilation 1)."""
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def conv_chain_spec(
+    N: int,
+    C: int,
+    H: int,
+    W: int,
+    K1: int,
+    R1: int,
+    S1: int,
+    K2: int,
+    R2: int,
+    S2: int,
+    stride: tuple[int, int] = (1, 1),
+    padding: tuple[int, int] = (0, 0),
+    between: Activation | str | None = None,
+    dtype: DType | str = "float32",
+) -> Chain:
+    """Two convolutions, logical NCHW, weights [K, C, R, S] as in PyTorch::
+
+    Y1[n,k1,p,q]  = sum_{c,r,s}    X[n,c,st1*p+r-pad1,st1*q+s-pad1] * W1[k1,c,r,s]
+    Z[n,k1,p,q]   = between(Y1)
+    Y2[n,k2,p2,q2] = sum_{k1,r2,s2} Z[n,k1,st2*p2+r2-pad2,st2*q2+s2-pad2] * W2[k2,k1,r2,s2]
+    """
+    sizes = ((N, "N"), (C, "C"), (H, "H"), (W, "W"), (K1, "K1"), (R1, "R1"), (S1, "S1"),
+             (K2, "K2"), (R2, "R2"), (S2, "S2"))  # fmt: skip
+    for value, what in sizes:
+        _check_size(value, what)
+    st1, st2 = (_check_size(s, "stride") for s in stride)
+    pad1, pad2 = padding
+    for p in padding:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"padding must be non-negative integers, got {padding!r}")
+    dt = DType.parse(dtype)
+    P1, Q1 = conv_out_size(H, R1, st1, pad1), conv_out_size(W, S1, st1, pad1)
+    if P1 <= 0 or Q1 <= 0:
+        raise ValueError(f"first conv kernel {R1}x{S1} is larger than the padded input {H}x{W}")
+    P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
+    if P2 <= 0 or Q2 <= 0:
+        raise ValueError(f"second conv kernel {R2}x{S2} is larger than its padded input {P1}x{Q1}")
+    loops = (Loop("n", N), Loop("k2", K2), Loop("p2", P2), Loop("q2", Q2), Loop("k1", K1),
+             Loop("p1", P1), Loop("q1", Q1), Loop("c", C), Loop("r1", R1), Loop("s1", S1),
+             Loop("r2", R2), Loop("s2", S2))  # fmt: skip
+
+    def window(out: str, tap: str, st: int, pad: int) -> Affine:
+        return Affine(((out, st), (tap, 1)), -pad)
+
+    x = Access("X", (Affine.of("n"), Affine.of("c"), window("p1", "r1", st1, pad1),
+                     window("q1", "s1", st1, pad1)), zero_pad=pad1 > 0)  # fmt: skip
+    op = _between_op(between, "Y1", "Z", ("n", "k1", "p1", "q1"), "k1")
+    if isinstance(op, Softmax):
+        raise ValueError("between: softmax is not supported between convolutions")
+    mid = "Y1" if op is None else "Z"
+    z = Access(mid, (Affine.of("n"), Affine.of("k1"), window("p2", "r2", st2, pad2),
+                     window("q2", "s2", st2, pad2)), zero_pad=pad2 > 0)  # fmt: skip
+    ops: list[Op] = [Contraction(_plain("Y1", "n", "k1", "p1", "q1"),
+                                 (x, _plain("W1", "k1", "c", "r1", "s1")))]  # fmt: skip
+    if op is not None:
+        ops.append(op)
+    ops.append(Contraction(_plain("Y2", "n", "k2", "p2", "q2"),
+                           (z, _plain("W2", "k2", "k1", "r2", "s2"))))  # fmt: skip
+    tensors = [
+        Tensor("X", (N, C, H, W), dt, Role.INPUT),
+        Tensor("W1", (K1, C, R1, S1), dt, Role.INPUT),
+        Tensor("Y1", (N, K1, P1, Q1), dt, Role.INTERMEDIATE),
+    ]
+    if op is not None:
+        tensors.append(Tensor("Z", (N, K1, P1, Q1), dt, Role.INTERMEDIATE))
+    tensors += [Tensor("W2", (K2, K1, R2, S2), dt, Role.INPUT),
+                Tensor("Y2", (N, K2, P2, Q2), dt, Role.OUTPUT)]  # fmt: skip
+    word = "" if op is None else f"_{_op_word(op)}"
+    name = (f"conv{R1}x{S1}{word}_conv{R2}x{S2}_{dt.value}_n{N}c{C}h{H}w{W}k{K1}k{K2}"
+            f"s{st1}{st2}p{pad1}{pad2}")  # fmt: skip
+    return Chain(name, loops, tuple(tensors), tuple(ops)).verify()
+
+
+_EINSUM = re.compile(r"^\s*([a-z]+)\s*,\s*([a-z]+)\s*->\s*([a-z]+)\s*$")
+
+
+def from_einsum(
+    *equations: str,
+    sizes: dict[str, int],
+    between: Activation | str | tuple[Activation | str | None, ...] | None = None,
+    dtype: DType | str = "float32",
+    name: str | None = None,
+) -> Chain:
+    """A chain of 2 to 4 contractions from einsum equations, each consuming the previous result.
+
+    Each equation is `"lhs,rhs->out"` over single-letter loops; the first operand of every
+    equation after the first is the previous result. `between` is one activation applied after
+    every contraction but the last, or a tuple with one entry per gap::
+
+        from_einsum("bmk,bkl->bml", "bml,bln->bmn", sizes=dict(b=8, m=512, k=64, l=512, n=64))
+    """
+    if not 2 <= len(equations) <= 4:
+        raise ValueError(f"from_einsum takes 2 to 4 equations, got {len(equations)}")
+    gaps = len(equations) - 1
+    betweens = between if isinstance(between, tuple) else (between,) * gaps
+    if len(betweens) != gaps:
+        raise ValueError(f"between: expected {gaps} entries (one per gap), got {len(betweens)}")
+    dt = DType.parse(dtype)
+    parsed: list[tuple[str, str, str]] = []
+    for i, eq in enumerate(equations):
+        m = _EINSUM.match(eq)
+        if m is None:
+            raise ValueError(f"equation {i} {eq!r}: expected 'ab,bc->ac' over lowercase letters")
+        lhs, rhs, out = m.groups()
+        for part in (lhs, rhs, out):
+            if len(set(part)) != len(part):
+                raise ValueError(f"equation {i} {eq!r}: repeated index in {part!r}")
+        missing = set(out) - set(lhs) - set(rhs)
+        if missing:
+            raise ValueError(f"equation {i} {eq!r}: output index {sorted(missing)} not in inputs")
+        if i > 0 and lhs != parsed[-1][2]:
+            raise ValueError(
+                f"equation {i} {eq!r}: first operand {lhs!r} must be the previous result "
+                f"{parsed[-1][2]!r}"
+            )
+        parsed.append((lhs, rhs, out))
+    letters = sorted({ch for eq in parsed for part in eq for ch in part})
+    for ch in letters:
+        if ch not in sizes:
+            raise ValueError(f"sizes: no size given for index {ch!r}")
+        _check_size(sizes[ch], f"sizes[{ch!r}]")
+    for ch in sizes:
+        if ch not in letters:
+            raise ValueError(f"sizes: index {ch!r} appears in no equation")
+    loops = tuple(Loop(ch, sizes[ch]) for ch in letters)
+    tensors: list[Tensor] = []
+    ops: list[Op] = []
+
+    def add(tname: str, idx: str, role: Role) -> Access:
+        tensors.append(Tensor(tname, tuple(sizes[c] for c in idx), dt, role))
+        return _plain(tname, *idx)
+
+    prev: Access | None = None
+    for i, (lhs, rhs, out) in enumerate(parsed):
+        first = add("X0", lhs, Role.INPUT) if prev is None else prev
+        second = add(f"W{i}", rhs, Role.INPUT)
+        last = i == gaps
+        result = add("Y" if last else f"T{i}", out, Role.OUTPUT if last else Role.INTERMEDIATE)
+        ops.append(Contraction(result, (first, second)))
+        prev = result
+        if not last:
+            act = _between_op(betweens[i], f"T{i}", f"F{i}", tuple(out), out[-1])
+            if act is not None:
+                ops.append(act)
+                prev = add(f"F{i}", out, Role.INTERMEDIATE)
+    label = name or "einsum_" + "_".join(f"{a}{b}{c}" for a, b, c in parsed) + f"_{dt.value}"
+    return Chain(label, loops, tuple(tensors), tuple(ops)).verify()

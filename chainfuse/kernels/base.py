@@ -1,0 +1,418 @@
+"""What a micro-kernel is, the registry that holds them, and `select`.
+
+A micro-kernel computes one register block ``C[0:m, 0:n] (+)= Ap · Bp`` with ``m <= mr``,
+``n <= nr`` from packed panels. Every kernel emits the same C signature, so code generators call
+any of them the same way::
+
+    static inline void <name>(int kc, const float* restrict Ap, const float* restrict Bp,
+                              float* restrict C, long ldc, int m, int n, int accumulate);
+
+- ``Ap`` holds ``kc`` steps of ``mr`` contiguous floats: ``A[i, p] = Ap[p*mr + i]``;
+- ``Bp`` holds ``kc`` steps of ``nr`` contiguous floats: ``B[p, j] = Bp[p*nr + j]``;
+- ``C`` is row-major with leading dimension ``ldc``; ``accumulate`` = 0 overwrites it (without
+  reading it, so NaN garbage there is harmless), 1 adds to it.
+
+A kernel module supplies only the *full tile*, ``<name>_full(kc, Ap, Bp, C, ldc, accumulate)``,
+with every accumulator in a register. `MicroKernel.emit` wraps it: a full ``mr x nr`` block goes
+straight to the fast path; a tail block (``m < mr`` or ``n < nr``) runs the same full tile into an
+aligned ``C_tile`` on the stack and copies its ``m x n`` corner out. Both paths round identically
+(the product is formed from zero, then added to ``C``), so results never depend on where a block
+falls. `pack_a` / `pack_b` emit the matching packing routines, zero-padding tails.
+
+Adding an ISA is one module that defines a full-tile emitter, decorates it with `microkernel`, and
+is imported by ``chainfuse/kernels/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from chainfuse.hardware import FMA_UNITS, Hardware, Isa
+from chainfuse.ir import DType
+
+__all__ = [
+    "REGISTRY",
+    "MicroKernel",
+    "Problem",
+    "Registry",
+    "Score",
+    "VectorOps",
+    "available",
+    "emit_vector_tile",
+    "emit_with_packing",
+    "microkernel",
+    "pack_a",
+    "pack_b",
+    "register",
+    "select",
+]
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+#: `MicroKernel.score`: (peak fraction estimate, mr*nr, -registers). Tuples compare left to right.
+Score = tuple[float, int, int]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The GEMM a micro-kernel is chosen for: ``C[M, N] = A[M, K] · B[K, N]`` in ``dtype``."""
+
+    dtype: DType
+    M: int
+    N: int
+    K: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):
+            raise TypeError(f"problem dtype must be a DType, got {self.dtype!r}")
+        for what in ("M", "N", "K"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"problem {what} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MicroKernel:
+    """One register-blocked micro-kernel and what it needs.
+
+    ``kr`` is how many k steps the packed panels interleave (1 for the fixed float layout
+    ``Ap[p*mr + i]``; a bf16 dot-product or AMX kernel would pair steps). ``registers`` counts
+    the vector registers the full tile keeps live (accumulators, B vectors,
+    the broadcast A value); ``flops_per_instruction`` is what one arithmetic instruction of its
+    inner loop does (2 x lanes for an FMA kernel, lanes without FMA, 1 for scalar code);
+    ``cflags`` are the compiler flags its intrinsics need (``-march=native`` makes them redundant
+    on a host that can run it, but they let any x86 host compile it). ``full_tile`` emits the C of
+    ``<name>_full``, all headers and type definitions it uses included (guarded, so several kernels
+    can share one translation unit).
+    """
+
+    name: str
+    isa: frozenset[Isa]
+    dtypes: tuple[DType, ...]
+    mr: int
+    nr: int
+    kr: int
+    registers: int
+    flops_per_instruction: int
+    full_tile: Callable[[MicroKernel], str] = field(repr=False)
+    cflags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
+            raise ValueError(f"micro-kernel name must be a C identifier, got {self.name!r}")
+        for what in ("mr", "nr", "kr", "registers", "flops_per_instruction"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"micro-kernel {self.name}: {what} must be a positive int")
+        if not all(isinstance(flag, Isa) for flag in self.isa):
+            raise TypeError(f"micro-kernel {self.name}: isa must hold Isa members")
+        if not self.dtypes or not all(isinstance(d, DType) for d in self.dtypes):
+            raise TypeError(f"micro-kernel {self.name}: dtypes must be a non-empty DType tuple")
+        object.__setattr__(self, "isa", frozenset(self.isa))
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        object.__setattr__(self, "cflags", tuple(self.cflags))
+
+    def applies(self, problem: Problem, hardware: Hardware) -> bool:
+        """True when ``hardware`` has every ISA feature this kernel uses and it takes the dtype."""
+        return self.isa <= hardware.isa and problem.dtype in self.dtypes
+
+    def score(self, problem: Problem, hardware: Hardware) -> Score:
+        """The ranking of `select`, highest first: ``(peak fraction, mr*nr, -registers)``.
+
+        - peak fraction estimate = (``flops_per_instruction`` / the flops of one arithmetic
+          instruction of ``hardware``, capped at 1) x (share of the padded ``mr x nr`` blocks
+          covering ``M x N`` that is useful work: tails compute whole blocks). A wide kernel loses
+          to a narrower one where its tails would waste more than its width gains;
+        - then the larger register block (fewer loads per FMA, fewer loop trips);
+        - then fewer registers (room for the compiler). Remaining ties keep registration order.
+        """
+        per_instruction = hardware.peak(problem.dtype) / (hardware.clock_hz * FMA_UNITS)
+        width = min(1.0, self.flops_per_instruction / per_instruction)
+        padded_m = math.ceil(problem.M / self.mr) * self.mr
+        padded_n = math.ceil(problem.N / self.nr) * self.nr
+        useful = (problem.M * problem.N) / (padded_m * padded_n)
+        return (round(width * useful, 9), self.mr * self.nr, -self.registers)
+
+    def emit(self) -> str:
+        """C source of ``static inline void <name>(...)`` (the fixed signature) and its full tile."""
+        mr, nr, name = self.mr, self.nr, self.name
+        pad = " " * (len(name) + 20)
+        wrapper = f"""
+/* {name}: C[0:m, 0:n] (+)= Ap . Bp, m <= {mr}, n <= {nr}; Ap[p*{mr} + i], Bp[p*{nr} + j]. */
+static inline void {name}(int kc, const float* restrict Ap, const float* restrict Bp,
+{pad}float* restrict C, long ldc, int m, int n, int accumulate)
+{{
+    if (m == {mr} && n == {nr}) {{
+        {name}_full(kc, Ap, Bp, C, ldc, accumulate);
+        return;
+    }}
+    float C_tile[{mr * nr}] __attribute__((aligned(64)));
+    {name}_full(kc, Ap, Bp, C_tile, {nr}, 0);
+    for (int i = 0; i < m; ++i) {{
+        for (int j = 0; j < n; ++j) {{
+            const float v = C_tile[i * {nr} + j];
+            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
+        }}
+    }}
+}}
+"""
+        return self.full_tile(self).rstrip("\n") + "\n" + wrapper
+
+
+# -- packing --------------------------------------------------------------------------------------
+
+
+def pack_a(kernel: MicroKernel, *, transposed: bool = False) -> str:
+    """C of ``<name>_pack_a`` (or ``_pack_at``): one ``mr``-row sliver of A into ``Ap``.
+
+    ``pack_a(kc, m, A, lda, Ap)``: rows ``0:m``, columns ``0:kc`` of row-major ``A``;
+    ``pack_at(kc, m, At, ldat, Ap)``: the same from ``At`` = A transposed (``kc x m``, row-major).
+    Rows ``m:mr`` are zeros, so a tail block needs no special case in the micro-kernel.
+    """
+    mr, name = kernel.mr, kernel.name
+    if transposed:
+        return f"""
+/* Ap[p*{mr} + i] = At[p*ldat + i] for i < m, 0 up to {mr}: A given transposed (kc x m). */
+static inline void {name}_pack_at(int kc, int m, const float* restrict At, long ldat,
+                                  float* restrict Ap)
+{{
+    for (int p = 0; p < kc; ++p) {{
+        for (int i = 0; i < {mr}; ++i) {{
+            Ap[(long)p * {mr} + i] = i < m ? At[p * ldat + i] : 0.0f;
+        }}
+    }}
+}}
+"""
+    return f"""
+/* Ap[p*{mr} + i] = A[i*lda + p] for i < m, 0 up to {mr}: A row-major (m x kc). */
+static inline void {name}_pack_a(int kc, int m, const float* restrict A, long lda,
+                                 float* restrict Ap)
+{{
+    for (int p = 0; p < kc; ++p) {{
+        for (int i = 0; i < {mr}; ++i) {{
+            Ap[(long)p * {mr} + i] = i < m ? A[i * lda + p] : 0.0f;
+        }}
+    }}
+}}
+"""
+
+
+def pack_b(kernel: MicroKernel, *, transposed: bool = False) -> str:
+    """C of ``<name>_pack_b`` (or ``_pack_bt``): one ``nr``-column sliver of B into ``Bp``.
+
+    ``pack_b(kc, n, B, ldb, Bp)``: rows ``0:kc``, columns ``0:n`` of row-major ``B``;
+    ``pack_bt(kc, n, Bt, ldbt, Bp)``: the same from ``Bt`` = B transposed (``n x kc``, row-major;
+    attention's ``K`` in ``Q·Kᵀ``). Columns ``n:nr`` are zeros.
+    """
+    nr, name = kernel.nr, kernel.name
+    if transposed:
+        return f"""
+/* Bp[p*{nr} + j] = Bt[j*ldbt + p] for j < n, 0 up to {nr}: B given transposed (n x kc). */
+static inline void {name}_pack_bt(int kc, int n, const float* restrict Bt, long ldbt,
+                                  float* restrict Bp)
+{{
+    for (int j = 0; j < {nr}; ++j) {{
+        const float* restrict col = Bt + j * ldbt;
+        for (int p = 0; p < kc; ++p) {{
+            Bp[(long)p * {nr} + j] = j < n ? col[p] : 0.0f;
+        }}
+    }}
+}}
+"""
+    return f"""
+/* Bp[p*{nr} + j] = B[p*ldb + j] for j < n, 0 up to {nr}: B row-major (kc x n). */
+static inline void {name}_pack_b(int kc, int n, const float* restrict B, long ldb,
+                                 float* restrict Bp)
+{{
+    for (int p = 0; p < kc; ++p) {{
+        const float* restrict row = B + p * ldb;
+        float* restrict dst = Bp + (long)p * {nr};
+        if (n == {nr}) {{
+            for (int j = 0; j < {nr}; ++j) dst[j] = row[j];
+        }} else {{
+            for (int j = 0; j < {nr}; ++j) dst[j] = j < n ? row[j] : 0.0f;
+        }}
+    }}
+}}
+"""
+
+
+def emit_with_packing(kernel: MicroKernel) -> str:
+    """The micro-kernel and its four packing routines: what a generated kernel includes once."""
+    parts = [
+        kernel.emit(),
+        pack_a(kernel),
+        pack_a(kernel, transposed=True),
+        pack_b(kernel),
+        pack_b(kernel, transposed=True),
+    ]
+    return "".join(parts)
+
+
+# -- a full tile for any SIMD ISA -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VectorOps:
+    """How one SIMD ISA spells the handful of operations a broadcast-FMA full tile uses.
+
+    Each op is a C expression template: ``load``/``broadcast`` take ``{ptr}``, ``store`` takes
+    ``{ptr}`` and ``{v}``, ``fma`` computes ``{a}*{b} + {c}``, ``add`` ``{a} + {b}``.
+    ``preamble`` holds the includes and (guarded) typedefs/helpers the templates rely on.
+    """
+
+    type: str
+    lanes: int
+    preamble: str
+    zero: str
+    load: str
+    store: str
+    broadcast: str
+    fma: str
+    add: str
+
+
+def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
+    """``<name>_full`` as an outer-product loop: per k step, ``nr/lanes`` vector loads of Bp,
+    ``mr`` broadcasts of Ap, ``mr*nr/lanes`` FMAs into accumulators named ``c<i>_<j>``."""
+    mr, nr, name = kernel.mr, kernel.nr, kernel.name
+    if nr % ops.lanes:
+        raise ValueError(f"{name}: nr={nr} is not a multiple of {ops.lanes} lanes")
+    nv = nr // ops.lanes
+    acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(mr)]
+    lines = [
+        ops.preamble.rstrip("\n"),
+        "",
+        f"/* {name}_full: C[0:{mr}, 0:{nr}] (+)= Ap . Bp, {mr * nv} accumulators in registers */",
+        f"static inline void {name}_full(int kc, const float* restrict Ap,",
+        f"{' ' * (len(name) + 25)}const float* restrict Bp, float* restrict C, long ldc,",
+        f"{' ' * (len(name) + 25)}int accumulate)",
+        "{",
+    ]
+    for i in range(mr):
+        decls = ", ".join(f"{c} = {ops.zero}" for c in acc[i])
+        lines.append(f"    {ops.type} {decls};")
+    lines += [
+        "#pragma GCC unroll 4",
+        "    for (int p = 0; p < kc; ++p) {",
+        f"        const float* restrict a = Ap + (long)p * {mr};",
+        f"        const float* restrict b = Bp + (long)p * {nr};",
+    ]
+    for j in range(nv):
+        lines.append(
+            f"        const {ops.type} b{j} = {ops.load.format(ptr=f'b + {j * ops.lanes}')};"
+        )
+    for i in range(mr):
+        lines.append(f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=f'a + {i}')};")
+        for j in range(nv):
+            fma = ops.fma.format(a=f"a{i}", b=f"b{j}", c=acc[i][j])
+            lines.append(f"        {acc[i][j]} = {fma};")
+    lines += ["    }", "    if (accumulate) {"]
+    for i in range(mr):
+        for j in range(nv):
+            ptr = f"C + {i} * ldc + {j * ops.lanes}"
+            add = ops.add.format(a=acc[i][j], b=ops.load.format(ptr=ptr))
+            lines.append(f"        {acc[i][j]} = {add};")
+    lines.append("    }")
+    for i in range(mr):
+        for j in range(nv):
+            ptr = f"C + {i} * ldc + {j * ops.lanes}"
+            lines.append(f"    {ops.store.format(ptr=ptr, v=acc[i][j])};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+
+class Registry:
+    """Micro-kernels by name, in registration order. `REGISTRY` is the one chainfuse uses."""
+
+    def __init__(self) -> None:
+        self._kernels: dict[str, MicroKernel] = {}
+
+    def register(self, kernel: MicroKernel) -> MicroKernel:
+        """Add ``kernel``; a second kernel with the same name is a `ValueError`."""
+        if not isinstance(kernel, MicroKernel):
+            raise TypeError(f"can only register a MicroKernel, got {type(kernel).__name__}")
+        if kernel.name in self._kernels:
+            raise ValueError(f"micro-kernel {kernel.name!r} is already registered")
+        self._kernels[kernel.name] = kernel
+        return kernel
+
+    def available(self) -> tuple[MicroKernel, ...]:
+        return tuple(self._kernels.values())
+
+    def select(self, problem: Problem, hardware: Hardware) -> MicroKernel:
+        """The applicable kernel with the highest `MicroKernel.score`."""
+        candidates = [k for k in self._kernels.values() if k.applies(problem, hardware)]
+        if not candidates:
+            known = ", ".join(
+                f"{k.name} ({'/'.join(d.value for d in k.dtypes)})" for k in self._kernels.values()
+            )
+            raise ValueError(
+                f"no micro-kernel handles {problem.dtype.value} on {hardware.name!r}; "
+                f"registered: {known or 'none'}"
+            )
+        return max(candidates, key=lambda k: k.score(problem, hardware))
+
+
+REGISTRY = Registry()
+
+
+def register(kernel: MicroKernel) -> MicroKernel:
+    """Add ``kernel`` to `REGISTRY` (duplicate names are a `ValueError`) and return it."""
+    return REGISTRY.register(kernel)
+
+
+def available() -> tuple[MicroKernel, ...]:
+    """Every registered micro-kernel, applicable here or not, in registration order."""
+    return REGISTRY.available()
+
+
+def select(problem: Problem, hardware: Hardware) -> MicroKernel:
+    """The best applicable micro-kernel for ``problem`` on ``hardware`` (see `MicroKernel.score`)."""
+    return REGISTRY.select(problem, hardware)
+
+
+def microkernel(
+    *,
+    name: str,
+    isa: frozenset[Isa],
+    dtypes: tuple[DType, ...],
+    mr: int,
+    nr: int,
+    registers: int,
+    flops_per_instruction: int,
+    kr: int = 1,
+    cflags: tuple[str, ...] = (),
+    registry: Registry = REGISTRY,
+) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
+    """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
+
+    ::
+
+        @microkernel(name="avx2_fma_6x16_f32", isa=frozenset({Isa.AVX2, Isa.FMA}), ...)
+        def avx2_fma_6x16_f32(kernel: MicroKernel) -> str:
+            return emit_vector_tile(kernel, AVX2)
+    """
+
+    def wrap(full_tile: Callable[[MicroKernel], str]) -> MicroKernel:
+        kernel = MicroKernel(
+            name=name,
+            isa=isa,
+            dtypes=dtypes,
+            mr=mr,
+            nr=nr,
+            kr=kr,
+            registers=registers,
+            flops_per_instruction=flops_per_instruction,
+            full_tile=full_tile,
+            cflags=cflags,
+        )
+        return registry.register(kernel)
+
+    return wrap

@@ -1,0 +1,47 @@
+"""The scalar reference micro-kernel: plain C loops, every machine, the fallback of `select`.
+
+It needs no ISA flag, so it applies on any hardware; it is also the readable statement of what
+every other micro-kernel computes. A 4x4 block keeps its 16 accumulators in scalar registers.
+"""
+
+from __future__ import annotations
+
+from chainfuse.ir import DType
+from chainfuse.kernels.base import MicroKernel, microkernel
+
+__all__ = ["reference_4x4_f32"]
+
+
+@microkernel(
+    name="reference_4x4_f32",
+    isa=frozenset(),
+    dtypes=(DType.FLOAT32,),
+    mr=4,
+    nr=4,
+    registers=16,
+    flops_per_instruction=1,
+)
+def reference_4x4_f32(kernel: MicroKernel) -> str:
+    mr, nr, name = kernel.mr, kernel.nr, kernel.name
+    return f"""
+/* {name}_full: C[0:{mr}, 0:{nr}] (+)= Ap . Bp, one multiply-add at a time. */
+static inline void {name}_full(int kc, const float* restrict Ap, const float* restrict Bp,
+                               float* restrict C, long ldc, int accumulate)
+{{
+    float acc[{mr}][{nr}];
+    for (int i = 0; i < {mr}; ++i) {{
+        for (int j = 0; j < {nr}; ++j) acc[i][j] = 0.0f;
+    }}
+    for (int p = 0; p < kc; ++p) {{
+        for (int i = 0; i < {mr}; ++i) {{
+            const float a = Ap[(long)p * {mr} + i];
+            for (int j = 0; j < {nr}; ++j) acc[i][j] += a * Bp[(long)p * {nr} + j];
+        }}
+    }}
+    for (int i = 0; i < {mr}; ++i) {{
+        for (int j = 0; j < {nr}; ++j) {{
+            C[i * ldc + j] = accumulate ? C[i * ldc + j] + acc[i][j] : acc[i][j];
+        }}
+    }}
+}}
+"""

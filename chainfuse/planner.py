@@ -1,0 +1,521 @@
+"""The planner: enumerate block orders and compute-at depths, choose tiles per level, rank by time.
+
+No autotuning: every candidate is costed by `chainfuse.model` in microseconds, and the search is
+small because most orders are equivalent. What it does, for a chain on a `Hardware`:
+
+1. *Structures.* Batch-like loops (they index every tensor that moves) go outermost with tile 1;
+   window taps of a convolution stay innermost and whole. Every ordered subset of the other
+   legal loops is a candidate prefix (the loops all ops share, outermost first); the remaining
+   loops follow in every order when there are at most three of them. Orders whose `Nest`
+   signature is equal cost the same for every tile choice and are costed once (`considered`
+   counts the distinct ones).
+2. *Tiles.* For each cache level, outermost first, a coordinate search over multiples of the
+   micro-kernel's register block, starting from a uniform tile grown until the level is full
+   (the closed form `T = sqrt(a^2 + MC) - a` of DESIGN.md's example is that start for a GEMM
+   chain) and keeping inner tiles no larger than outer ones. The objective at a level is the
+   predicted time of the bytes it moves plus the recompute it causes; the working set must fit
+   `USABLE` of the level (per core; a shared level is split among the cores).
+3. *Rank.* Structures are screened at one level, the best few get tiles at every level, and the
+   lowest `estimate(...).time_s` wins. The unfused execution is costed the same way, and the
+   chain is fused only where that is predicted faster.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from chainfuse.hardware import Hardware, resolve
+from chainfuse.ir import Chain, Contraction, Role
+from chainfuse.model import Cost, LoopKind, Nest, estimate, level_cost
+
+__all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
+
+USABLE = (
+    0.75  # fraction of a level the working set may fill: caches are not ideal (conflicts, code)
+)
+SCREENED = 3  # structures that get a full multi-level tile search
+MAX_PREFIX = 4  # longest shared prefix enumerated (beyond it the orders are equivalent in practice)
+
+
+class PlanningError(ValueError):
+    """No legal plan exists (e.g. a level too small for the smallest tiles)."""
+
+
+Tiles = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A chain's schedule and the model's predictions for it. Frozen, hashable, JSON round-trips.
+
+    `tiles` holds, per cache level (innermost first), the tile of every loop in the blocks that
+    level holds; `predicted_bytes` maps each level to the bytes read from it (outermost last).
+    """
+
+    chain: str
+    hardware: str
+    fused: bool
+    order: tuple[str, ...]
+    depth: int
+    tiles: tuple[tuple[str, Tiles], ...]
+    parallel: tuple[str, ...]
+    threads: int
+    register_block: tuple[int, int]
+    bytes_per_level: tuple[tuple[str, int], ...]
+    used_per_level: tuple[tuple[str, int], ...]
+    flops: int
+    predicted_time_s: float
+    compute_time_s: float
+    unfused_time_s: float
+    bound: str
+    considered: int
+
+    @property
+    def predicted_bytes(self) -> dict[str, int]:
+        return dict(self.bytes_per_level)
+
+    @property
+    def prefix(self) -> tuple[str, ...]:
+        return self.order[: self.depth]
+
+    def tiles_at(self, level: str) -> dict[str, int] | None:
+        for name, tiles in self.tiles:
+            if name == level:
+                return dict(tiles)
+        return None
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.tiles)
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {
+            "chain": self.chain,
+            "hardware": self.hardware,
+            "fused": self.fused,
+            "order": list(self.order),
+            "depth": self.depth,
+            "tiles": {lvl: dict(t) for lvl, t in self.tiles},
+            "tile_levels": [lvl for lvl, _ in self.tiles],
+            "parallel": list(self.parallel),
+            "threads": self.threads,
+            "register_block": list(self.register_block),
+            "predicted_bytes": dict(self.bytes_per_level),
+            "byte_levels": [lvl for lvl, _ in self.bytes_per_level],
+            "used_bytes": dict(self.used_per_level),
+            "used_levels": [lvl for lvl, _ in self.used_per_level],
+            "flops": self.flops,
+            "predicted_time_s": self.predicted_time_s,
+            "compute_time_s": self.compute_time_s,
+            "unfused_time_s": self.unfused_time_s,
+            "bound": self.bound,
+            "considered": self.considered,
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        d = json.loads(text)
+        order = tuple(d["order"])
+        return cls(
+            chain=d["chain"],
+            hardware=d["hardware"],
+            fused=bool(d["fused"]),
+            order=order,
+            depth=int(d["depth"]),
+            tiles=tuple(
+                (lvl, tuple((n, int(d["tiles"][lvl][n])) for n in order if n in d["tiles"][lvl]))
+                for lvl in d["tile_levels"]
+            ),
+            parallel=tuple(d["parallel"]),
+            threads=int(d["threads"]),
+            register_block=(int(d["register_block"][0]), int(d["register_block"][1])),
+            bytes_per_level=tuple(
+                (lvl, int(d["predicted_bytes"][lvl])) for lvl in d["byte_levels"]
+            ),
+            used_per_level=tuple((lvl, int(d["used_bytes"][lvl])) for lvl in d["used_levels"]),
+            flops=int(d["flops"]),
+            predicted_time_s=float(d["predicted_time_s"]),
+            compute_time_s=float(d["compute_time_s"]),
+            unfused_time_s=float(d["unfused_time_s"]),
+            bound=d["bound"],
+            considered=int(d["considered"]),
+        )
+
+    def __str__(self) -> str:
+        loops = list(self.order)
+        head = f"plan for {self.chain} on {self.hardware}"
+        kind = "fused (one kernel)" if self.fused else "unfused (one kernel per op)"
+        lines = [
+            head,
+            f"  {kind}; order {' > '.join(self.order)}; shared prefix "
+            f"{' > '.join(self.prefix) or '-'} (depth {self.depth})",
+            f"  parallel over {', '.join(self.parallel) or '-'} on {self.threads} thread(s); "
+            f"register block {self.register_block[0]}x{self.register_block[1]}",
+        ]
+        width = max(6, *(len(n) for n in loops))
+        lines.append("  tiles  " + " ".join(f"{n:>{width}}" for n in loops) + "   holds")
+        used = dict(self.used_per_level)
+        for lvl, tiles in self.tiles:
+            t = dict(tiles)
+            row = " ".join(f"{t.get(n, 0):>{width}}" for n in loops)
+            lines.append(f"  {lvl:<6} {row}   {_size(used.get(lvl, 0))}")
+        lines.append("  bytes read from each level:")
+        for lvl, b in self.bytes_per_level:
+            lines.append(f"    {lvl:<6} {_size(b):>10}")
+        gflop = self.flops / 1e9
+        lines.append(
+            f"  predicted {self.predicted_time_s * 1e3:.3f} ms ({self.bound}-bound, "
+            f"{gflop:.3f} GFLOP executed); unfused {self.unfused_time_s * 1e3:.3f} ms; "
+            f"{self.considered} distinct schedules considered"
+        )
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def register_block(chain: Chain, hardware: Hardware) -> tuple[int, int]:
+    """The (mr, nr) register block of the micro-kernel `kernels.select` picks for the chain.
+
+    Rows of a contraction's output tile come in multiples of mr, columns of nr.
+    """
+    from chainfuse.kernels import Problem, select
+
+    first = chain.contractions[0] if chain.contractions else None
+    ext = chain.extents
+    if first is None or len(first.output.index) < 2:
+        return 1, 1
+    rows, cols = first.output.index[-2].loops[0], first.output.index[-1].loops[0]
+    red = math.prod(ext[n] for n in first.reduction) or 1
+    try:
+        kernel = select(Problem(chain.dtype, ext[rows], ext[cols], red), hardware)
+    except ValueError:
+        return 1, 1  # no CPU micro-kernel for this dtype here: plan without a register block
+    return kernel.mr, kernel.nr
+
+
+def _roles(chain: Chain) -> tuple[list[str], list[str]]:
+    """Batch-like loops (index every tensor that moves, reduce nothing) and convolution taps."""
+    moving = [
+        acc for op in chain.ops for acc in (*op.reads, op.output)
+        if chain.tensor(acc.tensor).role is not Role.INTERMEDIATE
+    ]  # fmt: skip
+    reductions = {n for op in chain.ops for n in op.reduction}
+    batch = [
+        lp.name for lp in chain.loops
+        if lp.name not in reductions and all(lp.name in acc.loops for acc in moving)
+    ]  # fmt: skip
+    taps: list[str] = []
+    for op in chain.ops:
+        for acc in op.reads:
+            for ix in acc.index:
+                for name, _ in ix.terms[1:]:
+                    if name not in taps:
+                        taps.append(name)
+    return batch, taps
+
+
+def _quanta(chain: Chain, mr: int, nr: int) -> dict[str, int]:
+    """The tile multiple of each loop: mr for output rows, nr for output columns, else 1."""
+    q = dict.fromkeys(chain.extents, 1)
+    for op in chain.ops:
+        if not isinstance(op, Contraction) or len(op.output.index) < 2:
+            continue
+        if any(len(ix.terms) > 1 for acc in op.reads for ix in acc.index):
+            continue  # convolutions: implicit GEMM rows are pixels, no fixed multiple
+        rows, cols = op.output.index[-2].loops[0], op.output.index[-1].loops[0]
+        q[rows] = max(q[rows], mr)
+        q[cols] = max(q[cols], nr)
+    return q
+
+
+def _candidates(extent: int, quantum: int) -> list[int]:
+    """Tile sizes worth trying for one loop: its quantum doubled up to the whole extent, and the
+    even halves and thirds of the extent (they avoid a small tail tile)."""
+    out = {extent}
+    t = quantum
+    while t < extent:
+        out.add(t)
+        t *= 2
+    for parts in (2, 3):
+        share = -(-extent // parts)
+        even = -(-share // quantum) * quantum
+        if even < extent:
+            out.add(even)
+    return sorted(out)
+
+
+@dataclass
+class _Search:
+    chain: Chain
+    hw: Hardware
+    threads: int
+    quanta: dict[str, int]
+    fixed: dict[str, int]  # loops whose tile never changes (batch: 1, taps: whole)
+    evaluations: int = 0
+    memo: dict[tuple[int, int, tuple[int, ...]], float | None] = field(default_factory=dict)
+
+    def capacity(self, level: int) -> float:
+        lv = self.hw.levels[level]
+        cap = lv.capacity / self.threads if lv.shared else lv.capacity
+        return cap * USABLE
+
+    def level_objective(self, nest: Nest, level: int, tiles: Mapping[str, int]) -> float | None:
+        key = (id(nest), level, tuple(tiles[n] for n in nest.order))
+        if key not in self.memo:
+            self.memo[key] = self._objective(nest, level, tiles)
+        return self.memo[key]
+
+    def _objective(self, nest: Nest, level: int, tiles: Mapping[str, int]) -> float | None:
+        cost = level_cost(nest, tiles)
+        self.evaluations += 1
+        if cost.used > self.capacity(level):
+            return None
+        outer = self.hw.levels[level + 1]
+        bw = outer.aggregate_bandwidth(self.threads) if outer.shared else outer.bandwidth
+        peak = self.hw.peak(self.chain.dtype)
+        per_core = 1 if outer.shared else self.threads
+        return cost.total / bw / per_core + cost.flops / peak / self.threads
+
+    def tiles_for(
+        self, nest: Nest, level: int, upper: Mapping[str, int], rounds: int = 2
+    ) -> dict[str, int] | None:
+        ext = self.chain.extents
+        blocks = {n for opn in nest.ops for n, k in opn.kinds.items() if k is not LoopKind.DERIVED}
+        free = [n for n in nest.order if n not in self.fixed and ext[n] > 1 and n in blocks]
+        cands = {
+            n: [t for t in _candidates(ext[n], self.quanta[n]) if t <= upper.get(n, ext[n])]
+            or [min(self.quanta[n], upper.get(n, ext[n]))]
+            for n in free
+        }
+        tiles = {n: self.fixed.get(n, ext[n]) for n in nest.order}
+        for n in free:
+            tiles[n] = cands[n][0]
+        best = self.level_objective(nest, level, tiles)
+        if best is None:
+            return None
+        # grow every free tile together while the level still holds the working set
+        step = 1
+        while True:
+            trial = {**tiles, **{n: cands[n][min(step, len(cands[n]) - 1)] for n in free}}
+            if trial == tiles:
+                break
+            score = self.level_objective(nest, level, trial)
+            if score is None:
+                break
+            if score <= best:
+                tiles, best = trial, score
+            step += 1
+        for _ in range(rounds):
+            improved = False
+            for n in free:
+                for t in cands[n]:
+                    if t == tiles[n]:
+                        continue
+                    trial = {**tiles, n: t}
+                    score = self.level_objective(nest, level, trial)
+                    if score is not None and score < best * (1 - 1e-9):
+                        tiles, best, improved = trial, score, True
+            if not improved:
+                break
+        return tiles
+
+    def all_levels(self, nest: Nest, rounds: int = 2) -> dict[str, dict[str, int]] | None:
+        """Tiles for every cache level, outermost first, each within the one outside it."""
+        out: dict[str, dict[str, int]] = {}
+        upper: Mapping[str, int] = {}
+        for level in range(len(self.hw.levels) - 2, -1, -1):
+            tiles = self.tiles_for(nest, level, upper, rounds)
+            if tiles is None:
+                return None
+            out[self.hw.levels[level].name] = tiles
+            upper = tiles
+        return {name: out[name] for name in reversed(list(out))}
+
+
+def _structures(
+    chain: Chain, batch: Sequence[str], taps: Sequence[str]
+) -> list[tuple[tuple[str, ...], int]]:
+    """(order, depth) candidates: batch + ordered prefix subset + every order of the rest."""
+    ext = chain.extents
+    others = [n for n in chain.extents if n not in batch and n not in taps and ext[n] > 1]
+    trivial = [n for n in chain.extents if n not in batch and n not in taps and ext[n] == 1]
+    out = []
+    for size in range(0, min(MAX_PREFIX, len(others)) + 1):
+        for prefix in itertools.permutations(others, size):
+            rest = [n for n in others if n not in prefix]
+            tails = itertools.permutations(rest) if len(rest) <= 3 else [tuple(rest)]
+            for tail in tails:
+                order = (*batch, *prefix, *tail, *taps, *trivial)
+                out.append((order, len(batch) + size))
+    return out
+
+
+def plan(
+    chain: Chain,
+    hardware: Hardware | str | None = None,
+    threads: int | None = None,
+    fuse: bool | None = None,
+    structures: Sequence[tuple[tuple[str, ...], int]] | None = None,
+    quanta: Mapping[str, int] | None = None,
+) -> Plan:
+    """Choose the block order, compute-at depth, tiles per level and parallel split of `chain`.
+
+    `hardware` is a `Hardware`, a preset name, or None for this machine; `threads` defaults to
+    its core count; `fuse` forces the fused (True) or unfused (False) execution instead of
+    letting the model decide. `structures` restricts the fused (order, depth) candidates to
+    those a backend implements; the model still chooses tiles and parallel split for them.
+    `quanta` overrides the tile multiple of some loops (a backend that puts m on the
+    micro-kernel's columns wants m in multiples of nr).
+    """
+    if not isinstance(chain, Chain):
+        raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
+    hw = resolve(hardware)
+    nthreads = threads or hw.cores
+    if nthreads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads}")
+    mr, nr = register_block(chain, hw)
+    batch, taps = _roles(chain)
+    ext = chain.extents
+    fixed = {**dict.fromkeys(batch, 1), **{n: ext[n] for n in taps}}
+    search = _Search(chain, hw, nthreads, {**_quanta(chain, mr, nr), **(quanta or {})}, fixed)
+    if len(hw.levels) < 2:
+        raise PlanningError(f"hardware {hw.name!r} needs at least one cache level and memory")
+    screen_level = _screen_level(hw)
+
+    seen: set[object] = set()
+    scored: list[tuple[float, Nest]] = []
+    if fuse is not False:
+        candidates = _structures(chain, batch, taps) if structures is None else structures
+        for order, depth in candidates:
+            try:
+                nest = Nest(chain, order, depth)
+            except ValueError:
+                continue  # illegal prefix (a producer's reduction or a windowed loop)
+            sig = nest.signature()
+            if sig in seen:
+                continue
+            seen.add(sig)
+            tiles = search.tiles_for(nest, screen_level, {}, rounds=0)
+            if tiles is None:
+                continue
+            score = search.level_objective(nest, screen_level, tiles)
+            assert score is not None
+            scored.append((score, nest))
+    scored.sort(key=lambda sn: sn[0])
+
+    best: tuple[Cost, Nest, dict[str, dict[str, int]]] | None = None
+    tried = 0
+    for _, nest in scored:
+        if tried == SCREENED:
+            break
+        tiles_all = search.all_levels(nest)
+        if tiles_all is None:
+            continue
+        tried += 1
+        cost = estimate(nest, tiles_all, hw, _parallel(nest, batch), nthreads)
+        if best is None or cost.time_s < best[0].time_s:
+            best = (cost, nest, tiles_all)
+
+    unfused = _unfused(chain, search, batch, taps, hw, nthreads)
+    considered = len(seen) + 1
+    if unfused is None and best is None:
+        smallest = min(lv.capacity for lv in hw.levels[:-1])
+        raise PlanningError(
+            f"no plan of {chain.name} fits {hw.name}: its smallest tiles need more than "
+            f"{USABLE:.0%} of a {smallest}-byte level"
+        )
+    use_fused = best is not None and (
+        fuse is True or unfused is None or best[0].time_s <= unfused[0].time_s
+    )
+    if fuse is True and best is None:
+        raise PlanningError(f"no fused plan of {chain.name} fits {hw.name}")
+    chosen = best if use_fused else unfused
+    assert chosen is not None
+    cost, nest, tiles_all = chosen
+    return Plan(
+        chain=chain.name,
+        hardware=hw.name,
+        fused=nest.fused,
+        order=nest.order,
+        depth=nest.depth,
+        tiles=tuple((lvl, tuple((n, t[n]) for n in nest.order)) for lvl, t in tiles_all.items()),
+        parallel=_parallel(nest, batch),
+        threads=nthreads,
+        register_block=(mr, nr),
+        bytes_per_level=cost.bytes_per_level,
+        used_per_level=cost.used_per_level,
+        flops=cost.flops,
+        predicted_time_s=cost.time_s,
+        compute_time_s=cost.compute_s,
+        unfused_time_s=unfused[0].time_s if unfused else math.inf,
+        bound=cost.bound,
+        considered=considered,
+    )
+
+
+def _screen_level(hw: Hardware) -> int:
+    """The level structures are screened at: the largest per-core cache (L2 on most CPUs)."""
+    private = [i for i, lv in enumerate(hw.levels[:-1]) if not lv.shared]
+    return private[-1] if private else 0
+
+
+def _parallel(nest: Nest, batch: Sequence[str]) -> tuple[str, ...]:
+    out = list(batch)
+    for n in nest.parallel_candidates:
+        if n not in out:
+            out.append(n)
+    return tuple(out)
+
+
+def _unfused(
+    chain: Chain,
+    search: _Search,
+    batch: Sequence[str],
+    taps: Sequence[str],
+    hw: Hardware,
+    threads: int,
+) -> tuple[Cost, Nest, dict[str, dict[str, int]]] | None:
+    """Each op on its own (intermediates through memory), in the best of a few orders."""
+    others = [n for n in chain.extents if n not in batch and n not in taps]
+    best: tuple[Cost, Nest, dict[str, dict[str, int]]] | None = None
+    reductions = {n for op in chain.ops for n in op.reduction}
+    spatial = [n for n in others if n not in reductions]
+    red = [n for n in others if n in reductions]
+    for head in itertools.permutations(spatial, min(1, len(spatial))):
+        order = (*batch, *head, *[n for n in spatial if n not in head], *red, *taps)
+        nest = Nest(chain, order, 0, fused=False)
+        tiles = search.all_levels(nest, rounds=1)
+        if tiles is None:
+            continue
+        lead = tuple(n for n in (*batch, *head) if n not in reductions)
+        cost = estimate(nest, tiles, hw, lead, threads)
+        if best is None or cost.time_s < best[0].time_s:
+            best = (cost, nest, tiles)
+    return best
+
+
+def timed_plan(
+    chain: Chain, hardware: Hardware | str | None = None, **kwargs: Any
+) -> tuple[Plan, float]:
+    """`plan(...)` and the seconds it took (what `chainfuse plan` and the benchmarks print)."""
+    start = time.perf_counter()
+    result = plan(chain, hardware, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def replan(p: Plan, **changes: Any) -> Plan:
+    """A copy of a plan with some fields changed (tests and tuning use it)."""
+    return replace(p, **changes)

@@ -1,0 +1,41 @@
+"""Build and run generated C: find the compiler, compile into a content-addressed cache, load.
+
+Typical use::
+
+    result = build(source, "gemm_f32_ab12cd34")   # BuildResult(path, key, cached, seconds)
+    lib = load(result.path)                       # ctypes.CDLL, once per path and process
+    lib.gemm_f32_ab12cd34(..., get_num_threads())
+"""
+
+from chainfuse.runtime.cache import BuildResult, build, cache_key, entry_path
+from chainfuse.runtime.cc import (
+    BASE_FLAGS,
+    INSTALL_HINT,
+    CompileError,
+    Compiler,
+    CompilerFamily,
+    CompilerNotFoundError,
+    find_compiler,
+    flags,
+    get_num_threads,
+    load,
+    set_num_threads,
+)
+
+__all__ = [
+    "BASE_FLAGS",
+    "INSTALL_HINT",
+    "BuildResult",
+    "CompileError",
+    "Compiler",
+    "CompilerFamily",
+    "CompilerNotFoundError",
+    "build",
+    "cache_key",
+    "entry_path",
+    "find_compiler",
+    "flags",
+    "get_num_threads",
+    "load",
+    "set_num_threads",
+]

@@ -1,0 +1,212 @@
+"""Content-addressed on-disk cache of compiled kernels.
+
+An entry is keyed by the sha256 of everything its machine code depends on: the source, the
+compiler (path, family, version), the flags, chainfuse's version, and the host CPU (because the
+flags say ``-march=native``). Layout::
+
+    <cache_dir>/<key[:2]>/<name>_<key[:16]>.so          the shared object
+    <cache_dir>/<key[:2]>/<name>_<key[:16]>.so.sha256   digest of the .so (proves it is complete)
+    <cache_dir>/<key[:2]>/<name>_<key[:16]>.c           the source it was built from
+    <cache_dir>/<key[:2]>/<name>_<key[:16]>.so.lock     serialises builders of this entry
+
+Writes are atomic (a temp file in the same directory, then `os.replace`), so a reader sees a whole
+file or none. Concurrent builders of one entry (threads or processes) serialise on a
+`filelock.FileLock`; the second finds the first's result and does not compile. An entry whose
+digest does not match (truncated, emptied, corrupted on disk) is rebuilt. The digest is checked
+instead of trying ``dlopen``: a truncated ELF can map and then fault (SIGBUS) on first use.
+
+A cache directory that cannot be written falls back to a private temporary directory, with one
+warning per process and path; a read-only directory that already holds the entry is still used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import filelock
+
+from chainfuse import config
+from chainfuse.runtime.cc import CompileError, Compiler, find_compiler, flags
+
+__all__ = ["BuildResult", "build", "cache_key", "entry_path"]
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_LIBS = ("-lm",)
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """Where a kernel's shared object is, its cache key, and what building it cost."""
+
+    path: Path
+    key: str
+    cached: bool
+    seconds: float
+
+    @property
+    def source_path(self) -> Path:
+        """The C source saved next to the shared object."""
+        return self.path.with_suffix(".c")
+
+
+def build(
+    source: str,
+    name: str,
+    extra_flags: Iterable[str] = (),
+    *,
+    compiler: Compiler | None = None,
+) -> BuildResult:
+    """Compile ``source`` into a shared object named after ``name``, or reuse the cached one.
+
+    ``name`` is a C identifier (it becomes part of a file name); ``extra_flags`` are appended to
+    `chainfuse.runtime.cc.flags`. Raises `CompileError` with the compiler's stderr and the path of
+    the saved source when the compiler fails, `CompilerNotFoundError` when there is none.
+    """
+    start = time.perf_counter()
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"kernel name {name!r} must be a C identifier of at most 128 characters")
+    cc = compiler if compiler is not None else find_compiler()
+    build_flags = flags(cc, extra_flags)
+    key = cache_key(source, cc, build_flags)
+    dump = config.dump_dir()
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        _write_atomic(dump / f"{name}_{key[:16]}.c", source.encode())
+
+    preferred = config.cache_dir()
+    so = entry_path(preferred, name, key)
+    if _valid(so):
+        return BuildResult(so, key, True, time.perf_counter() - start)
+    root = _writable_root(preferred)
+    if root != preferred:
+        so = entry_path(root, name, key)
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(f"{so}.lock"):
+        cached = _valid(so)  # another process may have built it while we waited
+        if not cached:
+            _compile(cc, build_flags, source, so)
+    return BuildResult(so, key, cached, time.perf_counter() - start)
+
+
+def cache_key(source: str, compiler: Compiler, build_flags: Iterable[str]) -> str:
+    """Hex sha256 of everything the compiled object depends on."""
+    import chainfuse  # at call time: the package imports the runtime while it initialises
+
+    payload = {
+        "source": source,
+        "compiler": [compiler.path, compiler.family.value, compiler.version],
+        "flags": list(build_flags) + list(_LIBS),
+        "chainfuse": chainfuse.__version__,
+        "host": _host_fingerprint(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def entry_path(root: Path, name: str, key: str) -> Path:
+    """Path of the shared object of entry ``key`` under cache root ``root``."""
+    return root / key[:2] / f"{name}_{key[:16]}.so"
+
+
+def _digest_path(so: Path) -> Path:
+    return so.with_name(so.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _valid(so: Path) -> bool:
+    """True when ``so`` exists, is not empty and matches the digest written with it."""
+    try:
+        if so.stat().st_size == 0:
+            return False
+        return _digest_path(so).read_text().strip() == _sha256(so)
+    except OSError:
+        return False
+
+
+def _compile(cc: Compiler, build_flags: tuple[str, ...], source: str, so: Path) -> None:
+    src = so.with_suffix(".c")
+    _write_atomic(src, source.encode())
+    fd, tmp_name = tempfile.mkstemp(dir=so.parent, prefix=f".{so.stem}.", suffix=".so.tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    command = (cc.path, *build_flags, "-o", str(tmp), str(src), *_LIBS)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise CompileError(
+                f"{cc.family.value} {cc.version} failed (exit {done.returncode}) on {src}:\n"
+                f"{done.stderr.strip()}\ncommand: {' '.join(command)}",
+                stderr=done.stderr,
+                source_path=src,
+                command=command,
+            )
+        _write_atomic(_digest_path(so), _sha256(tmp).encode())
+        os.replace(tmp, so)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def _writable_root(preferred: Path) -> Path:
+    """``preferred`` if we can create files in it, else this process's fallback directory."""
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=preferred, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        return _fallback_root(str(preferred))
+    return preferred
+
+
+@functools.cache
+def _fallback_root(unwritable: str) -> Path:
+    root = Path(tempfile.mkdtemp(prefix="chainfuse-"))
+    warnings.warn(
+        f"chainfuse cache directory {unwritable} is not writable; compiled kernels go to {root} "
+        f"for this process (set {config.ENV_CACHE_DIR} to a writable directory to keep them)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return root
+
+
+@functools.cache
+def _host_fingerprint() -> str:
+    """What ``-march=native`` resolves against: the CPU model and its feature flags."""
+    parts = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                field, _, value = line.partition(":")
+                if field.strip() in ("model name", "flags", "Features", "CPU part"):
+                    parts.append(value.strip())
+                if not line.strip() and len(parts) > 2:
+                    break  # the first processor describes them all
+    except OSError:
+        pass
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()

@@ -1,0 +1,266 @@
+"""chainfuse.kernels: every micro-kernel this CPU can run against numpy; the registry; select."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import platform
+import re
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chainfuse import config
+from chainfuse.hardware import Hardware, Isa
+from chainfuse.ir import DType
+from chainfuse.kernels import (
+    MicroKernel,
+    Problem,
+    Registry,
+    available,
+    avx2_fma_6x16_f32,
+    avx512_6x64_f32,
+    emit_with_packing,
+    portable_4x16_f32,
+    reference_4x4_f32,
+    register,
+    select,
+)
+from chainfuse.runtime import build, find_compiler, load
+
+HOST = Hardware.detect()
+X86_ISA = frozenset({Isa.AVX2, Isa.FMA, Isa.AVX512F, Isa.AVX512_BF16, Isa.AMX_TILE, Isa.AMX_BF16})
+KERNELS = available()
+EPS32 = float(np.finfo(np.float32).eps)
+
+Run = Callable[..., int]
+
+
+def _ids(kernel: MicroKernel) -> str:
+    return kernel.name
+
+
+def _runnable(kernel: MicroKernel) -> None:
+    missing = kernel.isa - HOST.isa
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(f.value for f in missing)} for {kernel.name}")
+
+
+def _harness(kernel: MicroKernel) -> str:
+    k = kernel.name
+    return f"""\
+#include <stdlib.h>
+{emit_with_packing(kernel)}
+int run(int kc, int m, int n, const float* A, long lda, int a_transposed, const float* B,
+        long ldb, int b_transposed, float* C, long ldc, int accumulate)
+{{
+    float* Ap = malloc(sizeof(float) * (size_t)(kc > 0 ? kc : 1) * {kernel.mr});
+    float* Bp = malloc(sizeof(float) * (size_t)(kc > 0 ? kc : 1) * {kernel.nr});
+    if (!Ap || !Bp) {{
+        free(Ap);
+        free(Bp);
+        return -1;
+    }}
+    if (a_transposed) {k}_pack_at(kc, m, A, lda, Ap); else {k}_pack_a(kc, m, A, lda, Ap);
+    if (b_transposed) {k}_pack_bt(kc, n, B, ldb, Bp); else {k}_pack_b(kc, n, B, ldb, Bp);
+    {k}(kc, Ap, Bp, C, ldc, m, n, accumulate);
+    free(Ap);
+    free(Bp);
+    return 0;
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[MicroKernel], Run]]:
+    """One harness per kernel, compiled on first use and kept for the module."""
+    built: dict[str, Run] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("kernel-cache")))
+
+        def get(kernel: MicroKernel) -> Run:
+            if kernel.name not in built:
+                result = build(_harness(kernel), f"test_{kernel.name}", kernel.cflags)
+                run = load(result.path).run
+                run.restype = ctypes.c_int
+                i, lg, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
+                run.argtypes = [i, i, i, ptr, lg, i, ptr, lg, i, ptr, lg, i]
+                built[kernel.name] = run
+            return built[kernel.name]
+
+        yield get
+
+
+def _ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, kc: int, what: str) -> None:
+    """float32 GEMM error bound: |got - want| <= (kc + 2) eps32 (|A||B| + |C0|), elementwise."""
+    bound = (kc + 2) * EPS32 * scale + 1e-30
+    bad = ~(np.abs(got.astype(np.float64) - want) <= bound)
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off; worst at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rowmajor", "transposed"])
+@pytest.mark.parametrize("accumulate", [0, 1])
+@pytest.mark.parametrize("kc", [1, 7, 64])
+@pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
+def test_microkernel_matches_numpy(
+    compiled: Callable[[MicroKernel], Run],
+    kernel: MicroKernel,
+    kc: int,
+    accumulate: int,
+    transposed: bool,
+) -> None:
+    _runnable(kernel)
+    run = compiled(kernel)
+    rng = np.random.default_rng(kc * 10 + accumulate)
+    mr, nr = kernel.mr, kernel.nr
+    sentinel = np.float32(7.0)
+    for m in sorted({1, mr - 1, mr} - {0}):
+        for n in sorted({1, nr - 1, nr} - {0}):
+            what = f"{kernel.name} kc={kc} m={m} n={n} accumulate={accumulate}"
+            A = rng.uniform(-1, 1, (m, kc)).astype(np.float32)
+            B = rng.uniform(-1, 1, (kc, n)).astype(np.float32)
+            # Sources with leading dimensions larger than their width, as tiles of bigger arrays.
+            if transposed:
+                a_src = np.zeros((kc, m + 2), np.float32)
+                a_src[:, :m] = A.T
+                b_src = np.zeros((n, kc + 1), np.float32)
+                b_src[:, :kc] = B.T
+            else:
+                a_src = np.zeros((m, kc + 3), np.float32)
+                a_src[:, :kc] = A
+                b_src = np.zeros((kc, n + 5), np.float32)
+                b_src[:, :n] = B
+            ldc = nr + 3
+            C = np.full((mr + 2, ldc), sentinel, np.float32)
+            if accumulate:
+                C[:m, :n] = rng.uniform(-1, 1, (m, n))
+            else:
+                C[:m, :n] = np.nan  # overwriting must not read C
+            C0 = C[:m, :n].astype(np.float64)
+            status = run(
+                kc, m, n,
+                _ptr(a_src), a_src.shape[1], int(transposed),
+                _ptr(b_src), b_src.shape[1], int(transposed),
+                _ptr(C), ldc, accumulate,
+            )  # fmt: skip
+            assert status == 0
+            product = A.astype(np.float64) @ B.astype(np.float64)
+            scale = np.abs(A).astype(np.float64) @ np.abs(B).astype(np.float64)
+            if accumulate:
+                product += C0
+                scale += np.abs(C0)
+            _assert_close(C[:m, :n], product, scale, kc, what)
+            outside = np.ones(C.shape, bool)
+            outside[:m, :n] = False
+            assert (C[outside] == sentinel).all(), f"{what}: wrote outside C[0:m, 0:n]"
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
+def test_emitted_source_compiles_for_its_isa(kernel: MicroKernel, tmp_path: Path) -> None:
+    """Compile only (``-S``, the kernel's own flags, no -march=native): also covers kernels this
+    CPU cannot run, e.g. AVX-512 here; the assembly must use the ISA's registers and FMAs."""
+    if kernel.isa and not kernel.isa <= X86_ISA:
+        pytest.skip(f"{kernel.name} is not an x86 kernel")
+    if kernel.isa and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 intrinsics need an x86 compiler")
+    src = tmp_path / "k.c"
+    src.write_text(
+        emit_with_packing(kernel)
+        + "void call(int kc, const float* Ap, const float* Bp, float* C, long ldc, int m, int n)\n"
+        + f"{{ {kernel.name}(kc, Ap, Bp, C, ldc, m, n, 1); }}\n"
+    )
+    cc = find_compiler()
+    command = [cc.path, "-O3", "-std=c11", "-ffp-contract=fast", *kernel.cflags, "-S"]
+    done = subprocess.run(
+        [*command, "-o", str(tmp_path / "k.s"), str(src)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    asm = (tmp_path / "k.s").read_text()
+    if Isa.AVX512F in kernel.isa:
+        assert "zmm" in asm and "vfmadd" in asm
+    elif Isa.AVX2 in kernel.isa:
+        assert "ymm" in asm and "vfmadd" in asm
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
+def test_one_signature_for_every_kernel(kernel: MicroKernel) -> None:
+    source = " ".join(kernel.emit().split())
+    expected = (
+        f"static inline void {kernel.name}(int kc, const float* restrict Ap, const float* "
+        "restrict Bp, float* restrict C, long ldc, int m, int n, int accumulate)"
+    )
+    assert expected in source
+    assert kernel.emit() == kernel.emit()  # deterministic: the source is the cache key
+    assert re.search(rf"static inline void {kernel.name}_pack_bt\(", emit_with_packing(kernel))
+
+
+def test_registry_has_the_reference_and_rejects_duplicates() -> None:
+    assert reference_4x4_f32 in KERNELS and not reference_4x4_f32.isa
+    assert len({k.name for k in KERNELS}) == len(KERNELS)
+    with pytest.raises(ValueError, match="already registered"):
+        register(reference_4x4_f32)
+    private = Registry()
+    private.register(avx2_fma_6x16_f32)
+    with pytest.raises(ValueError, match="already registered"):
+        private.register(dataclasses.replace(portable_4x16_f32, name="avx2_fma_6x16_f32"))
+    assert private.available() == (avx2_fma_6x16_f32,)
+
+
+def test_select_on_this_machine() -> None:
+    problem = Problem(DType.FLOAT32, 512, 512, 64)
+    if {Isa.AVX512F, Isa.FMA} <= HOST.isa:
+        expected = avx512_6x64_f32
+    elif {Isa.AVX2, Isa.FMA} <= HOST.isa:
+        expected = avx2_fma_6x16_f32
+    else:
+        expected = portable_4x16_f32
+    assert select(problem, HOST) == expected
+
+
+def test_select_without_isa_flags_is_portable_and_reference_always_applies() -> None:
+    bare = dataclasses.replace(
+        HOST,
+        isa=frozenset(),
+        vector_bytes=0,
+        vector_registers=0,
+        peak_flops=((DType.FLOAT32, 2 * HOST.clock_hz),),
+    )
+    problem = Problem(DType.FLOAT32, 100, 100, 100)
+    # A machine that declares scalar peaks: every kernel reaches the same (capped) width, the
+    # larger block wins unless its tails waste more (100 = 6 x 16 + 4 columns) than a 4x4 block.
+    assert select(Problem(DType.FLOAT32, 64, 64, 64), bare) == portable_4x16_f32
+    assert select(problem, bare) in (portable_4x16_f32, reference_4x4_f32)
+    assert select(problem, dataclasses.replace(HOST, isa=frozenset())) == portable_4x16_f32
+    assert reference_4x4_f32.applies(problem, bare)
+    assert not avx2_fma_6x16_f32.applies(problem, bare)
+
+
+def test_score_weighs_tail_waste() -> None:
+    xeon = Hardware.preset("xeon-gold-6240")
+    assert select(Problem(DType.FLOAT32, 512, 64, 64), xeon) == avx512_6x64_f32
+    # N = 16: a 64-wide block would compute 4x the useful work in its tail.
+    assert select(Problem(DType.FLOAT32, 512, 16, 64), xeon) == avx2_fma_6x16_f32
+
+
+def test_no_kernel_for_float64_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no micro-kernel handles float64"):
+        select(Problem(DType.FLOAT64, 8, 8, 8), HOST)
+
+
+def test_invalid_values_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        Problem(DType.FLOAT32, 0, 1, 1)
+    with pytest.raises(ValueError, match="C identifier"):
+        dataclasses.replace(reference_4x4_f32, name="not a name")
+    with pytest.raises(ValueError):
+        dataclasses.replace(reference_4x4_f32, mr=0)

@@ -1,0 +1,315 @@
+"""The analytical model's closed forms: DESIGN.md's worked example, recompute, conv halos, legality."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from chainfuse.hardware import Hardware
+from chainfuse.ir import attention_chain, conv_chain_spec, gemm_chain
+from chainfuse.model import Nest, compulsory_bytes, estimate, example_dv, level_cost
+from chainfuse.simulate import simulate_level
+
+EXAMPLE = ("b", "m", "l", "k", "n")  # DESIGN.md: m > l > {k (op1) | n (op2)}, b outermost
+
+# (batch, M, N, K, L, T_M, T_L, T_K, T_N): T_M | M, T_L | L, T_K < K, T_N < N
+SIZES = [
+    (1, 64, 32, 48, 96, 16, 32, 16, 8),
+    (2, 64, 32, 48, 96, 64, 96, 47, 31),  # one tile along m and l
+    (3, 12, 7, 5, 20, 4, 5, 2, 3),  # tails along k and n
+    (1, 512, 64, 64, 512, 128, 64, 16, 32),
+    (4, 30, 17, 13, 42, 6, 7, 4, 16),
+    (2, 7, 2, 2, 7, 1, 1, 1, 1),
+]
+
+
+def ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize(("batch", "M", "N", "K", "L", "TM", "TL", "TK", "TN"), SIZES)
+def test_worked_example(batch: int, M: int, N: int, K: int, L: int, TM: int, TL: int, TK: int,
+                        TN: int) -> None:  # fmt: skip
+    assert M % TM == 0 and L % TL == 0 and TK < K and TN < N
+    chain = gemm_chain(batch, M, N, K, L)
+    nest = Nest(chain, EXAMPLE, 3)
+    tiles = {"b": 1, "m": TM, "l": TL, "k": TK, "n": TN}
+    cost = level_cost(nest, tiles)
+    assert cost.total == pytest.approx(example_dv(M, N, K, L, TM, TL) * batch, rel=1e-12)
+    item = 4 * batch
+    assert cost.by_tensor() == {
+        "A": M * K * ceil(L, TL) * item,
+        "B": K * L * ceil(M, TM) * item,
+        "D": L * N * ceil(M, TM) * item,
+        "E": M * N * ceil(L, TL) * item,
+    }
+    assert "C" not in cost.by_tensor()  # the intermediate never moves
+    # working set: each op's tiles plus the live intermediate tile C[T_M, T_L]
+    op1 = TM * TK + TK * TL + TM * TL
+    op2 = TM * TL + TL * TN + TM * TN
+    assert cost.used == 4 * max(op1, op2)
+    assert cost.flops == chain.flops()  # no recompute in this order
+    # the simulator executes the same nest and agrees
+    sim = simulate_level(chain, EXAMPLE, 3, tiles)
+    assert (sim.bytes, sim.flops) == (cost.total, cost.flops)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_worked_example_equivalent_depths(depth: int) -> None:
+    """With the l loop shared (depth 3) or private to each op (depth 2 moves C-tiles of full l)."""
+    chain = gemm_chain(1, 32, 16, 24, 48)
+    tiles = {"b": 1, "m": 8, "l": 12, "k": 8, "n": 4}
+    cost = level_cost(Nest(chain, EXAMPLE, depth), tiles)
+    sim = simulate_level(chain, EXAMPLE, depth, tiles)
+    assert cost.total == sim.bytes and cost.flops == sim.flops
+
+
+def test_example_dv_closed_form() -> None:
+    assert example_dv(512, 64, 64, 512, 64, 64) == 512 * 512 * 128 * (2 / 64) * 4
+    assert example_dv(8, 2, 2, 8, 8, 8, itemsize=2) == 8 * 8 * 4 * (2 / 8) * 2
+
+
+def test_estimate_dram_bytes_come_from_l3_tiles() -> None:
+    hw = Hardware.preset("xeon-gold-6240")
+    batch, M, N, K, L = 4, 256, 64, 64, 256
+    chain = gemm_chain(batch, M, N, K, L)
+    nest = Nest(chain, EXAMPLE, 3)
+    t1 = {"b": 1, "m": 14, "l": 32, "k": 16, "n": 32}
+    t2 = {"b": 1, "m": 64, "l": 64, "k": 32, "n": 32}
+    t3 = {"b": 1, "m": 128, "l": 128, "k": 32, "n": 32}
+    cost = estimate(nest, {"L1": t1, "L2": t2, "L3": t3}, hw)
+    moved = dict(cost.bytes_per_level)
+    assert list(moved) == ["L2", "L3", "DRAM"]
+    assert moved["DRAM"] == level_cost(nest, t3).total
+    assert moved["DRAM"] == example_dv(M, N, K, L, 128, 128) * batch
+    assert moved["L3"] == level_cost(nest, t2).total
+    assert moved["L2"] == level_cost(nest, t1).total
+    used = dict(cost.used_per_level)
+    assert used == {lv: level_cost(nest, t).used for lv, t in (("L1", t1), ("L2", t2), ("L3", t3))}
+    assert cost.flops == chain.flops()
+    assert cost.time_s == max(cost.compute_s, *(t for _, t in cost.memory_s))
+    assert cost.time_s > 0 and cost.bound in ("compute", "L2", "L3", "DRAM")
+
+
+def test_planned_dram_bytes_match_level_cost() -> None:
+    """A plan's DRAM prediction is the model's bytes for its own L3 tiles and schedule."""
+    from chainfuse.planner import plan
+
+    hw = Hardware.preset("xeon-gold-6240")
+    chain = gemm_chain(12, 512, 64, 64, 512)
+    p = plan(chain, hw)
+    nest = Nest(chain, p.order, p.depth, fused=p.fused)
+    l3 = p.tiles_at("L3")
+    assert l3 is not None
+    assert p.predicted_bytes["DRAM"] == level_cost(nest, l3).total
+    assert p.predicted_bytes["DRAM"] >= compulsory_bytes(chain)
+
+
+# -- recompute ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch", "M", "N", "K", "L", "TM", "TL", "TK", "TN"), SIZES)
+def test_recompute_when_n_encloses_op1(batch: int, M: int, N: int, K: int, L: int, TM: int,
+                                       TL: int, TK: int, TN: int) -> None:  # fmt: skip
+    chain = gemm_chain(batch, M, N, K, L)
+    order = ("b", "m", "n", "l", "k")
+    nest = Nest(chain, order, 4)
+    tiles = {"b": 1, "m": TM, "l": TL, "k": TK, "n": TN}
+    cost = level_cost(nest, tiles)
+    assert cost.op_flops == (2 * M * L * K * ceil(N, TN) * batch, 2 * M * L * N * batch)
+    assert cost.flops == (2 * M * L * K * ceil(N, TN) + 2 * M * L * N) * batch
+    # op1 rereads its inputs for every n tile as well
+    by = cost.by_tensor()
+    assert by["A"] == M * K * ceil(L, TL) * ceil(N, TN) * batch * 4
+    sim = simulate_level(chain, order, 4, tiles)
+    assert (sim.bytes, sim.flops) == (cost.total, cost.flops)
+
+
+def test_pointwise_between_recomputed_too() -> None:
+    chain = gemm_chain(1, 8, 12, 4, 6, "relu")
+    nest = Nest(chain, ("b", "m", "n", "l", "k"), 4)
+    cost = level_cost(nest, {"b": 1, "m": 4, "n": 5, "l": 3, "k": 4})
+    assert cost.op_flops == (2 * 8 * 6 * 4 * 3, 8 * 6 * 3, 2 * 8 * 6 * 12)
+
+
+# -- convolutions: halo and recompute -------------------------------------------------------------
+
+CONV_ORDER = ("n", "k2", "p2", "q2", "k1", "p1", "q1", "c", "r1", "s1", "r2", "s2")
+
+
+def _halo_spans(size: int, tile: int) -> list[int]:
+    """Rows of a 3x3 (pad 1, stride 1) consumer's input that each output tile of `tile` rows reads."""
+    out = []
+    for i in range(ceil(size, tile)):
+        lo, hi = i * tile - 1, min(size, (i + 1) * tile)
+        out.append(min(hi, size - 1) - max(lo, 0) + 1)
+    return out
+
+
+@pytest.mark.parametrize(("H", "W", "T", "TK2"), [(10, 10, 1, 5), (10, 10, 3, 5), (10, 10, 4, 2),
+                                                  (10, 10, 10, 5), (9, 13, 4, 5), (8, 8, 5, 1)])
+def test_conv_halo_recompute(H: int, W: int, T: int, TK2: int) -> None:
+    C, K1, K2 = 3, 4, 5
+    chain = conv_chain_spec(1, C, H, W, K1, 1, 1, K2, 3, 3, padding=(0, 1))
+    nest = Nest(chain, CONV_ORDER, 4)  # prefix n, k2, p2, q2: op1 is computed per output tile
+    tiles = {"n": 1, "k2": TK2, "p2": T, "q2": T, "k1": K1, "c": C}
+    cost = level_cost(nest, tiles)
+    rows, cols = _halo_spans(H, T), _halo_spans(W, T)
+    pixels = sum(rows) * sum(cols)  # sum over tiles of clipped (T+2)-spans, rows times columns
+    assert pixels >= H * W
+    recompute = ceil(K2, TK2)  # k2 in the prefix encloses op1, which does not use it
+    assert cost.op_flops == (2 * K1 * C * pixels * recompute, 2 * K2 * K1 * 9 * H * W)
+    by = cost.by_tensor()
+    assert by["X"] == C * pixels * recompute * 4  # the 1x1 first conv reads X with the halo
+    assert by["Y2"] == K2 * H * W * 4
+    # the working set of op1 holds a halo'd X tile: (T+2)^2 pixels away from the border
+    if H > T + 2 and W > T + 2:
+        x_tile = C * min(T + 2, H) * min(T + 2, W)
+        assert cost.used >= x_tile * 4
+    sim = simulate_level(chain, CONV_ORDER, 4, tiles)
+    assert (sim.bytes, sim.flops) == (cost.total, cost.flops)
+
+
+def test_conv_strided_halo() -> None:
+    """A 3x3 stride-2 first conv read by a 3x3 second conv: X's block span is (T_P-1)*2+3+halo."""
+    chain = conv_chain_spec(1, 2, 17, 17, 3, 3, 3, 2, 3, 3, stride=(2, 1), padding=(1, 1))
+    nest = Nest(chain, CONV_ORDER, 4)
+    tiles = {"n": 1, "k2": 2, "p2": 4, "q2": 9, "k1": 3, "c": 2, "r1": 3, "s1": 3, "r2": 3,
+             "s2": 3}  # fmt: skip
+    cost = level_cost(nest, tiles)
+    sim = simulate_level(chain, CONV_ORDER, 4, tiles)
+    assert (sim.bytes, sim.flops) == (cost.total, cost.flops)
+    assert cost.flops > chain.flops()  # halo rows of Y1 are computed twice
+
+
+# -- compulsory bytes ---------------------------------------------------------------------------
+
+
+def test_compulsory_bytes_values() -> None:
+    chain = gemm_chain(2, 5, 6, 7, 8, "softmax")
+    assert compulsory_bytes(chain) == 4 * 2 * (5 * 7 + 7 * 8 + 8 * 6 + 5 * 6)
+    # a stride-3 1x1 first conv never reads two of every three rows and columns of X
+    conv = conv_chain_spec(1, 2, 9, 9, 3, 1, 1, 4, 1, 1, stride=(3, 1))
+    read_x = 2 * 3 * 3
+    assert compulsory_bytes(conv) == 4 * (read_x + 3 * 2 + 4 * 3 + 4 * 3 * 3)
+
+
+def _legal_nests(chain, orders, fused=True):  # type: ignore[no-untyped-def]
+    for order in orders:
+        for depth in range(len(order) + 1) if fused else (0,):
+            try:
+                yield Nest(chain, order, depth, fused=fused)
+            except ValueError:
+                continue
+
+
+def _tile_sets(extents: dict[str, int], rng: random.Random, count: int) -> list[dict[str, int]]:
+    out = [dict(extents), dict.fromkeys(extents, 1)]
+    for _ in range(count):
+        out.append({n: rng.randint(1, e) for n, e in extents.items()})
+    return out
+
+
+def test_compulsory_bytes_bound_every_gemm_nest() -> None:
+    rng = random.Random(7)
+    chain = gemm_chain(2, 9, 5, 7, 11, "gelu")
+    floor = compulsory_bytes(chain)
+    tile_sets = _tile_sets(chain.extents, rng, 3)
+    count = 0
+    for fused in (True, False):
+        for nest in _legal_nests(chain, itertools.permutations(chain.extents), fused):
+            for tiles in tile_sets:
+                assert level_cost(nest, tiles).total >= floor, (nest.order, nest.depth, tiles)
+                count += 1
+    assert count > 1000
+
+
+def test_compulsory_bytes_bound_random_conv_nests() -> None:
+    rng = random.Random(11)
+    chains = [
+        conv_chain_spec(1, 3, 9, 8, 4, 3, 3, 2, 3, 3, stride=(2, 1), padding=(1, 1), between="relu"),
+        conv_chain_spec(2, 2, 7, 7, 3, 1, 1, 4, 3, 3, padding=(0, 1)),
+        conv_chain_spec(1, 2, 10, 10, 2, 3, 3, 3, 1, 1, stride=(3, 2)),
+    ]
+    for chain in chains:
+        floor = compulsory_bytes(chain)
+        loops = list(chain.extents)
+        for _ in range(60):
+            order = rng.sample(loops, len(loops))
+            depth = rng.randint(0, 5)
+            try:
+                nest = Nest(chain, order, depth)
+            except ValueError:
+                nest = Nest(chain, order, 0, fused=False)
+            tiles = {n: rng.randint(1, e) for n, e in chain.extents.items()}
+            assert level_cost(nest, tiles).total >= floor, (order, depth, tiles)
+
+
+def test_whole_extent_tiles_move_compulsory_bytes() -> None:
+    """One block per op: every input read once, the output written once."""
+    for chain in (gemm_chain(2, 9, 5, 7, 11, "relu"), attention_chain(1, 2, 5, 6, 3, 4, mask="bool"),
+                  conv_chain_spec(1, 2, 6, 6, 3, 3, 3, 2, 1, 1)):  # fmt: skip
+        order = tuple(chain.extents)
+        cost = level_cost(Nest(chain, order, 0), chain.extents)
+        assert cost.total == compulsory_bytes(chain)
+        assert cost.flops == chain.flops()
+
+
+# -- legality -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_gemm_reduction_in_prefix_is_illegal(position: int) -> None:
+    chain = gemm_chain(1, 8, 8, 8, 8)
+    rest = ["b", "m", "l", "n"]
+    order = (*rest[:position], "k", *rest[position:])
+    with pytest.raises(ValueError, match="'k' reduces 'C'"):
+        Nest(chain, order, position + 1)
+    Nest(chain, order, position)  # just outside the prefix is fine
+    Nest(chain, order, 0, fused=False)  # an unfused nest has no shared prefix
+
+
+def test_attention_reduction_in_prefix_is_illegal() -> None:
+    chain = attention_chain(1, 2, 8, 8, 4, 4, causal=True)
+    with pytest.raises(ValueError, match="'k' reduces 'S'"):
+        Nest(chain, ("b", "h", "k", "m", "l", "n"), 3)
+
+
+@pytest.mark.parametrize("loop", ["p1", "q1", "c", "r1"])
+def test_conv_producer_loop_in_prefix_is_illegal(loop: str) -> None:
+    chain = conv_chain_spec(1, 2, 8, 8, 3, 3, 3, 2, 3, 3, padding=(1, 1))
+    order = ("n", loop, *(n for n in CONV_ORDER if n not in ("n", loop)))
+    with pytest.raises(ValueError, match=f"'{loop}'"):
+        Nest(chain, order, 2)
+
+
+def test_conv_windowed_loop_named() -> None:
+    chain = conv_chain_spec(1, 2, 8, 8, 3, 3, 3, 2, 3, 3, padding=(1, 1))
+    order = ("n", "p1", *(n for n in CONV_ORDER if n not in ("n", "p1")))
+    with pytest.raises(ValueError, match="'p1' indexes 'Y1' through p2\\+r2-1"):
+        Nest(chain, order, 2)
+
+
+def test_bad_orders() -> None:
+    chain = gemm_chain(1, 4, 4, 4, 4)
+    with pytest.raises(ValueError, match="permutation"):
+        Nest(chain, ("b", "m", "l", "k"), 1)
+    with pytest.raises(ValueError, match="permutation"):
+        Nest(chain, ("b", "m", "l", "k", "n", "n"), 1)
+    with pytest.raises(ValueError, match="depth 6 out of range"):
+        Nest(chain, EXAMPLE, 6)
+    with pytest.raises(ValueError, match="unfused"):
+        Nest(chain, EXAMPLE, 2, fused=False)
+
+
+def test_unfused_moves_the_intermediate() -> None:
+    chain = gemm_chain(1, 16, 8, 8, 16)
+    tiles = {"b": 1, "m": 16, "l": 16, "k": 8, "n": 8}
+    fused = level_cost(Nest(chain, EXAMPLE, 3), tiles)
+    unfused = level_cost(Nest(chain, EXAMPLE, 0, fused=False), tiles)
+    assert unfused.by_tensor()["C"] == 2 * 16 * 16 * 4  # written by op1, read by op2
+    assert unfused.total == fused.total + 2 * 16 * 16 * 4
+    assert math.isclose(unfused.flops, fused.flops)

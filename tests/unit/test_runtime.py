@@ -1,0 +1,246 @@
+"""chainfuse.runtime: compiler discovery, the content-addressed cache, loading, threads."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+import chainfuse
+from chainfuse import config
+from chainfuse.runtime import (
+    BASE_FLAGS,
+    CompileError,
+    CompilerFamily,
+    CompilerNotFoundError,
+    build,
+    find_compiler,
+    flags,
+    get_num_threads,
+    load,
+    set_num_threads,
+)
+
+REPO = Path(chainfuse.__file__).resolve().parents[1]
+
+ADD_ONE = "int add_one(int x) { return x + 1; }\n"
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test builds into its own cache, so results never leak between tests."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(config.ENV_CACHE_DIR, str(cache))
+    monkeypatch.delenv(config.ENV_DUMP, raising=False)
+    return cache
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted(cache.glob("*/*.so"))
+
+
+def _child_env(cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env[config.ENV_CACHE_DIR] = str(cache)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_find_compiler_identifies_gcc_or_clang() -> None:
+    cc = find_compiler()
+    assert os.path.isabs(cc.path)
+    assert cc.family in (CompilerFamily.GCC, CompilerFamily.CLANG)
+    assert cc.version.count(".") == 2 and cc.version.split(".")[0].isdigit()
+
+
+def test_flags_are_the_documented_ones_and_never_fast_math() -> None:
+    got = flags(find_compiler(), ("-mfma",))
+    assert got[: len(BASE_FLAGS)] == BASE_FLAGS
+    assert got[-1] == "-mfma"
+    assert "-ffast-math" not in got and "-ffp-contract=fast" in got
+
+
+def test_build_load_and_call(_private_cache: Path) -> None:
+    result = build(ADD_ONE, "add_one")
+    assert not result.cached
+    assert result.path.parent.parent == _private_cache
+    assert result.path.parent.name == result.key[:2]
+    assert result.path.name == f"add_one_{result.key[:16]}.so"
+    assert result.source_path.read_text() == ADD_ONE
+    lib = load(result.path)
+    assert lib.add_one(41) == 42
+    assert load(result.path) is lib
+
+
+def test_second_build_is_a_cache_hit_in_this_and_a_new_process(_private_cache: Path) -> None:
+    first = build(ADD_ONE, "add_one")
+    again = build(ADD_ONE, "add_one")
+    assert again.cached and again.path == first.path and again.key == first.key
+    assert again.seconds < first.seconds
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "from chainfuse.runtime import build, load\n"
+                f"r = build({ADD_ONE!r}, 'add_one')\n"
+                "print(r.cached, load(r.path).add_one(1), r.path)"
+            ),
+        ],
+        env=_child_env(_private_cache),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout.split() == ["True", "2", str(first.path)]
+
+
+def test_different_source_or_flags_is_a_different_entry(_private_cache: Path) -> None:
+    a = build(ADD_ONE, "k")
+    b = build(ADD_ONE.replace("+ 1", "+ 2"), "k")
+    c = build(ADD_ONE, "k", ("-DUNUSED=1",))
+    assert len({a.key, b.key, c.key}) == 3
+    assert len(_entries(_private_cache)) == 3
+
+
+def test_truncated_entry_is_rebuilt(_private_cache: Path) -> None:
+    first = build(ADD_ONE, "add_one")
+    size = first.path.stat().st_size
+    with open(first.path, "r+b") as f:  # never loaded in this process: safe to truncate
+        f.truncate(size // 2)
+    again = build(ADD_ONE, "add_one")
+    assert not again.cached and again.path == first.path
+    assert again.path.stat().st_size == size
+    first.path.write_bytes(b"")
+    third = build(ADD_ONE, "add_one")
+    assert not third.cached and third.path.stat().st_size == size
+    assert load(third.path).add_one(1) == 2
+
+
+def test_unwritable_cache_dir_falls_back_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tests may run as root, whom chmod does not stop: a directory under a regular file can
+    # never be created, whoever we are.
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    unwritable = blocker / "sub"
+    monkeypatch.setenv(config.ENV_CACHE_DIR, str(unwritable))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = build(ADD_ONE, "add_one")
+        b = build(ADD_ONE.replace("+ 1", "+ 3"), "add_three")
+        c = build(ADD_ONE, "add_one")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert str(unwritable) in messages[0]
+    assert a.path.parent.parent == b.path.parent.parent
+    assert a.path.parent.parent.name.startswith("chainfuse-")
+    assert c.cached and c.path == a.path
+    assert load(b.path).add_one(1) == 4
+    shutil.rmtree(a.path.parent.parent, ignore_errors=True)  # the process's fallback directory
+
+
+def test_missing_compiler_says_how_to_install_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "/nonexistent")
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(CompilerNotFoundError, match="apt-get install gcc") as info:
+        find_compiler()
+    assert "CC" in str(info.value)
+    monkeypatch.delenv("CC")
+    with pytest.raises(CompilerNotFoundError, match="install gcc or clang"):
+        build(ADD_ONE, "add_one")
+
+
+def test_cc_that_is_not_a_c_compiler_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "true")
+    with pytest.raises(CompilerNotFoundError, match="not a GCC-compatible"):
+        find_compiler()
+
+
+def test_compile_error_carries_stderr_and_saved_source() -> None:
+    bad = "int broken(int x) { return x + ; }\n"
+    with pytest.raises(CompileError) as info:
+        build(bad, "broken")
+    err = info.value
+    assert "error" in err.stderr and err.stderr.strip() in str(err)
+    assert err.source_path.read_text() == bad
+    assert str(err.source_path) in str(err)
+    assert not list(err.source_path.parent.glob("*.so")) and not list(
+        err.source_path.parent.glob(".*.tmp")
+    )
+
+
+def test_concurrent_builds_from_two_processes_share_one_entry(_private_cache: Path) -> None:
+    source = ADD_ONE + "/* concurrent */\n"
+    script = textwrap.dedent(f"""
+        from chainfuse.runtime import build, load
+        r = build({source!r}, "add_one")
+        print(r.cached, load(r.path).add_one(1), r.path)
+    """)
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            env=_child_env(_private_cache),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        outputs.append(out.split())
+    assert sorted(o[0] for o in outputs) == ["False", "True"]  # exactly one compiled
+    assert {o[1] for o in outputs} == {"2"}
+    assert len({o[2] for o in outputs}) == 1
+    assert len(_entries(_private_cache)) == 1
+
+
+def test_dump_dir_receives_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dump = tmp_path / "dump"
+    monkeypatch.setenv(config.ENV_DUMP, str(dump))
+    result = build(ADD_ONE, "add_one")
+    assert (dump / f"add_one_{result.key[:16]}.c").read_text() == ADD_ONE
+
+
+def test_bad_kernel_name_is_rejected() -> None:
+    with pytest.raises(ValueError, match="C identifier"):
+        build(ADD_ONE, "../escape")
+
+
+def test_threads_default_override_and_kernel_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3,1")
+    assert get_num_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert get_num_threads() == len(os.sched_getaffinity(0))
+    set_num_threads(2)
+    try:
+        assert get_num_threads() == 2
+    finally:
+        set_num_threads(None)
+    with pytest.raises(ValueError):
+        set_num_threads(0)
+
+    # The pattern every generated kernel follows: the thread count is an argument.
+    source = textwrap.dedent("""
+        long tid_sum(int n, int nt) {
+            long s = 0;
+        #pragma omp parallel for reduction(+ : s) num_threads(nt)
+            for (int i = 0; i < n; ++i) s += i;
+            return s;
+        }
+    """)
+    lib = load(build(source, "tid_sum").path)
+    lib.tid_sum.restype = ctypes.c_long
+    assert lib.tid_sum(1000, get_num_threads()) == 999 * 1000 // 2
+    assert os.environ.get(config.ENV_WAIT_POLICY)  # PASSIVE unless the user chose otherwise
