@@ -126,7 +126,6 @@ def match_gemm_chain(
 
 _MATH = r"""
 #include <math.h>
-#include <string.h>
 
 /* exp for the softmax: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes'
    expf coefficients, relative error < 2e-7); plain arithmetic, so loops over it vectorise. */
@@ -135,7 +134,7 @@ static inline float cf_exp(float x)
     const float lo = -87.3f;
     const float xc = x < lo ? lo : (x > 88.3f ? 88.3f : x);
     const float t = xc * 1.44269504088896341f;
-    const float n = (float)(int)(t + (t >= 0.0f ? 0.5f : -0.5f));
+    const float n = floorf(t + 0.5f);
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -145,10 +144,9 @@ static inline float cf_exp(float x)
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int bits = ((int)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < lo ? 0.0f : p * scale;
+    union { int i; float f; } two_n;
+    two_n.i = ((int)n + 127) << 23;
+    return x < lo ? 0.0f : p * two_n.f;
 }
 
 /* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp. */
@@ -338,6 +336,7 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
         w.line(f"/* {spec.epilogue.value} on the tile while it is in cache */")
         with w.block("for (int j = 0; j * NR < mc; ++j)"):
             w.line("float* restrict p = Pt + (long)j * LPM * NR;")
+            w.line("#pragma omp simd")
             with w.block("for (int x = 0; x < lc * NR; ++x)"):
                 if spec.epilogue is Epilogue.RELU:
                     w.line("p[x] = p[x] > 0.0f ? p[x] : 0.0f;")
@@ -353,6 +352,7 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
         w.line("float mx[NR], shift[NR], alpha[NR], sum[NR];")
         w.line("for (int c = 0; c < NR; ++c) mx[c] = -INFINITY;")
         with w.block("for (int r = 0; r < lc; ++r)"):
+            w.line("#pragma omp simd")
             with w.block("for (int c = 0; c < NR; ++c)"):
                 w.line("const float v = p[r * NR + c] * scale;")
                 w.line("p[r * NR + c] = v;")
@@ -365,6 +365,7 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
             w.line("cmax[c] = m_new;")
             w.line("sum[c] = 0.0f;")
         with w.block("for (int r = 0; r < lc; ++r)"):
+            w.line("#pragma omp simd")
             with w.block("for (int c = 0; c < NR; ++c)"):
                 w.line("const float e = cf_exp(p[r * NR + c] - shift[c]);")
                 w.line("p[r * NR + c] = e;")

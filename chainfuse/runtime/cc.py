@@ -56,6 +56,9 @@ BASE_FLAGS: tuple[str, ...] = (
     "-shared",
     "-std=c11",
     "-ffp-contract=fast",
+    # no FP-exception semantics: lets the compiler if-convert (and so vectorise) the compares of
+    # the softmax and the activations; results, NaN and inf handling are unchanged
+    "-fno-trapping-math",
 )
 OPENMP_FLAG = "-fopenmp"
 

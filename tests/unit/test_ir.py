@@ -174,7 +174,12 @@ def test_mlp_chain(act: str | None) -> None:
 
 @pytest.mark.parametrize(
     ("stride", "padding", "between"),
-    [((1, 1), (0, 0), None), ((2, 1), (1, 1), "relu"), ((1, 2), (1, 0), None), ((3, 2), (2, 1), "relu")],
+    [
+        ((1, 1), (0, 0), None),
+        ((2, 1), (1, 1), "relu"),
+        ((1, 2), (1, 0), None),
+        ((3, 2), (2, 1), "relu"),
+    ],
 )
 def test_conv_chain(stride: tuple[int, int], padding: tuple[int, int], between: str | None) -> None:
     N, C, H, W, K1, K2 = 2, 3, 11, 9, 4, 5
@@ -253,8 +258,14 @@ def test_gemm_chain_bad_sizes_name_the_argument(position: int, bad: object) -> N
 
 @pytest.mark.parametrize(
     ("name", "bad"),
-    [("batch", 0), ("heads", -1), ("seq_q", 0), ("seq_k", 1.5), ("head_dim_qk", 0),
-     ("head_dim_v", -2)],  # fmt: skip
+    [
+        ("batch", 0),
+        ("heads", -1),
+        ("seq_q", 0),
+        ("seq_k", 1.5),
+        ("head_dim_qk", 0),
+        ("head_dim_v", -2),
+    ],  # fmt: skip
 )
 def test_attention_bad_sizes_name_the_argument(name: str, bad: object) -> None:
     args = dict(batch=1, heads=2, seq_q=3, seq_k=4, head_dim_qk=5, head_dim_v=6)
@@ -309,7 +320,9 @@ def test_conv_kernel_larger_than_padded_input() -> None:
         conv_chain_spec(1, 1, 4, 4, 1, 1, 1, 1, 1, 1, padding=(-1, 0))
 
 
-@pytest.mark.parametrize("mask_shape", [(5, 6), (3, 3, 5, 7), (2, 7), (1, 1, 1, 1, 7), (2, 3, 4, 7)])
+@pytest.mark.parametrize(
+    "mask_shape", [(5, 6), (3, 3, 5, 7), (2, 7), (1, 1, 1, 1, 7), (2, 3, 4, 7)]
+)
 def test_wrong_mask_shape(mask_shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match=re.escape(f"mask_shape {mask_shape} does not broadcast")):
         attention_chain(2, 3, 5, 7, 4, 6, mask="bool", mask_shape=mask_shape)
@@ -326,11 +339,18 @@ SIZES = dict(b=2, m=3, k=4, l=5, n=6)
 @pytest.mark.parametrize(
     ("equations", "sizes", "message"),
     [
-        (("bmk,bkl->bml", "bmk,bkn->bmn"), SIZES, "first operand 'bmk' must be the previous result"),
+        (
+            ("bmk,bkl->bml", "bmk,bkn->bmn"),
+            SIZES,
+            "first operand 'bmk' must be the previous result",
+        ),
         (("bmk,bkl->bml", "bml,bln->bmq"), SIZES, r"output index \['q'\] not in inputs"),
         (("bmk,bkl->bmx", "bmx,bxn->bmn"), SIZES, r"output index \['x'\] not in inputs"),
-        (("bmk,bkl->bml", "bml,bln->bmn"), {k: v for k, v in SIZES.items() if k != "n"},
-         "no size given for index 'n'"),  # fmt: skip
+        (
+            ("bmk,bkl->bml", "bml,bln->bmn"),
+            {k: v for k, v in SIZES.items() if k != "n"},
+            "no size given for index 'n'",
+        ),  # fmt: skip
         (("bmk,bkl->bml", "bml,bln->bmn"), {**SIZES, "z": 3}, "index 'z' appears in no equation"),
         (("bmk,bkl->bml", "bml,bln->bmn"), {**SIZES, "k": 0}, r"sizes\['k'\] must be a positive"),
         (("bmk,bkl->bml",), SIZES, "2 to 4 equations, got 1"),
@@ -339,7 +359,9 @@ SIZES = dict(b=2, m=3, k=4, l=5, n=6)
         (("bmk,bkl->bml", "bml,bbn->bmn"), SIZES, "repeated index"),
     ],
 )
-def test_from_einsum_errors(equations: tuple[str, ...], sizes: dict[str, int], message: str) -> None:
+def test_from_einsum_errors(
+    equations: tuple[str, ...], sizes: dict[str, int], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         from_einsum(*equations, sizes=sizes)
 

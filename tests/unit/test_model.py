@@ -149,8 +149,10 @@ def _halo_spans(size: int, tile: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize(("H", "W", "T", "TK2"), [(10, 10, 1, 5), (10, 10, 3, 5), (10, 10, 4, 2),
-                                                  (10, 10, 10, 5), (9, 13, 4, 5), (8, 8, 5, 1)])
+@pytest.mark.parametrize(
+    ("H", "W", "T", "TK2"),
+    [(10, 10, 1, 5), (10, 10, 3, 5), (10, 10, 4, 2), (10, 10, 10, 5), (9, 13, 4, 5), (8, 8, 5, 1)],
+)
 def test_conv_halo_recompute(H: int, W: int, T: int, TK2: int) -> None:
     C, K1, K2 = 3, 4, 5
     chain = conv_chain_spec(1, C, H, W, K1, 1, 1, K2, 3, 3, padding=(0, 1))
@@ -230,7 +232,9 @@ def test_compulsory_bytes_bound_every_gemm_nest() -> None:
 def test_compulsory_bytes_bound_random_conv_nests() -> None:
     rng = random.Random(11)
     chains = [
-        conv_chain_spec(1, 3, 9, 8, 4, 3, 3, 2, 3, 3, stride=(2, 1), padding=(1, 1), between="relu"),
+        conv_chain_spec(
+            1, 3, 9, 8, 4, 3, 3, 2, 3, 3, stride=(2, 1), padding=(1, 1), between="relu"
+        ),
         conv_chain_spec(2, 2, 7, 7, 3, 1, 1, 4, 3, 3, padding=(0, 1)),
         conv_chain_spec(1, 2, 10, 10, 2, 3, 3, 3, 1, 1, stride=(3, 2)),
     ]

@@ -187,7 +187,9 @@ def test_lru_never_beats_compulsory(chain: Chain, data: st.DataObject) -> None:
     tiles = data.draw(tile_choices(chain), label="tiles")
     ideal = simulate_level(chain, order, depth, tiles)
     used = level_cost(nest, tiles).used
-    capacity = data.draw(st.sampled_from([1, used // 2 or 1, used, 4 * used, INFINITE]), label="cap")
+    capacity = data.draw(
+        st.sampled_from([1, used // 2 or 1, used, 4 * used, INFINITE]), label="cap"
+    )
     lru = simulate_level(chain, order, depth, tiles, policy="lru", capacity=capacity)
     assert lru.bytes >= compulsory_bytes(chain)
     assert lru.flops == ideal.flops and lru.blocks == ideal.blocks

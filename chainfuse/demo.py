@@ -1,0 +1,147 @@
+"""The main job: plan, compile and run a paper workload on this CPU, check it, time it.
+
+    python -m chainfuse.demo [WORKLOAD] [--between none,relu,softmax] [--repeat 20]
+
+For each `between`, it prints the plan, checks the fused kernel against the float64 reference,
+then times it against PyTorch (two `bmm`s into preallocated outputs, the activation in place)
+and numpy (`matmul`), interleaved round-robin in this one process with 1 thread, and prints the
+medians and the speedups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from chainfuse import reference
+from chainfuse.bench import workloads
+from chainfuse.compiler import compile
+from chainfuse.hardware import Hardware
+from chainfuse.ir import Chain
+from chainfuse.runtime import set_num_threads
+
+__all__ = ["main"]
+
+
+def _numpy_chain(between: str | None) -> Callable[[Any, Any, Any], Any]:
+    def run(A: Any, B: Any, D: Any) -> Any:
+        C = np.matmul(A, B)
+        if between == "relu":
+            np.maximum(C, 0, out=C)
+        elif between == "softmax":
+            C -= C.max(axis=-1, keepdims=True)
+            np.exp(C, out=C)
+            C /= C.sum(axis=-1, keepdims=True)
+        elif between == "gelu":
+            raise ValueError("the numpy baseline has no gelu")
+        return np.matmul(C, D)
+
+    return run
+
+
+def _torch_chain(between: str | None, shapes: tuple[Any, ...]) -> Callable[..., Any] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    (b, M, _), (_, _, L), (_, _, N) = shapes
+    C = torch.empty(b, M, L)
+    E = torch.empty(b, M, N)
+
+    def run(A: Any, B: Any, D: Any) -> Any:
+        torch.bmm(A, B, out=C)
+        if between == "relu":
+            torch.relu_(C)
+        elif between == "gelu":
+            C.copy_(torch.nn.functional.gelu(C))
+        elif between == "softmax":
+            torch.softmax(C, dim=-1, out=C)
+        torch.bmm(C, D, out=E)
+        return E
+
+    return run
+
+
+def _time(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median seconds of each function, run round-robin so drift hits all of them alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def run_one(chain: Chain, between: str | None, repeat: int) -> dict[str, float]:
+    kernel = compile(chain, threads=1)
+    print(kernel.plan)
+    print(
+        f"  compiled {kernel.spec.name} in {kernel.compile_seconds:.2f} s"
+        f" ({'from the cache' if kernel.cached else 'cold'})"
+    )
+    inputs = reference.random_inputs(chain, seed=1)
+    names = [t.name for t in chain.inputs]
+    args = [inputs[n] for n in names]
+    out = np.empty(chain.outputs[0].shape, dtype=np.float32)
+    kernel(*args, out=out)
+    expected = reference.run(chain, inputs)[chain.outputs[0].name]
+    reference.assert_close(out, expected, chain)
+    print("  result matches the float64 reference (chainfuse.reference.tolerance)")
+    fns: dict[str, Callable[[], object]] = {"chainfuse": lambda: kernel(*args, out=out)}
+    np_fn = _numpy_chain(between)
+    fns["numpy"] = lambda: np_fn(*args)
+    th_fn = _torch_chain(between, tuple(a.shape for a in args))
+    if th_fn is not None:
+        import torch
+
+        targs = [torch.from_numpy(a) for a in args]
+        fns["torch"] = lambda: th_fn(*targs)
+    times = _time(fns, repeat)
+    flops = chain.flops()
+    peak = Hardware.detect().peak(chain.dtype)
+    for name, t in times.items():
+        speed = (
+            f"  x{times[name] / times['chainfuse']:.2f} chainfuse's speedup"
+            if name != "chainfuse"
+            else ""
+        )
+        print(f"  {name:<10} {t * 1e3:8.3f} ms  {flops / t / 1e9:7.1f} GFLOP/s"
+              f"  {flops / t / peak:6.1%} of {peak / 1e9:.0f} GFLOP/s{speed}")  # fmt: skip
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chainfuse.demo", description=__doc__)
+    parser.add_argument("workload", nargs="?", default="bert-base",
+                        choices=[w.name for w in workloads.GEMM])  # fmt: skip
+    parser.add_argument("--between", default="none,relu,softmax")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_num_threads(1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    print(Hardware.detect())
+    print(
+        f"load average {load:.2f}"
+        + ("  (busy machine: timings will be noisy)" if load > 0.5 else "")
+    )
+    for word in args.between.split(","):
+        between = None if word == "none" else word
+        chain = workloads.chain_of(args.workload, between)
+        print()
+        run_one(chain, between, args.repeat)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

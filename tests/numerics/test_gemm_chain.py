@@ -1,0 +1,193 @@
+"""Compiled GEMM chains against the float64 reference: paper workloads, awkward sizes, layouts.
+
+Sizes are run-time arguments of a compiled kernel, so the hypothesis tests compile a handful of
+tile configurations once and then draw hundreds of shapes through them (every draw still runs
+the planner and the content-addressed cache lookup, as a user's call would).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import chainfuse
+from chainfuse import reference
+from chainfuse.bench import workloads
+from chainfuse.compiler import compile
+
+AWKWARD = st.one_of(st.sampled_from([1, 7, 17, 63, 65, 129]), st.integers(1, 140))
+BETWEEN = st.sampled_from([None, "relu", "gelu", "softmax"])
+# tiles that are not multiples of anything, tiles bigger than the sizes, and the register block
+TILES = st.sampled_from(
+    [
+        None,
+        {"m": 16, "l": 6, "k": 7, "n": 6},
+        {"m": 7, "l": 17, "k": 1, "n": 5},
+        {"m": 48, "l": 30, "k": 64, "n": 12},
+        {"m": 200, "l": 200, "k": 200, "n": 200},
+    ]
+)
+
+
+def _check(chain: chainfuse.Chain, tiles: dict[str, int] | None = None, seed: int = 0) -> None:
+    kernel = compile(chain, tiles=tiles)
+    inputs = reference.random_inputs(chain, seed=seed)
+    out = kernel(*[inputs[t.name] for t in chain.inputs])
+    expected = reference.run(chain, inputs)[chain.outputs[0].name]
+    reference.assert_close(out, expected, chain)
+
+
+FAST = ["bert-small", "vit-huge-16", "mixer-s-32-s", "mixer-s-32-c"]
+
+
+@pytest.mark.parametrize("between", [None, "relu", "softmax"])
+@pytest.mark.parametrize("name", FAST)
+def test_paper_workloads_fast_subset(name: str, between: str | None) -> None:
+    _check(workloads.chain_of(name, between))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("between", [None, "relu", "gelu", "softmax"])
+@pytest.mark.parametrize("name", [w.name for w in workloads.GEMM])
+def test_every_paper_workload(name: str, between: str | None) -> None:
+    _check(workloads.chain_of(name, between))
+
+
+def _draw_test(examples: int):  # type: ignore[no-untyped-def]
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        b=st.integers(1, 3),
+        M=AWKWARD,
+        N=AWKWARD,
+        K=AWKWARD,
+        L=AWKWARD,
+        between=BETWEEN,
+        tiles=TILES,
+        seed=st.integers(0, 2**16),
+    )
+    def check(
+        b: int, M: int, N: int, K: int, L: int, between: str | None, tiles: dict[str, int] | None,
+        seed: int,
+    ) -> None:  # fmt: skip
+        _check(chainfuse.gemm_chain(b, M, N, K, L, between), tiles, seed)
+
+    return check
+
+
+test_awkward_shapes = _draw_test(60)
+test_awkward_shapes_many = pytest.mark.slow(_draw_test(500))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    sq=AWKWARD,
+    sk=AWKWARD,
+    dqk=st.sampled_from([1, 17, 40, 59, 64, 80]),
+    dv=st.sampled_from([1, 23, 64, 96]),
+    tiles=TILES,
+)
+def test_attention_chain_unmasked(
+    b: int, h: int, sq: int, sk: int, dqk: int, dv: int, tiles: dict[str, int] | None
+) -> None:
+    _check(chainfuse.attention_chain(b, h, sq, sk, dqk, dv), tiles)
+
+
+@pytest.mark.parametrize("act", [None, "relu", "gelu"])
+def test_mlp_chain(act: str | None) -> None:
+    _check(chainfuse.mlp_chain(65, 63, 129, 17, act))
+
+
+def test_torch_inputs_give_torch_output() -> None:
+    torch = pytest.importorskip("torch")
+    chain = chainfuse.gemm_chain(2, 33, 17, 9, 65, "relu")
+    inputs = reference.random_inputs(chain)
+    kernel = compile(chain)
+    out = kernel(*[torch.from_numpy(inputs[n]) for n in "ABD"])
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+    reference.assert_close(out.numpy(), reference.run(chain, inputs)["E"], chain)
+    into = torch.empty(2, 33, 17)
+    assert kernel(*[torch.from_numpy(inputs[n]) for n in "ABD"], out=into) is into
+    reference.assert_close(into.numpy(), reference.run(chain, inputs)["E"], chain)
+
+
+def test_strided_batch_views_are_used_without_copies() -> None:
+    chain = chainfuse.gemm_chain(3, 20, 9, 11, 30, "softmax")
+    inputs = reference.random_inputs(chain, seed=3)
+    rng = np.random.default_rng(0)
+    # every other batch of a larger array, and rows with padding after them
+    wide = rng.standard_normal((6, 20, 16)).astype(np.float32)
+    A = wide[::2, :, :11]
+    assert not A.flags.c_contiguous
+    inputs["A"] = A
+    out = np.zeros((3, 20, 12), dtype=np.float32)[:, :, :9]  # strided output
+    compile(chain)(inputs["A"], inputs["B"], inputs["D"], out=out)
+    reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+
+
+def test_transposed_inner_dimension_is_a_clear_error() -> None:
+    chain = chainfuse.gemm_chain(1, 8, 8, 8, 8)
+    inputs = reference.random_inputs(chain)
+    kernel = compile(chain)
+    bad = np.ascontiguousarray(inputs["B"].transpose(0, 2, 1)).transpose(0, 2, 1)
+    with pytest.raises(ValueError, match=r"B: its last dimension must be contiguous.*contiguous"):
+        kernel(inputs["A"], bad, inputs["D"])
+
+
+def test_bad_arguments_name_the_tensor() -> None:
+    chain = chainfuse.gemm_chain(1, 8, 4, 5, 6)
+    inputs = reference.random_inputs(chain)
+    kernel = compile(chain)
+    with pytest.raises(ValueError, match=r"D: expected shape \(1, 6, 4\)"):
+        kernel(inputs["A"], inputs["B"], inputs["D"][:, :5])
+    with pytest.raises(TypeError, match="A: expected dtype float32"):
+        kernel(inputs["A"].astype(np.float64), inputs["B"], inputs["D"])
+    with pytest.raises(TypeError, match="B: expected a numpy array or a torch tensor"):
+        kernel(inputs["A"], inputs["B"].tolist(), inputs["D"])
+    with pytest.raises(TypeError, match="expected 3 inputs"):
+        kernel(inputs["A"], inputs["B"])
+    with pytest.raises(ValueError, match="out: the output array is read-only"):
+        ro = np.empty((1, 8, 4), dtype=np.float32)
+        ro.flags.writeable = False
+        kernel(inputs["A"], inputs["B"], inputs["D"], out=ro)
+    with pytest.raises(ValueError, match=r"tiles\['m'\] must be a positive integer"):
+        compile(chain, tiles={"m": 0})
+
+
+def test_ops_gemm_chain_numpy_and_2d() -> None:
+    rng = np.random.default_rng(1)
+    A, B, D = (rng.standard_normal(s).astype(np.float32) for s in [(2, 9, 5), (2, 5, 7), (2, 7, 3)])
+    got = chainfuse.ops.gemm_chain(A, B, D, between="relu")
+    np.testing.assert_allclose(got, np.maximum(A @ B, 0) @ D, rtol=1e-5, atol=1e-5)
+    got2 = chainfuse.ops.gemm_chain(A[0], B[0], D[0])
+    assert got2.shape == (9, 3)
+    np.testing.assert_allclose(got2, A[0] @ B[0] @ D[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="B: expected 5 rows"):
+        chainfuse.ops.gemm_chain(A, B[:, :4], D)
+    with pytest.raises(ValueError, match="between"):
+        chainfuse.ops.gemm_chain(A, B, D, between="tanh")
+
+
+def test_softmax_is_safe_for_large_scores() -> None:
+    # scores of magnitude ~1e4: exp without the running max would overflow to inf/NaN
+    chain = chainfuse.gemm_chain(1, 9, 5, 4, 40, "softmax")
+    inputs = reference.random_inputs(chain)
+    inputs["A"] = inputs["A"] * 100
+    inputs["B"] = inputs["B"] * 100
+    out = compile(chain, tiles={"l": 6})(inputs["A"], inputs["B"], inputs["D"])
+    assert np.isfinite(out).all()
+    # large scores make the softmax nearly one-hot, and float32 rounding of the scores moves the
+    # weights by |score| * 2^-24: compare with a tolerance of that size (why: DESIGN numerics)
+    expected = reference.run(chain, inputs)["E"]
+    scores = np.abs(inputs["A"].astype(np.float64) @ inputs["B"]).max()
+    np.testing.assert_allclose(out, expected, atol=float(scores) * 2**-24 * 64 * 4)
+
+
+def test_one_compiled_object_serves_many_sizes() -> None:
+    tiles = {"m": 16, "l": 12, "k": 8, "n": 12}
+    paths = {compile(chainfuse.gemm_chain(b, M, 9, 10, L), tiles=tiles).path
+             for b, M, L in [(1, 5, 7), (2, 65, 129), (3, 17, 63)]}  # fmt: skip
+    assert len(paths) == 1
