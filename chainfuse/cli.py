@@ -73,6 +73,14 @@ def _hw(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    if args.suite == "gemm-chain":
+        from chainfuse.bench import gemm_chain
+
+        return gemm_chain.main(args.rest)
+    raise ValueError(f"bench suite {args.suite!r} is not implemented yet; available: gemm-chain")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chainfuse", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--simulate", action="store_true", help="also run the tile simulator")
     p.set_defaults(run=_plan)
+
+    b = sub.add_parser("bench", help="benchmark against PyTorch and numpy", add_help=False)
+    b.add_argument("suite", choices=["gemm-chain", "attention", "conv-chain", "all"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (--help)")
+    b.set_defaults(run=_bench)
 
     h = sub.add_parser("hw", help="print the detected (or a preset) hardware")
     h.add_argument("--hw", default="detect", help=hw_help)

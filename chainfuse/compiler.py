@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from chainfuse.codegen.c import GemmChainSpec, emit_gemm_chain, match_gemm_chain
+from chainfuse.codegen.c import GemmChainShape, GemmChainSpec, emit_gemm_chain, match_gemm_chain
 from chainfuse.hardware import Hardware, resolve
-from chainfuse.ir import Chain, DType, Role, Softmax
+from chainfuse.ir import Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select
 from chainfuse.planner import Plan, plan
 from chainfuse.runtime import build, get_num_threads, load
@@ -42,14 +42,16 @@ def _is_torch(x: object) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
 
-def _check(name: str, x: object, shape: tuple[int, ...], writable: bool = False) -> _Arg:
+def _check(
+    name: str, x: object, shape: tuple[int, ...], writable: bool = False, dtype: str = "float32"
+) -> _Arg:
     """Validate one argument; errors name the tensor and what was expected."""
     if _is_torch(x):
         t: Any = x
         if t.device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
-        if str(t.dtype) != "torch.float32":
-            raise TypeError(f"{name}: expected dtype float32, got {t.dtype}")
+        if str(t.dtype) != f"torch.{dtype}":
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
         if t.requires_grad and writable:
@@ -57,8 +59,8 @@ def _check(name: str, x: object, shape: tuple[int, ...], writable: bool = False)
         strides = tuple(int(s) for s in t.stride())
         ptr = int(t.data_ptr())
     elif isinstance(x, np.ndarray):
-        if x.dtype != np.float32:
-            raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
+        if x.dtype != np.dtype(dtype):
+            raise TypeError(f"{name}: expected dtype {dtype}, got {x.dtype}")
         if x.shape != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {x.shape}")
         if writable and not x.flags.writeable:
@@ -80,8 +82,11 @@ def _check(name: str, x: object, shape: tuple[int, ...], writable: bool = False)
 class Kernel:
     """A compiled chain: call it with the chain's inputs (in `chain.inputs` order)."""
 
-    def __init__(self, chain: Chain, plan_: Plan, spec: GemmChainSpec, source: str) -> None:
+    def __init__(
+        self, chain: Chain, plan_: Plan, spec: GemmChainSpec, shape: GemmChainShape, source: str
+    ) -> None:
         self.chain = chain
+        self.shape = shape
         self.plan = plan_
         self.spec = spec
         self.source = source
@@ -97,6 +102,8 @@ class Kernel:
             ctypes.POINTER(ctypes.c_long),
             ctypes.POINTER(ctypes.c_long),
             ctypes.c_float,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_long),
             ctypes.c_void_p,
             ctypes.c_long,
             ctypes.c_int,
@@ -118,6 +125,23 @@ class Kernel:
             self._local.buf = np.empty(threads * per + 16, dtype=np.float32)
         buf: np.ndarray[Any, np.dtype[np.float32]] = self._local.buf
         return buf
+
+    def _mask(self, by_name: dict[str, Any], nb: int) -> tuple[int | None, list[int]]:
+        """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it broadcasts."""
+        shape = self.shape
+        if shape.mask_tensor is None:
+            return None, [0, 0, 0, 0]
+        soft = next(op for op in self.chain.ops if isinstance(op, Softmax))
+        assert soft.mask is not None
+        name = shape.mask_tensor
+        dtype = "bool" if shape.mask is MaskKind.BOOL else "float32"
+        arg = _check(name, by_name[name], self.chain.tensor(name).shape, dtype=dtype)
+        by_loop = {ix.loops[0]: st for ix, st in zip(soft.mask.index, arg.strides, strict=True)
+                   if ix.loops}  # fmt: skip
+        first = self.chain.contractions[0]
+        m, l_ = first.output.loops[-2:]
+        loops = [None] * (2 - nb) + [*self.spec.batch, m, l_]
+        return arg.ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in loops]
 
     def __call__(self, *inputs: Any, out: Any = None) -> Any:
         chain = self.chain
@@ -152,6 +176,7 @@ class Kernel:
         for tname in (a_name, b_name, d_name, e_name):
             st = args[tname].strides
             strides += [0] * (2 - nb) + list(st[:nb]) + [st[nb]]
+        mask_ptr, mask_strides = self._mask(by_name, nb)
         threads = get_num_threads()
         per = int(self._workspace_fn(K, ext[n]))
         work = self._workspace(threads, per)
@@ -166,6 +191,8 @@ class Kernel:
             c_sizes,
             c_strides,
             ctypes.c_float(self._scale),
+            mask_ptr,
+            (ctypes.c_long * 4)(*mask_strides),
             work.ctypes.data + 4 * base,
             per,
             threads,
@@ -175,7 +202,7 @@ class Kernel:
 
 def _structure(chain: Chain) -> tuple[tuple[str, ...], int]:
     """The (order, depth) the C backend implements: batch, m, l shared; k | n private."""
-    batch, _, _, _ = match_gemm_chain(chain)
+    batch = match_gemm_chain(chain).batch
     first, second = chain.contractions
     m, l_ = first.output.loops[-2:]
     return (*batch, m, l_, first.reduction[0], second.output.loops[-1]), len(batch) + 2
@@ -199,7 +226,8 @@ def compile(
             f"{chain.name}: only float32 chains compile for now, got {chain.dtype.value}"
         )
     hw = resolve(hardware)
-    batch, tensors, transposed, epilogue = match_gemm_chain(chain)
+    shape = match_gemm_chain(chain)
+    batch = shape.batch
     order, depth = _structure(chain)
     first = chain.contractions[0]
     m, l_ = first.output.loops[-2:]
@@ -218,9 +246,11 @@ def compile(
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
     spec = GemmChainSpec(
         batch=batch,
-        tensors=tensors,
-        b_transposed=transposed,
-        epilogue=epilogue,
+        tensors=shape.tensors,
+        b_transposed=shape.b_transposed,
+        epilogue=shape.epilogue,
+        mask=shape.mask,
+        causal=shape.causal,
         T_M=tiles[m],
         T_L=tiles[l_],
         T_K=tiles[k],
@@ -228,7 +258,7 @@ def compile(
         kernel=kernel,
     )
     header = _header(chain, chosen, spec)
-    return Kernel(chain, chosen, spec, emit_gemm_chain(spec, header))
+    return Kernel(chain, chosen, spec, shape, emit_gemm_chain(spec, header))
 
 
 def _code_level(hw: Hardware) -> str:

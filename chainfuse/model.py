@@ -87,7 +87,14 @@ class Nest:
     `fused=False` runs every op on its own (depth 0) and intermediates go through memory.
     """
 
-    def __init__(self, chain: Chain, order: Sequence[str], depth: int, fused: bool = True) -> None:
+    def __init__(
+        self,
+        chain: Chain,
+        order: Sequence[str],
+        depth: int,
+        fused: bool = True,
+        memo: dict[tuple[object, ...], int] | None = None,
+    ) -> None:
         names = [lp.name for lp in chain.loops]
         if sorted(order) != sorted(names):
             raise ValueError(f"order {tuple(order)} must be a permutation of the loops {names}")
@@ -118,7 +125,9 @@ class Nest:
                     (chain.ops.index(c), _access_of(c, op.output.tensor).index[d])
                     for c in chain.consumers(op.output.tensor)
                 )
-        self.memo: dict[tuple[object, ...], int] = {}
+        # sums over tile iterations, by the tiles they depend on; they depend on the prefix only as
+        # a set, so nests whose prefixes hold the same loops may share one (`memo`)
+        self.memo: dict[tuple[object, ...], int] = {} if memo is None else memo
         self.plain = all(
             _is_plain(ix) or not ix.terms
             for op in chain.ops

@@ -16,7 +16,7 @@ from chainfuse import ir
 from chainfuse.compiler import Kernel, compile
 from chainfuse.ir import Activation, Chain
 
-__all__ = ["gemm_chain"]
+__all__ = ["attention", "gemm_chain"]
 
 
 def _shape(name: str, x: Any) -> tuple[int, ...]:
@@ -59,3 +59,50 @@ def gemm_chain(
     N = sd[2]
     result = _kernel(ir.gemm_chain(batch, M, N, K, L, between))(A, B, D, out=out)
     return result[0] if flat else result
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    attn_mask: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Any:
+    """`softmax(q kᵀ * scale + mask) v`, fused, for numpy arrays or torch CPU tensors (float32).
+
+    q [batch, heads, seq_q, d_qk] (or [batch, seq_q, d_qk]), k [.., seq_k, d_qk],
+    v [.., seq_k, d_v]. `attn_mask` is boolean (True takes part) or additive float, and
+    broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
+    query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
+    masked gets zeros. `scale` defaults to 1/sqrt(d_qk).
+    """
+    sq, sk, sv = _shape("q", q), _shape("k", k), _shape("v", v)
+    if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
+        raise ValueError(f"q, k, v: expected all 3-D or all 4-D, got shapes {sq}, {sk}, {sv}")
+    flat = len(sq) == 3
+    if flat:
+        q, k, v = q[:, None], k[:, None], v[:, None]
+        sq, sk, sv = (sq[0], 1, *sq[1:]), (sk[0], 1, *sk[1:]), (sv[0], 1, *sv[1:])
+    batch, heads, seq_q, d_qk = sq
+    if sk[:2] != (batch, heads) or sv[:2] != (batch, heads):
+        raise ValueError(f"q, k, v: batch and heads differ: {sq[:2]}, {sk[:2]}, {sv[:2]}")
+    if sk[3] != d_qk:
+        raise ValueError(f"k: expected head dim {d_qk} (q's), got {sk[3]}")
+    seq_k = sk[2]
+    if sv[2] != seq_k:
+        raise ValueError(f"v: expected {seq_k} keys (k's), got {sv[2]}")
+    mask_kind = None
+    mask_shape = None
+    if attn_mask is not None:
+        mask_shape = _shape("attn_mask", attn_mask)
+        dtype = str(getattr(attn_mask, "dtype", ""))
+        mask_kind = "bool" if dtype in ("bool", "torch.bool") else "additive"
+        if flat and len(mask_shape) == 3:  # [batch, seq_q, seq_k] masks of 3-D inputs
+            attn_mask = attn_mask[:, None]
+            mask_shape = (mask_shape[0], 1, *mask_shape[1:])
+    chain = ir.attention_chain(batch, heads, seq_q, seq_k, d_qk, sv[3], causal=is_causal,
+                               mask=mask_kind, scale=scale, mask_shape=mask_shape)  # fmt: skip
+    inputs = [q, k, v] if attn_mask is None else [q, k, v, attn_mask]
+    out = _kernel(chain)(*inputs)
+    return out[:, 0] if flat else out

@@ -265,7 +265,7 @@ class _Search:
     quanta: dict[str, int]
     fixed: dict[str, int]  # loops whose tile never changes (batch: 1, taps: whole)
     evaluations: int = 0
-    memo: dict[tuple[int, int, tuple[int, ...]], float | None] = field(default_factory=dict)
+    memo: dict[tuple[Nest, int, tuple[int, ...]], float | None] = field(default_factory=dict)
 
     def capacity(self, level: int) -> float:
         lv = self.hw.levels[level]
@@ -273,7 +273,7 @@ class _Search:
         return cap * USABLE
 
     def level_objective(self, nest: Nest, level: int, tiles: Mapping[str, int]) -> float | None:
-        key = (id(nest), level, tuple(tiles[n] for n in nest.order))
+        key = (nest, level, tuple(tiles[n] for n in nest.order))  # not id(nest): ids get reused
         if key not in self.memo:
             self.memo[key] = self._objective(nest, level, tiles)
         return self.memo[key]
@@ -295,21 +295,30 @@ class _Search:
         ext = self.chain.extents
         blocks = {n for opn in nest.ops for n, k in opn.kinds.items() if k is not LoopKind.DERIVED}
         free = [n for n in nest.order if n not in self.fixed and ext[n] > 1 and n in blocks]
+        twins = {u[0]: u[1:] for u in _units(self.chain, free) if len(u) > 1}
+        free = [n for n in free if not any(n in rest for rest in twins.values())]
         cands = {
             n: [t for t in _candidates(ext[n], self.quanta[n]) if t <= upper.get(n, ext[n])]
             or [min(self.quanta[n], upper.get(n, ext[n]))]
             for n in free
         }
         tiles = {n: self.fixed.get(n, ext[n]) for n in nest.order}
+
+        def tied(t: dict[str, int]) -> dict[str, int]:
+            for lead, rest in twins.items():
+                t.update(dict.fromkeys(rest, t[lead]))
+            return t
+
         for n in free:
             tiles[n] = cands[n][0]
+        tiles = tied(tiles)
         best = self.level_objective(nest, level, tiles)
         if best is None:
             return None
         # grow every free tile together while the level still holds the working set
         step = 1
-        while True:
-            trial = {**tiles, **{n: cands[n][min(step, len(cands[n]) - 1)] for n in free}}
+        while step < max(map(len, cands.values()), default=0):  # (was `while True`: could hang)
+            trial = tied({**tiles, **{n: cands[n][min(step, len(cands[n]) - 1)] for n in free}})
             if trial == tiles:
                 break
             score = self.level_objective(nest, level, trial)
@@ -324,7 +333,7 @@ class _Search:
                 for t in cands[n]:
                     if t == tiles[n]:
                         continue
-                    trial = {**tiles, n: t}
+                    trial = tied({**tiles, n: t})
                     score = self.level_objective(nest, level, trial)
                     if score is not None and score < best * (1 - 1e-9):
                         tiles, best, improved = trial, score, True
@@ -345,6 +354,37 @@ class _Search:
         return {name: out[name] for name in reversed(list(out))}
 
 
+def _signature(chain: Chain, loop: str) -> tuple[object, ...]:
+    """How a loop is used, up to which dimension it indexes: equal for twins like a conv's p, q."""
+    ext = chain.extents
+    uses = []
+    for i, op in enumerate(chain.ops):
+        for acc in (*op.reads, op.output):
+            for ix in acc.index:
+                if loop in ix.loops:
+                    partners = tuple(sorted(ext[o] for o, _ in ix.terms if o != loop))
+                    uses.append((i, acc.tensor, ix.coeff(loop), partners, ix.offset))
+    return (ext[loop], tuple(sorted(uses)))
+
+
+def _units(chain: Chain, loops: Sequence[str]) -> list[tuple[str, ...]]:
+    """The loops grouped into twins (same signature: a convolution's p and q), in chain order.
+
+    Swapping twins maps the chain onto itself, so only one order of a pair needs costing, and
+    the pair moves through the prefix together.
+    """
+    units: list[list[str]] = []
+    sigs: list[tuple[object, ...]] = []
+    for loop in loops:
+        sig = _signature(chain, loop)
+        if sig in sigs:
+            units[sigs.index(sig)].append(loop)
+        else:
+            units.append([loop])
+            sigs.append(sig)
+    return [tuple(u) for u in units]
+
+
 def _structures(
     chain: Chain, batch: Sequence[str], taps: Sequence[str]
 ) -> list[tuple[tuple[str, ...], int]]:
@@ -352,14 +392,24 @@ def _structures(
     ext = chain.extents
     others = [n for n in chain.extents if n not in batch and n not in taps and ext[n] > 1]
     trivial = [n for n in chain.extents if n not in batch and n not in taps and ext[n] == 1]
+    legal = []
+    for n in others:  # a loop that cannot be shared alone cannot be shared with others either
+        try:
+            Nest(chain, (*batch, n, *[o for o in chain.extents if o not in batch and o != n]),
+                 len(batch) + 1)  # fmt: skip
+        except ValueError:
+            continue
+        legal.append(n)
+    units = _units(chain, legal)
     out = []
-    for size in range(0, min(MAX_PREFIX, len(others)) + 1):
-        for prefix in itertools.permutations(others, size):
+    for size in range(0, min(MAX_PREFIX, len(units)) + 1):
+        for chosen in itertools.permutations(units, size):
+            prefix = tuple(n for unit in chosen for n in unit)
             rest = [n for n in others if n not in prefix]
             tails = itertools.permutations(rest) if len(rest) <= 3 else [tuple(rest)]
             for tail in tails:
                 order = (*batch, *prefix, *tail, *taps, *trivial)
-                out.append((order, len(batch) + size))
+                out.append((order, len(batch) + len(prefix)))
     return out
 
 
@@ -399,9 +449,11 @@ def plan(
     scored: list[tuple[float, Nest]] = []
     if fuse is not False:
         candidates = _structures(chain, batch, taps) if structures is None else structures
+        memos: dict[frozenset[str], dict[tuple[object, ...], int]] = {}
         for order, depth in candidates:
+            memo = memos.setdefault(frozenset(order[:depth]), {})
             try:
-                nest = Nest(chain, order, depth)
+                nest = Nest(chain, order, depth, memo=memo)
             except ValueError:
                 continue  # illegal prefix (a producer's reduction or a windowed loop)
             sig = nest.signature()
@@ -421,7 +473,7 @@ def plan(
     for _, nest in scored:
         if tried == SCREENED:
             break
-        tiles_all = search.all_levels(nest)
+        tiles_all = search.all_levels(nest, rounds=2 if nest.plain else 1)
         if tiles_all is None:
             continue
         tried += 1
@@ -497,7 +549,7 @@ def _unfused(
     for head in itertools.permutations(spatial, min(1, len(spatial))):
         order = (*batch, *head, *[n for n in spatial if n not in head], *red, *taps)
         nest = Nest(chain, order, 0, fused=False)
-        tiles = search.all_levels(nest, rounds=1)
+        tiles = search.all_levels(nest, rounds=0)
         if tiles is None:
             continue
         lead = tuple(n for n in (*batch, *head) if n not in reductions)

@@ -52,8 +52,8 @@ def _region(acc: Access, ranges: Mapping[str, Interval], shape: tuple[int, ...])
         lo = hi = ix.offset
         for loop, c in ix.terms:
             a, b = ranges[loop]
-            lo += min(c * a, c * b)
-            hi += max(c * a, c * b)
+            lo += c * a if c > 0 else c * b  # not min/max: an empty [a, b] (a > b) stays empty
+            hi += c * b if c > 0 else c * a
         out.append((max(lo, 0), min(hi, size - 1)))
     return tuple(out)
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chainfuse.codegen.writer import Writer
-from chainfuse.ir import Activation, Chain, Contraction, Pointwise, Softmax
+from chainfuse.ir import Activation, Chain, Contraction, MaskKind, Pointwise, Softmax
 from chainfuse.kernels import MicroKernel, emit_with_packing
 
-__all__ = ["Epilogue", "GemmChainSpec", "emit_gemm_chain", "match_gemm_chain"]
+__all__ = ["Epilogue", "GemmChainShape", "GemmChainSpec", "emit_gemm_chain", "match_gemm_chain"]
 
 MAX_BATCH = 2  # batch loops the kernel takes (attention: batch and heads)
 
@@ -57,11 +57,15 @@ class GemmChainSpec:
     T_K: int
     T_N: int
     kernel: MicroKernel
+    mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
+    causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
 
     @property
     def name(self) -> str:
         word = {Epilogue.NONE: "gemm", Epilogue.RELU: "gemm_relu", Epilogue.GELU: "gemm_gelu",
                 Epilogue.SOFTMAX: "gemm_softmax"}[self.epilogue]  # fmt: skip
+        word += "_causal" if self.causal else ""
+        word += "" if self.mask is MaskKind.NONE else f"_{self.mask.value}mask"
         key = f"{self}".encode()
         return (
             f"{word}_gemm_f32_tm{self.T_M}tl{self.T_L}tk{self.T_K}tn{self.T_N}_"
@@ -69,9 +73,20 @@ class GemmChainSpec:
         )
 
 
-def match_gemm_chain(
-    chain: Chain,
-) -> tuple[tuple[str, ...], tuple[str, str, str, str], bool, Epilogue]:
+@dataclass(frozen=True)
+class GemmChainShape:
+    """What `match_gemm_chain` recognised in a chain."""
+
+    batch: tuple[str, ...]
+    tensors: tuple[str, str, str, str]  # A, B, D, E
+    b_transposed: bool
+    epilogue: Epilogue
+    mask: MaskKind = MaskKind.NONE
+    mask_tensor: str | None = None
+    causal: bool = False
+
+
+def match_gemm_chain(chain: Chain) -> GemmChainShape:
     """Recognise `E = f(A . B) . D`; raise ValueError saying what does not fit."""
     ops = chain.ops
     contractions = [op for op in ops if isinstance(op, Contraction)]
@@ -85,8 +100,6 @@ def match_gemm_chain(
     if middle:
         op = middle[0]
         if isinstance(op, Softmax):
-            if op.mask is not None or op.causal:
-                raise ValueError(f"{chain.name}: masked or causal softmax is not supported yet")
             epilogue = Epilogue.SOFTMAX
         elif isinstance(op, Pointwise) and op.fn in (Activation.RELU, Activation.GELU):
             epilogue = Epilogue.RELU if op.fn is Activation.RELU else Epilogue.GELU
@@ -121,7 +134,25 @@ def match_gemm_chain(
         transposed = True
     else:
         raise ValueError(f"{chain.name}: {b} should be indexed [{batch}, k, l] or [{batch}, l, k]")
-    return tuple(batch), (a.tensor, b.tensor, d.tensor, e.tensor), transposed, epilogue
+    shape = GemmChainShape(tuple(batch), (a.tensor, b.tensor, d.tensor, e.tensor), transposed,
+                           epilogue)  # fmt: skip
+    soft = middle[0] if middle and isinstance(middle[0], Softmax) else None
+    if soft is None:
+        return shape
+    if soft.axis != l:
+        raise ValueError(f"{chain.name}: the softmax must run over {l!r}, the second GEMM's sum")
+    if soft.causal and soft.row != m:
+        raise ValueError(f"{chain.name}: causal masking must compare {l!r} with {m!r}")
+    if soft.mask is not None:
+        allowed = (*batch, m, l)
+        if any(ix.loops and ix.loops[0] not in allowed for ix in soft.mask.index):
+            raise ValueError(f"{chain.name}: mask {soft.mask} uses loops outside {allowed}")
+    return replace(
+        shape,
+        mask=soft.mask_kind,
+        mask_tensor=None if soft.mask is None else soft.mask.tensor,
+        causal=soft.causal,
+    )
 
 
 _MATH = r"""
@@ -214,8 +245,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     with w.block(
         f"void {name}(const float* restrict A, const float* restrict B,\n"
         f"    const float* restrict D, float* restrict E, const long* sizes,\n"
-        f"    const long* strides, float scale, float* restrict work, long work_per_thread,\n"
-        f"    int nthreads)"
+        f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
+        f"    float* restrict work, long work_per_thread, int nthreads)"
     ):
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
         w.line("const long K = sizes[4], L = sizes[5];")
@@ -229,6 +260,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long blocks = nb0 * nb1 * mblocks;")
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
         w.line("(void)scale;")
+        w.line("/* mask strides (elements, 0 where it broadcasts): batch0, batch1, m, l */")
+        w.line("const long sM0 = mask_strides[0], sM1 = mask_strides[1];")
+        w.line("const long sMm = mask_strides[2], sMl = mask_strides[3];")
+        w.line("(void)mask_data; (void)sM0; (void)sM1; (void)sMm; (void)sMl;")
         w.line("/* one iteration per thread, so its index names its workspace: no omp.h needed */")
         w.line("#pragma omp parallel for schedule(static, 1) num_threads(nthreads)")
         with w.block("for (int t = 0; t < nthreads; ++t)"):
@@ -264,6 +299,12 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const float* restrict B_b = B + b0 * sB0 + b1 * sB1;")
     w.line("const float* restrict D_b = D + b0 * sD0 + b1 * sD1;")
     w.line("float* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
+    if spec.mask is MaskKind.ADDITIVE:
+        w.line("const float* mask_b = (const float*)mask_data + b0 * sM0 + b1 * sM1;")
+    elif spec.mask is MaskKind.BOOL:
+        w.line(
+            "const unsigned char* mask_b = (const unsigned char*)mask_data + b0 * sM0 + b1 * sM1;"
+        )
     with w.block("if (TK == K)"):
         w.line("/* k in one block: Aᵀ is packed once for the whole row block */")
         _pack_at(w, uk, "0", "(int)K")
@@ -271,8 +312,11 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (int i = 0; i < MPN; ++i)"):
             w.line("col_max[i] = -INFINITY;")
             w.line("col_sum[i] = 0.0f;")
-    with w.block("for (long l0 = 0; l0 < L; l0 += T_L)"):
-        w.line("const int lc = (int)(L - l0 < T_L ? L - l0 : T_L);")
+    # causal: key blocks wholly after the block's last query are all masked, so they are skipped
+    bound = "L < m0 + mc ? L : m0 + mc" if spec.causal else "L"
+    w.line(f"const long l_end = {bound};")
+    with w.block("for (long l0 = 0; l0 < l_end; l0 += T_L)"):
+        w.line("const int lc = (int)(l_end - l0 < T_L ? l_end - l0 : T_L);")
         w.line("/* op1: Pᵀ[lc x mc] = Bᵀ[l_o, :] . Aᵀ[:, m_o], over k blocks */")
         with w.block("for (long k0 = 0; k0 < K; k0 += TK)"):
             w.line("const int kc = (int)(K - k0 < TK ? K - k0 : TK);")
@@ -351,10 +395,24 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
         w.line("float* restrict csum = col_sum + j * NR;")
         w.line("float mx[NR], shift[NR], alpha[NR], sum[NR];")
         w.line("for (int c = 0; c < NR; ++c) mx[c] = -INFINITY;")
+        masked = spec.mask is not MaskKind.NONE or spec.causal
+        if masked:
+            w.line("/* the query (m) of each column; padding columns reuse the last valid one */")
+            w.line("long q[NR];")
+            w.line(
+                "for (int c = 0; c < NR; ++c) q[c] = m0 + (j * NR + c < mc ? j * NR + c : mc - 1);"
+            )
         with w.block("for (int r = 0; r < lc; ++r)"):
-            w.line("#pragma omp simd")
+            if not masked:
+                w.line("#pragma omp simd")
             with w.block("for (int c = 0; c < NR; ++c)"):
-                w.line("const float v = p[r * NR + c] * scale;")
+                w.line("float v = p[r * NR + c] * scale;")
+                if spec.mask is MaskKind.ADDITIVE:
+                    w.line("v += mask_b[q[c] * sMm + (l0 + r) * sMl];")
+                elif spec.mask is MaskKind.BOOL:
+                    w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
+                if spec.causal:
+                    w.line("v = l0 + r > q[c] ? -INFINITY : v;")
                 w.line("p[r * NR + c] = v;")
                 w.line("mx[c] = v > mx[c] ? v : mx[c];")
         with w.block("for (int c = 0; c < NR; ++c)"):

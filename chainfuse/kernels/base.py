@@ -179,6 +179,12 @@ def pack_a(kernel: MicroKernel, *, transposed: bool = False) -> str:
 static inline void {name}_pack_at(int kc, int m, const float* restrict At, long ldat,
                                   float* restrict Ap)
 {{
+    if (m == {mr}) {{ /* the common, whole sliver: straight copies the compiler vectorises */
+        for (int p = 0; p < kc; ++p) {{
+            for (int i = 0; i < {mr}; ++i) Ap[(long)p * {mr} + i] = At[p * ldat + i];
+        }}
+        return;
+    }}
     for (int p = 0; p < kc; ++p) {{
         for (int i = 0; i < {mr}; ++i) {{
             Ap[(long)p * {mr} + i] = i < m ? At[p * ldat + i] : 0.0f;
@@ -191,9 +197,12 @@ static inline void {name}_pack_at(int kc, int m, const float* restrict At, long 
 static inline void {name}_pack_a(int kc, int m, const float* restrict A, long lda,
                                  float* restrict Ap)
 {{
-    for (int p = 0; p < kc; ++p) {{
-        for (int i = 0; i < {mr}; ++i) {{
-            Ap[(long)p * {mr} + i] = i < m ? A[i * lda + p] : 0.0f;
+    for (int i = 0; i < {mr}; ++i) {{ /* row by row: contiguous reads, one strided write stream */
+        const float* restrict row = A + i * lda;
+        if (i < m) {{
+            for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = row[p];
+        }} else {{
+            for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = 0.0f;
         }}
     }}
 }}
@@ -216,8 +225,10 @@ static inline void {name}_pack_bt(int kc, int n, const float* restrict Bt, long 
 {{
     for (int j = 0; j < {nr}; ++j) {{
         const float* restrict col = Bt + j * ldbt;
-        for (int p = 0; p < kc; ++p) {{
-            Bp[(long)p * {nr} + j] = j < n ? col[p] : 0.0f;
+        if (j < n) {{
+            for (int p = 0; p < kc; ++p) Bp[(long)p * {nr} + j] = col[p];
+        }} else {{
+            for (int p = 0; p < kc; ++p) Bp[(long)p * {nr} + j] = 0.0f;
         }}
     }}
 }}

@@ -1,0 +1,35 @@
+"""PyTorch integration: the only module of chainfuse that needs torch (imported lazily)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chainfuse import ops
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    attn_mask: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Any:
+    """`torch.nn.functional.scaled_dot_product_attention` semantics (inference, no dropout).
+
+    As in PyTorch, an explicit `attn_mask` together with `is_causal=True` is an error, a boolean
+    mask marks the positions that take part, and a float mask is added to the scores.
+    """
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask: must be None when is_causal=True (as in PyTorch's SDPA)")
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32):
+        raise TypeError(f"attn_mask: expected dtype bool or float32, got {attn_mask.dtype}")
+    with torch.no_grad():
+        return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
