@@ -19,10 +19,13 @@ from chainfuse.ir import Activation, Chain
 __all__ = ["attention", "gemm_chain"]
 
 
-def _shape(name: str, x: Any) -> tuple[int, ...]:
+def _shape(name: str, x: Any, float32: bool = True) -> tuple[int, ...]:
+    """The argument's shape; errors use the caller's argument names."""
     shape = getattr(x, "shape", None)
     if shape is None:
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+    if float32 and str(x.dtype) not in ("float32", "torch.float32"):
+        raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
     return tuple(int(s) for s in shape)
 
 
@@ -95,7 +98,7 @@ def attention(
     mask_kind = None
     mask_shape = None
     if attn_mask is not None:
-        mask_shape = _shape("attn_mask", attn_mask)
+        mask_shape = _shape("attn_mask", attn_mask, float32=False)
         dtype = str(getattr(attn_mask, "dtype", ""))
         mask_kind = "bool" if dtype in ("bool", "torch.bool") else "additive"
         if flat and len(mask_shape) == 3:  # [batch, seq_q, seq_k] masks of 3-D inputs

@@ -1,0 +1,123 @@
+"""Fused attention against the float64 reference and against PyTorch's SDPA in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import chainfuse
+from chainfuse import reference
+from chainfuse.bench import workloads
+from chainfuse.compiler import compile
+
+SEQ = st.one_of(st.sampled_from([1, 7, 17, 63, 65, 129, 131]), st.integers(1, 200))
+HEAD = st.sampled_from([1, 16, 40, 59, 64, 80, 96, 111, 160])
+TILES = st.sampled_from([None, {"m": 16, "l": 6, "k": 7, "n": 6}, {"m": 48, "l": 30}])
+MASK = st.sampled_from([None, "bool", "additive"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 2),
+    sq=SEQ,
+    sk=SEQ,
+    dqk=HEAD,
+    dv=HEAD,
+    causal=st.booleans(),
+    mask=MASK,
+    broadcast=st.booleans(),
+    tiles=TILES,
+)
+def test_attention_matches_reference(
+    b: int, h: int, sq: int, sk: int, dqk: int, dv: int, causal: bool, mask: str | None,
+    broadcast: bool, tiles: dict[str, int] | None,
+) -> None:  # fmt: skip
+    shape = (1, sq, sk) if broadcast else None
+    chain = chainfuse.attention_chain(b, h, sq, sk, dqk, dv, causal=causal, mask=mask,
+                                      mask_shape=shape if mask else None)  # fmt: skip
+    inputs = reference.random_inputs(chain, seed=sq * 7 + sk)
+    out = compile(chain, tiles=tiles)(*[inputs[t.name] for t in chain.inputs])
+    reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
+
+
+@pytest.mark.parametrize("name", ["bert-small", "vit-base-16"])
+def test_paper_workloads_as_attention(name: str) -> None:
+    w = workloads.find(name)
+    assert isinstance(w, workloads.GemmWorkload)
+    chain = chainfuse.attention_chain(1, w.batch, w.M, w.L, w.K, w.N)
+    inputs = reference.random_inputs(chain)
+    out = compile(chain)(*[inputs[t.name] for t in chain.inputs])
+    reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
+
+
+def test_fully_masked_rows_give_zeros_like_pytorch() -> None:
+    torch = pytest.importorskip("torch")
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g) for _ in range(3))
+    mask = torch.ones(9, 9, dtype=torch.bool)
+    mask[4] = False  # query 4 sees no key
+    ours = cft.attention(q, k, v, attn_mask=mask)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(ours[:, :, 4], torch.zeros_like(ours[:, :, 4]))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive", "scale", "3d"])
+def test_torch_attention_matches_sdpa_in_float64(kind: str) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(1)
+    B, H, L, S, E, Ev = 2, 3, 65, 47, 40, 59
+    q, k, v = torch.randn(B, H, L, E, generator=g), torch.randn(B, H, S, E, generator=g), \
+        torch.randn(B, H, S, Ev, generator=g)  # fmt: skip
+    kw: dict[str, object] = {}
+    if kind == "causal":
+        kw["is_causal"] = True
+    elif kind == "bool":
+        kw["attn_mask"] = torch.rand(L, S, generator=g) > 0.3
+    elif kind == "additive":
+        kw["attn_mask"] = torch.randn(B, 1, L, S, generator=g)
+    elif kind == "scale":
+        kw["scale"] = 0.3
+    elif kind == "3d":
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    ours = cft.attention(q, k, v, **kw)  # type: ignore[arg-type]
+    kw64 = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+            for n, x in kw.items()}  # fmt: skip
+    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw64)  # type: ignore[arg-type]
+    chain = chainfuse.attention_chain(B, H, L, S, E, Ev)
+    reference.assert_close(ours.double().numpy(), theirs.numpy(), chain)
+
+
+def test_large_magnitudes_stay_finite() -> None:
+    chain = chainfuse.attention_chain(1, 1, 33, 65, 16, 8)
+    inputs = reference.random_inputs(chain, scale=1e4)
+    out = compile(chain)(inputs["Q"], inputs["K"], inputs["V"])
+    assert np.isfinite(out).all()
+    # with scores ~1e8 the softmax is one-hot: each output row is a row of V
+    v_rows = inputs["V"][0, 0]
+    for row in out[0, 0]:
+        assert np.min(np.abs(v_rows - row).max(axis=1)) < 1e-3 * np.abs(v_rows).max()
+
+
+def test_attention_argument_errors() -> None:
+    torch = pytest.importorskip("torch")
+    import chainfuse.torch as cft
+
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="attn_mask: must be None when is_causal=True"):
+        cft.attention(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="k: expected head dim 8"):
+        chainfuse.ops.attention(q, torch.randn(1, 2, 5, 7), q)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        chainfuse.ops.attention(q, q, q, attn_mask=torch.ones(3, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="q: expected dtype float32"):
+        chainfuse.ops.attention(q.double(), q, q)
