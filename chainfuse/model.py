@@ -479,7 +479,7 @@ def level_cost(nest: Nest, tiles: Mapping[str, int]) -> LevelCost:
             item = chain.tensor(acc.tensor).dtype.itemsize
             if acc.tensor in nest.intermediate:
                 continue
-            held += _footprint(nest, opn.index, acc, tiles, whole_prefix=False) * item
+            held += int(_footprint(nest, opn.index, acc, tiles, whole_prefix=False)) * item
             infl = {n for n in nest._influencing(opn, acc) if _moves(nest, n, tiles)}
             star = max((i for i, n in enumerate(opn.enclosing) if n in infl), default=-1)
             mult = 1
@@ -487,15 +487,15 @@ def level_cost(nest: Nest, tiles: Mapping[str, int]) -> LevelCost:
                 if n not in infl:
                     mult *= _trips(nest.extents[n], tiles.get(n, nest.extents[n]))
             region = _region_sum(nest, opn.index, acc, tiles, opn.enclosing[: star + 1])
-            moved.append((opn.index, acc.tensor, region * mult * item))
+            moved.append((opn.index, acc.tensor, int(region * mult * item)))
         for name in live[opn.index]:
             producer = chain.producer(name)
             assert producer is not None
             pi = chain.ops.index(producer)
             item = chain.tensor(name).dtype.itemsize
-            held += _footprint(nest, pi, producer.output, tiles, whole_prefix=True) * item
+            held += int(_footprint(nest, pi, producer.output, tiles, whole_prefix=True)) * item
         used = max(used, held)
-        flops.append(_op_flops(nest, opn, op, tiles))
+        flops.append(int(_op_flops(nest, opn, op, tiles)))
     return LevelCost(tuple(moved), used, tuple(flops))
 
 
@@ -671,7 +671,7 @@ def estimate(
         )
     for i, f in enumerate(op_flops):
         op_time[i][0] = f / peak * imbalance
-    compute = sum(op_flops) / peak * imbalance
+    compute = sum(parts[0] for parts in op_time)
     if nest.fused:
         time = max([compute, *(t for _, t in mem)])
     else:

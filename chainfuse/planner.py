@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from chainfuse.hardware import Hardware, resolve
+from chainfuse.hardware import Hardware, MemoryLevel, resolve
 from chainfuse.ir import Chain, Contraction, Role
 from chainfuse.model import Cost, LoopKind, Nest, estimate, level_cost
 
@@ -265,6 +265,7 @@ class _Search:
     quanta: dict[str, int]
     fixed: dict[str, int]  # loops whose tile never changes (batch: 1, taps: whole)
     evaluations: int = 0
+    too_small: MemoryLevel | None = None  # the last level no tiles fitted, for the error
     memo: dict[tuple[Nest, int, tuple[int, ...]], float | None] = field(default_factory=dict)
 
     def capacity(self, level: int) -> float:
@@ -348,6 +349,7 @@ class _Search:
         for level in range(len(self.hw.levels) - 2, -1, -1):
             tiles = self.tiles_for(nest, level, upper, rounds)
             if tiles is None:
+                self.too_small = self.hw.levels[level]
                 return None
             out[self.hw.levels[level].name] = tiles
             upper = tiles
@@ -484,10 +486,10 @@ def plan(
     unfused = _unfused(chain, search, batch, taps, hw, nthreads)
     considered = len(seen) + 1
     if unfused is None and best is None:
-        smallest = min(lv.capacity for lv in hw.levels[:-1])
+        lv = search.too_small or hw.levels[0]
         raise PlanningError(
             f"no plan of {chain.name} fits {hw.name}: its smallest tiles need more than "
-            f"{USABLE:.0%} of a {smallest}-byte level"
+            f"{USABLE:.0%} of level {lv.name} ({lv.capacity}-byte capacity)"
         )
     use_fused = best is not None and (
         fuse is True or unfused is None or best[0].time_s <= unfused[0].time_s

@@ -173,8 +173,14 @@ def simulate(
     policy: Literal["ideal", "lru"] = "ideal",
 ) -> dict[str, int]:
     """Bytes read from each level (keys as in `plan.predicted_bytes`) by executing the plan."""
-    from chainfuse.hardware import resolve
+    from chainfuse.hardware import presets, resolve
 
+    if hardware is None and plan.hardware not in presets():
+        hardware = resolve(None)  # a plan for the detected host
+        if hardware.name != plan.hardware:
+            raise ValueError(
+                f"hardware: the plan was made for {plan.hardware!r}; pass that Hardware"
+            )
     hw = resolve(hardware if hardware is not None else plan.hardware)
     out: dict[str, int] = {}
     levels = list(hw.levels)

@@ -353,11 +353,11 @@ def test_inputs_are_checked() -> None:
     good = reference.random_inputs(chain)
     with pytest.raises(ValueError, match=r"'K'.*\(1, 2, 4, 5\).*\(1, 2, 5, 4\)"):
         reference.run(chain, good | {"K": np.zeros((1, 2, 5, 4))})
-    with pytest.raises(ValueError, match="'V'.*missing"):
+    with pytest.raises(ValueError, match=r"'V'.*missing"):
         reference.run(chain, {k: v for k, v in good.items() if k != "V"})
     with pytest.raises(ValueError, match="'P'"):
         reference.run(chain, good | {"P": np.zeros((1, 2, 3, 4))})
-    with pytest.raises(ValueError, match="'mask'.*bool"):
+    with pytest.raises(ValueError, match=r"'mask'.*bool"):
         reference.run(chain, good | {"mask": good["mask"].astype(np.float32)})
 
 

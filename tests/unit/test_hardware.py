@@ -245,7 +245,7 @@ def _fake_host(root: Path) -> None:
         index = cpu0 / "cache" / f"index{i}"
         index.mkdir(parents=True)
         for name, text in zip(
-            ("level", "type", "size", "shared_cpu_list"), (level, kind, size, users)
+            ("level", "type", "size", "shared_cpu_list"), (level, kind, size, users), strict=True
         ):
             (index / name).write_text(text + "\n")
 

@@ -265,7 +265,7 @@ def test_gemm_chain_bad_sizes_name_the_argument(position: int, bad: object) -> N
         ("seq_k", 1.5),
         ("head_dim_qk", 0),
         ("head_dim_v", -2),
-    ],  # fmt: skip
+    ],
 )
 def test_attention_bad_sizes_name_the_argument(name: str, bad: object) -> None:
     args = dict(batch=1, heads=2, seq_q=3, seq_k=4, head_dim_qk=5, head_dim_v=6)
@@ -350,7 +350,7 @@ SIZES = dict(b=2, m=3, k=4, l=5, n=6)
             ("bmk,bkl->bml", "bml,bln->bmn"),
             {k: v for k, v in SIZES.items() if k != "n"},
             "no size given for index 'n'",
-        ),  # fmt: skip
+        ),
         (("bmk,bkl->bml", "bml,bln->bmn"), {**SIZES, "z": 3}, "index 'z' appears in no equation"),
         (("bmk,bkl->bml", "bml,bln->bmn"), {**SIZES, "k": 0}, r"sizes\['k'\] must be a positive"),
         (("bmk,bkl->bml",), SIZES, "2 to 4 equations, got 1"),

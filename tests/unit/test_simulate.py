@@ -3,10 +3,18 @@
 With the ideal policy (one buffer per operand: the working set the plan assumes) the model's
 bytes and flops must equal the simulator's exactly, for every legal order, depth and tile choice,
 tails and halos included; and nothing moves less than the compulsory bytes.
+
+Known gap (reported, see the xfail tests at the end): the model charges a reload on every tile
+of the loop that moves an access even where the clipped region is the same as the last one the
+buffer held (a window tap tiled so that `p + r` repeats, or a halo that covers a whole small
+dimension); the simulator does not reload those. So for convolutions the property is exact
+where neither can happen (no padding, window taps whole: what the planner chooses for taps) and
+the model is an upper bound elsewhere.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -50,7 +58,7 @@ def attention_chains(draw: st.DrawFn) -> Chain:
 
 
 @st.composite
-def conv_chains(draw: st.DrawFn) -> Chain:
+def conv_chains(draw: st.DrawFn, padded: bool = True) -> Chain:
     args = dict(
         N=draw(st.integers(1, 2)), C=draw(st.integers(1, 6)), H=draw(st.integers(1, 12)),
         W=draw(st.integers(1, 12)), K1=draw(st.integers(1, 6)), K2=draw(st.integers(1, 6)),
@@ -58,7 +66,7 @@ def conv_chains(draw: st.DrawFn) -> Chain:
     r1, r2 = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 3]))
     s1, s2 = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 3]))
     stride = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
-    padding = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    padding = (draw(st.integers(0, 2)), draw(st.integers(0, 2))) if padded else (0, 0)
     between = draw(st.sampled_from([None, "relu"]))
     try:
         return conv_chain_spec(args["N"], args["C"], args["H"], args["W"], args["K1"], r1, s1,
@@ -92,14 +100,25 @@ def schedules(draw: st.DrawFn, chain: Chain) -> tuple[tuple[str, ...], int]:
     return order, depth
 
 
+TAPS = ("r1", "s1", "r2", "s2")
+
+
 @st.composite
-def tile_choices(draw: st.DrawFn, chain: Chain) -> dict[str, int]:
-    """A tile in 1..extent per loop, with the product of trips kept under BLOCK_BUDGET."""
-    budget = BLOCK_BUDGET
+def tile_choices(
+    draw: st.DrawFn, chain: Chain, budget: int = BLOCK_BUDGET, whole_taps: bool | None = None
+) -> dict[str, int]:
+    """A tile in 1..extent per loop, with the product of trips kept under `budget`.
+
+    `whole_taps` keeps a convolution's window taps untiled (as the planner does); None draws it."""
+    if whole_taps is None:
+        whole_taps = draw(st.booleans())
     tiles = {}
     names = list(chain.extents)
     for name in draw(st.permutations(names)):
         extent = chain.extents[name]
+        if whole_taps and name in TAPS:
+            tiles[name] = extent
+            continue
         smallest = -(-extent // max(1, budget))
         tile = draw(st.integers(smallest, extent))
         tiles[name] = tile
@@ -107,32 +126,68 @@ def tile_choices(draw: st.DrawFn, chain: Chain) -> dict[str, int]:
     return tiles
 
 
-def _check_fused(data: st.DataObject, chain: Chain) -> None:
+def _exact(chain: Chain, tiles: dict[str, int]) -> bool:
+    """Where the model must equal the simulator: every chain but a convolution with padding or
+    with a window tap split into several tiles (see the module docstring)."""
+    if not any(t in chain.extents for t in TAPS):
+        return True
+    padded = any(acc.zero_pad for op in chain.ops for acc in op.reads)
+    return not padded and all(tiles[t] >= chain.extents[t] for t in TAPS)
+
+
+def _fully_read(chain: Chain) -> bool:
+    """Every element of every intermediate is read by its consumer (else a fused chain computes,
+    and reads inputs for, only part of it, which `compulsory_bytes` does not know)."""
+    ext = chain.extents
+    for t in chain.intermediates:
+        for op in chain.consumers(t.name):
+            acc = next(a for a in op.reads if a.tensor == t.name)
+            for ix, size in zip(acc.index, t.shape, strict=True):
+                values = {ix.offset + sum(c * v for (_, c), v in zip(ix.terms, combo, strict=True))
+                          for combo in itertools.product(*(range(ext[n]) for n in ix.loops))}  # fmt: skip
+                if not set(range(size)) <= values:
+                    return False
+    return True
+
+
+def _check_fused(
+    data: st.DataObject, chain: Chain, budget: int = BLOCK_BUDGET, whole_taps: bool | None = None
+) -> None:
     order, depth = data.draw(schedules(chain), label="schedule")
     try:
         nest = Nest(chain, order, depth)
     except ValueError:
         assume(False)
         raise
-    tiles = data.draw(tile_choices(chain), label="tiles")
+    tiles = data.draw(tile_choices(chain, budget, whole_taps), label="tiles")
     cost = level_cost(nest, tiles)
     sim = simulate_level(chain, order, depth, tiles)
-    assert cost.total == sim.bytes, (cost.by_tensor(), sim)
     assert cost.flops == sim.flops, (cost.op_flops, sim)
-    assert cost.total >= compulsory_bytes(chain)
-    assert cost.flops >= chain.flops()
+    if _exact(chain, tiles):
+        assert cost.total == sim.bytes, (cost.by_tensor(), sim)
+    else:
+        assert cost.total >= sim.bytes, (cost.by_tensor(), sim)
+    if _fully_read(chain):
+        assert cost.total >= compulsory_bytes(chain)
+        assert cost.flops >= chain.flops()
     assert cost.used > 0
 
 
-def _check_unfused(data: st.DataObject, chain: Chain) -> None:
+def _check_unfused(
+    data: st.DataObject, chain: Chain, budget: int = BLOCK_BUDGET, whole_taps: bool | None = None
+) -> None:
     order = tuple(data.draw(st.permutations(list(chain.extents)), label="order"))
     nest = Nest(chain, order, 0, fused=False)
-    tiles = data.draw(tile_choices(chain), label="tiles")
+    tiles = data.draw(tile_choices(chain, budget, whole_taps), label="tiles")
     cost = level_cost(nest, tiles)
     sim = simulate_level(chain, order, 0, tiles, fused=False)
-    assert cost.total == sim.bytes, (cost.by_tensor(), sim)
+    if _exact(chain, tiles):
+        assert cost.total == sim.bytes, (cost.by_tensor(), sim)
+    else:
+        assert cost.total >= sim.bytes, (cost.by_tensor(), sim)
     assert cost.flops == sim.flops == chain.flops()
-    intermediates = sum(2 * t.nbytes for t in chain.intermediates)  # written once, read once
+    # every intermediate is written once, and read once unless a strided consumer skips some
+    intermediates = sum(t.nbytes for t in chain.intermediates) * (2 if _fully_read(chain) else 1)
     assert cost.total >= compulsory_bytes(chain) + intermediates
 
 
@@ -160,16 +215,27 @@ def test_attention_unfused_model_equals_simulator(chain: Chain, data: st.DataObj
     _check_unfused(data, chain)
 
 
-@PROPERTY
-@given(chain=conv_chains(), data=st.data())
-def test_conv_model_equals_simulator(chain: Chain, data: st.DataObject) -> None:
-    _check_fused(data, chain)
+CONV_BUDGET = 120  # a conv block costs more to simulate and to cost than a GEMM block
 
 
 @PROPERTY
 @given(chain=conv_chains(), data=st.data())
-def test_conv_unfused_model_equals_simulator(chain: Chain, data: st.DataObject) -> None:
-    _check_unfused(data, chain)
+def test_conv_model_bounds_simulator(chain: Chain, data: st.DataObject) -> None:
+    _check_fused(data, chain, CONV_BUDGET)
+
+
+@PROPERTY
+@given(chain=conv_chains(), data=st.data())
+def test_conv_unfused_model_bounds_simulator(chain: Chain, data: st.DataObject) -> None:
+    _check_unfused(data, chain, CONV_BUDGET)
+
+
+@PROPERTY
+@given(chain=conv_chains(padded=False), data=st.data(), fused=st.booleans())
+def test_conv_model_equals_simulator(chain: Chain, data: st.DataObject, fused: bool) -> None:
+    """No padding and whole taps: every tile's region is distinct and unclipped, so exact."""
+    check = _check_fused if fused else _check_unfused
+    check(data, chain, CONV_BUDGET, whole_taps=True)
 
 
 # -- LRU ------------------------------------------------------------------------------------------
@@ -184,14 +250,16 @@ def test_lru_never_beats_compulsory(chain: Chain, data: st.DataObject) -> None:
     except ValueError:
         assume(False)
         raise
-    tiles = data.draw(tile_choices(chain), label="tiles")
+    conv = "r1" in chain.extents
+    tiles = data.draw(tile_choices(chain, CONV_BUDGET if conv else BLOCK_BUDGET), label="tiles")
     ideal = simulate_level(chain, order, depth, tiles)
     used = level_cost(nest, tiles).used
     capacity = data.draw(
         st.sampled_from([1, used // 2 or 1, used, 4 * used, INFINITE]), label="cap"
     )
     lru = simulate_level(chain, order, depth, tiles, policy="lru", capacity=capacity)
-    assert lru.bytes >= compulsory_bytes(chain)
+    if _fully_read(chain):
+        assert lru.bytes >= compulsory_bytes(chain)
     assert lru.flops == ideal.flops and lru.blocks == ideal.blocks
     if capacity == INFINITE:  # every distinct tile comes in once; the ideal buffers reload
         assert lru.bytes <= ideal.bytes
@@ -231,3 +299,41 @@ def test_lru_small_cache_thrashes() -> None:
     big = simulate_level(chain, order, 3, tiles, policy="lru", capacity=INFINITE)
     assert big.bytes == compulsory_bytes(chain) < ideal.bytes <= tiny.bytes
     assert math.isclose(ideal.bytes, level_cost(Nest(chain, order, 3), tiles).total)
+
+
+# -- known gaps between the model and the simulator (reported; remove the xfail when fixed) ------
+
+
+@pytest.mark.xfail(strict=True, reason="model reloads a tiled tap's window although p+r repeats")
+def test_model_reload_when_tap_window_repeats() -> None:
+    # Z[p2 + r2] with r2 tiled by 1 outside p2 (2 tiles): blocks (r2=0, p2=1) and (r2=1, p2=0)
+    # read the same rows of Z, so the simulator keeps the buffer; the model reloads it.
+    chain = conv_chain_spec(1, 3, 8, 11, 1, 1, 1, 3, 3, 1, stride=(2, 1), between="relu")
+    order = ("s2", "k1", "s1", "q2", "r2", "r1", "p2", "p1", "q1", "n", "k2", "c")
+    tiles = {"n": 1, "k2": 3, "p2": 1, "q2": 3, "k1": 1, "p1": 4, "q1": 5, "c": 2, "r1": 1,
+             "s1": 1, "r2": 1, "s2": 1}  # fmt: skip
+    cost = level_cost(Nest(chain, order, 0, fused=False), tiles)
+    sim = simulate_level(chain, order, 0, tiles, fused=False)
+    assert cost.total == sim.bytes  # model 1800, simulator 1752 (Z: 240 vs 192)
+
+
+@pytest.mark.xfail(strict=True, reason="model reloads a clipped halo region that did not change")
+def test_model_reload_when_clipped_halo_repeats() -> None:
+    # A 3x3 (pad 1) conv over a 2-row input: both p1 tiles read rows [0, 1] of X.
+    chain = conv_chain_spec(1, 1, 2, 2, 1, 3, 3, 1, 1, 1, padding=(1, 0))
+    order = tuple(chain.extents)
+    tiles = {**chain.extents, "p1": 1}
+    cost = level_cost(Nest(chain, order, 0, fused=False), tiles)
+    sim = simulate_level(chain, order, 0, tiles, fused=False)
+    assert cost.total == sim.bytes  # model 120, simulator 104 (X: 32 vs 16)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="compulsory_bytes counts inputs a strided consumer never needs"
+)
+def test_compulsory_bytes_of_a_strided_second_conv() -> None:
+    # A 1x1 stride-2 second conv reads a quarter of Y1, so the fused chain needs 7x7 of X's 8x8.
+    chain = conv_chain_spec(1, 4, 8, 8, 4, 1, 1, 4, 1, 1, stride=(1, 2))
+    assert not _fully_read(chain)
+    nest = Nest(chain, tuple(chain.extents), 0)
+    assert level_cost(nest, chain.extents).total >= compulsory_bytes(chain)  # 1168 < 1408
