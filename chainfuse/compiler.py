@@ -12,6 +12,10 @@ without a copy; anything else is an error naming the tensor (never a silent copy
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -20,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from chainfuse import config
 from chainfuse.codegen.c import GemmChainShape, GemmChainSpec, emit_gemm_chain, match_gemm_chain
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType, MaskKind, Role, Softmax
@@ -259,6 +264,40 @@ def compile(
     )
     header = _header(chain, chosen, spec)
     return Kernel(chain, chosen, spec, shape, emit_gemm_chain(spec, header))
+
+
+def _remembered_plan(
+    chain: Chain,
+    hw: Hardware,
+    threads: int | None,
+    structure: tuple[tuple[str, ...], int],
+    quanta: Mapping[str, int],
+) -> Plan:
+    """`plan(...)` for the backend's structure, kept on disk next to the compiled kernels.
+
+    Planning costs tens of milliseconds; a process that reuses a compiled kernel should not pay
+    it again. The key holds everything the plan depends on, chainfuse's version included.
+    """
+    import chainfuse
+
+    parts = [chain.to_json(), hw.to_json(), threads, structure, sorted(quanta.items())]
+    parts.append(chainfuse.__version__)
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    path = config.cache_dir() / "plans" / key[:2] / f"{key[:32]}.json"
+    try:
+        return Plan.from_json(path.read_text())
+    except (OSError, ValueError, KeyError):
+        pass
+    chosen = plan(chain, hw, threads=threads, fuse=True, structures=[structure], quanta=quanta)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(chosen.to_json())
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only costs planning again next time
+    return chosen
 
 
 def _code_level(hw: Hardware) -> str:

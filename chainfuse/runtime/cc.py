@@ -15,14 +15,16 @@ from __future__ import annotations
 import ctypes
 import enum
 import functools
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chainfuse import config
 
@@ -118,9 +120,54 @@ def find_compiler() -> Compiler:
     raise CompilerNotFoundError(f"no C compiler (cc, gcc or clang) found on PATH; {INSTALL_HINT}")
 
 
+def _facts_path() -> Path:
+    return config.cache_dir() / "toolchain.json"
+
+
+def _remembered(key: str, compute: Callable[[], Any]) -> Any:
+    """A fact about the toolchain, kept on disk so a new process need not run the compiler.
+
+    `key` names the compiler binary by real path, size and modification time, so an upgraded
+    compiler is probed again. An unreadable or unwritable cache just means probing again.
+    """
+    path = _facts_path()
+    try:
+        facts = json.loads(path.read_text())
+    except (OSError, ValueError):
+        facts = {}
+    if key in facts:
+        return facts[key]
+    value = compute()
+    facts[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".toolchain-")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(facts, handle)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
+
+
+def _binary_key(path: str, what: str) -> str:
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return f"{what}:{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
 @functools.cache
 def _identify(path: str) -> Compiler:
     """Family and version from the compiler's predefined macros (works for gcc and clang)."""
+    try:
+        key = _binary_key(path, "identify")
+    except OSError as err:
+        raise CompilerNotFoundError(f"cannot run {path!r} ({err}); {INSTALL_HINT}") from err
+    found = _remembered(key, lambda: _probe_identity(path))
+    return Compiler(path=path, family=CompilerFamily(found[0]), version=found[1])
+
+
+def _probe_identity(path: str) -> tuple[str, str]:
     try:
         done = subprocess.run(
             [path, "-dM", "-E", "-x", "c", os.devnull],
@@ -145,7 +192,7 @@ def _identify(path: str) -> Compiler:
         family = CompilerFamily.GCC
         parts3 = ("__GNUC__", "__GNUC_MINOR__", "__GNUC_PATCHLEVEL__")
     version = ".".join(macros.get(p, "0") for p in parts3)
-    return Compiler(path=path, family=family, version=version)
+    return family.value, version
 
 
 def flags(compiler: Compiler, isa_flags: Iterable[str] = ()) -> tuple[str, ...]:
@@ -171,6 +218,18 @@ int chainfuse_openmp_probe(int n) {
 
 @functools.cache
 def _openmp_works(compiler: Compiler) -> bool:
+    ok = bool(_remembered(_binary_key(compiler.path, "openmp"), lambda: _probe_openmp(compiler)))
+    if not ok:
+        warnings.warn(
+            f"{compiler.path} ({compiler.family.value} {compiler.version}) cannot build OpenMP "
+            f"code; chainfuse kernels will run on one thread (install libomp or use gcc)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return ok
+
+
+def _probe_openmp(compiler: Compiler) -> bool:
     with tempfile.TemporaryDirectory(prefix="chainfuse-omp-") as tmp:
         src = Path(tmp) / "probe.c"
         src.write_text(_OPENMP_PROBE)
@@ -183,13 +242,6 @@ def _openmp_works(compiler: Compiler) -> bool:
             ok = False
         else:
             ok = done.returncode == 0
-    if not ok:
-        warnings.warn(
-            f"{compiler.path} ({compiler.family.value} {compiler.version}) cannot build OpenMP "
-            f"code; chainfuse kernels will run on one thread (install libomp or use gcc)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
     return ok
 
 
