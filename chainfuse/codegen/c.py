@@ -222,6 +222,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
     w.line(f"#define MPN {-(-spec.T_M // nr) * nr} /* T_M rounded up to whole nr strips */")
+    w.line("/* Eᵀ's row stride: MPN plus one cache line, so that rows do not all fall in the same")
+    w.line("   cache sets when MPN is a power of two (the transposition reads down a column) */")
+    w.line("#define LDE (MPN + 16)")
     w.line(f"#define LPM {-(-spec.T_L // mr) * mr} /* T_L rounded up to whole mr strips */")
     w.line(f"#define NPM {-(-spec.T_N // mr) * mr}")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
@@ -233,7 +236,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long AK = TK == K ? K : TK;")
         w.line(
             "return ALIGN16(MPN * AK) + ALIGN16(LPM * TK) + ALIGN16(MPN * LPM)"
-            " + ALIGN16(NPM * T_L) + ALIGN16(N * MPN) + 2 * ALIGN16(MPN);"
+            " + ALIGN16(NPM * T_L) + ALIGN16(N * LDE) + 2 * ALIGN16(MPN);"
         )
     w.line("")
     w.line(
@@ -272,7 +275,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict Pt = Bt + ALIGN16(LPM * TK);")
             w.line("float* restrict Dt = Pt + ALIGN16(MPN * LPM);")
             w.line("float* restrict Et = Dt + ALIGN16(NPM * T_L);")
-            w.line("float* restrict col_max = Et + ALIGN16(N * MPN);")
+            w.line("float* restrict col_max = Et + ALIGN16(N * LDE);")
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
             w.line("const long first = (long)t * share;")
             w.line("const long last = first + share < blocks ? first + share : blocks;")
@@ -358,7 +361,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                     w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
                     w.line(
                         f"{uk}(lc, Dt + (long)s * MR * lc, Pt + (long)j * LPM * NR, "
-                        "Et + (n0 + s * MR) * MPN + j * NR, MPN, m, n, l0 > 0);"
+                        "Et + (n0 + s * MR) * LDE + j * NR, LDE, m, n, l0 > 0);"
                     )
     w.line(
         "/* E[m_o, :] = Eᵀ transposed"
@@ -367,10 +370,14 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     if softmax:
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
-    with w.block("for (long c = 0; c < N; ++c)"):
-        w.line("const float* restrict et = Et + c * MPN;")
-        with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("E_b[i * sEm + c] = et[i]" + (" * col_sum[i];" if softmax else ";"))
+    w.line("/* row by row: E is written contiguously, and the N lines of Eᵀ a row reads stay in L1")
+    w.line("   for the next rows */")
+    with w.block("for (int i = 0; i < mc; ++i)"):
+        w.line("float* restrict e = E_b + i * sEm;")
+        if softmax:
+            w.line("const float inv = col_sum[i];")
+        with w.block("for (long c = 0; c < N; ++c)"):
+            w.line("e[c] = Et[c * LDE + i]" + (" * inv;" if softmax else ";"))
 
 
 def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
