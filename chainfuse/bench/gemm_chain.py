@@ -100,6 +100,11 @@ def _call(kernel: Any, args: Sequence[Any], out: Any) -> Callable[[], object]:
 
 
 def _set_threads(n: int) -> None:
+    """The same thread count for everyone: chainfuse, PyTorch and numpy's BLAS.
+
+    numpy's BLAS would otherwise use every core in a "1 thread" row, and its idle workers spin
+    between calls, taking a core from whatever is timed next.
+    """
     set_num_threads(n)
     try:
         import torch
@@ -107,6 +112,12 @@ def _set_threads(n: int) -> None:
         torch.set_num_threads(n)
     except ImportError:
         pass
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        print("note: threadpoolctl is not installed; numpy's BLAS uses its default threads")
+        return
+    threadpool_limits(limits=n, user_api="blas")
 
 
 def _time(fns: dict[str, Callable[[], object]], rounds: int, best: bool) -> dict[str, float]:
