@@ -4,8 +4,8 @@
 
 For each `between`, it prints the plan, checks the fused kernel against the float64 reference,
 then times it against PyTorch (two `bmm`s into preallocated outputs, the activation in place)
-and numpy (`matmul`), interleaved round-robin in this one process with 1 thread, and prints the
-medians and the speedups.
+and numpy (`matmul`), interleaved round-robin in this one process, everyone on 1 thread, and
+prints the medians and the speedups.
 """
 
 from __future__ import annotations
@@ -15,58 +15,17 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench import workloads
+from chainfuse.bench.gemm_chain import numpy_baseline, set_threads, torch_baselines
 from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware
 from chainfuse.ir import Chain
-from chainfuse.runtime import set_num_threads
 
 __all__ = ["main"]
-
-
-def _numpy_chain(between: str | None) -> Callable[[Any, Any, Any], Any]:
-    def run(A: Any, B: Any, D: Any) -> Any:
-        C = np.matmul(A, B)
-        if between == "relu":
-            np.maximum(C, 0, out=C)
-        elif between == "softmax":
-            C -= C.max(axis=-1, keepdims=True)
-            np.exp(C, out=C)
-            C /= C.sum(axis=-1, keepdims=True)
-        elif between == "gelu":
-            raise ValueError("the numpy baseline has no gelu")
-        return np.matmul(C, D)
-
-    return run
-
-
-def _torch_chain(between: str | None, shapes: tuple[Any, ...]) -> Callable[..., Any] | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(1)
-    (b, M, _), (_, _, L), (_, _, N) = shapes
-    C = torch.empty(b, M, L)
-    E = torch.empty(b, M, N)
-
-    def run(A: Any, B: Any, D: Any) -> Any:
-        torch.bmm(A, B, out=C)
-        if between == "relu":
-            torch.relu_(C)
-        elif between == "gelu":
-            C.copy_(torch.nn.functional.gelu(C))
-        elif between == "softmax":
-            torch.softmax(C, dim=-1, out=C)
-        torch.bmm(C, D, out=E)
-        return E
-
-    return run
 
 
 def _time(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
@@ -98,14 +57,12 @@ def run_one(chain: Chain, between: str | None, repeat: int) -> dict[str, float]:
     reference.assert_close(out, expected, chain)
     print("  result matches the float64 reference (chainfuse.reference.tolerance)")
     fns: dict[str, Callable[[], object]] = {"chainfuse": lambda: kernel(*args, out=out)}
-    np_fn = _numpy_chain(between)
-    fns["numpy"] = lambda: np_fn(*args)
-    th_fn = _torch_chain(between, tuple(a.shape for a in args))
-    if th_fn is not None:
-        import torch
-
-        targs = [torch.from_numpy(a) for a in args]
-        fns["torch"] = lambda: th_fn(*targs)
+    torch_fns = torch_baselines(between, args)
+    if "torch_prealloc" in torch_fns:
+        fns["torch"] = torch_fns["torch_prealloc"]
+    np_fn = numpy_baseline(between, args)
+    if np_fn is not None:
+        fns["numpy"] = np_fn
     times = _time(fns, repeat)
     flops = chain.flops()
     peak = Hardware.detect().peak(chain.dtype)
@@ -128,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    set_num_threads(1)
+    set_threads(1)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     print(Hardware.detect())
     print(

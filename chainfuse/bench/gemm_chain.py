@@ -29,7 +29,7 @@ from chainfuse.bench import workloads
 from chainfuse.compiler import compile
 from chainfuse.runtime import set_num_threads
 
-__all__ = ["Row", "main", "run"]
+__all__ = ["Row", "main", "numpy_baseline", "run", "set_threads", "torch_baselines"]
 
 QUICK = ("bert-base", "vit-huge-14", "mixer-l-32-s", "mixer-b-32-c")
 
@@ -49,7 +49,7 @@ class Row:
         return self.ms[baseline] / self.ms["chainfuse"]
 
 
-def _torch_fns(
+def torch_baselines(
     between: str | None, args: Sequence[np.ndarray[Any, Any]]
 ) -> dict[str, Callable[[], object]]:
     try:
@@ -64,6 +64,8 @@ def _torch_fns(
     def act(x: Any) -> Any:
         if between == "relu":
             return torch.relu_(x)
+        if between == "gelu":
+            return x.copy_(torch.nn.functional.gelu(x))
         if between == "softmax":
             return torch.softmax(x, dim=-1, out=x)
         return x
@@ -79,7 +81,12 @@ def _torch_fns(
     return {"torch_prealloc": prealloc, "torch": fresh}
 
 
-def _numpy_fn(between: str | None, args: Sequence[np.ndarray[Any, Any]]) -> Callable[[], object]:
+def numpy_baseline(
+    between: str | None, args: Sequence[np.ndarray[Any, Any]]
+) -> Callable[[], object] | None:
+    """numpy's `matmul` twice with the op between; None for gelu (numpy has no erf)."""
+    if between == "gelu":
+        return None
     A, B, D = args
 
     def run() -> object:
@@ -99,7 +106,7 @@ def _call(kernel: Any, args: Sequence[Any], out: Any) -> Callable[[], object]:
     return lambda: kernel(*args, out=out)
 
 
-def _set_threads(n: int) -> None:
+def set_threads(n: int) -> None:
     """The same thread count for everyone: chainfuse, PyTorch and numpy's BLAS.
 
     numpy's BLAS would otherwise use every core in a "1 thread" row, and its idle workers spin
@@ -186,11 +193,13 @@ def run(
             kernel(*args, out=out)
             reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
             fns: dict[str, Callable[[], object]] = {"chainfuse": _call(kernel, args, out)}
-            fns.update(_torch_fns(between, args))
-            fns["numpy"] = _numpy_fn(between, args)
+            fns.update(torch_baselines(between, args))
+            np_fn = numpy_baseline(between, args)
+            if np_fn is not None:
+                fns["numpy"] = np_fn
             spec = kernel.spec
             for n in threads:
-                _set_threads(n)
+                set_threads(n)
                 row = Row(name, between or "none", n, chain.flops() / 1e9,
                           tiles=f"{spec.T_M}/{spec.T_L}/{spec.T_K}/{spec.T_N}")  # fmt: skip
                 row.ms = _time(fns, rounds, best=n > 1)
