@@ -438,5 +438,5 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (int c = 0; c < NR; ++c)"):
             w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
         with w.block("if (l0 > 0)"), w.block("for (long c2 = 0; c2 < N; ++c2)"):
-            w.line("float* restrict et = Et + c2 * MPN + j * NR;")
+            w.line("float* restrict et = Et + c2 * LDE + j * NR;")
             w.line("for (int c = 0; c < NR; ++c) et[c] *= alpha[c];")
