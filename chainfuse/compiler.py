@@ -18,7 +18,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,7 +322,3 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}); "
         f"epilogue {spec.epilogue.value}; parallel over {', '.join(chosen.parallel)}"
     )
-
-
-def _names(seq: Sequence[str]) -> str:
-    return ", ".join(seq)

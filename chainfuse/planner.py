@@ -27,7 +27,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from chainfuse.hardware import Hardware, MemoryLevel, resolve
@@ -568,8 +568,3 @@ def timed_plan(
     start = time.perf_counter()
     result = plan(chain, hardware, **kwargs)
     return result, time.perf_counter() - start
-
-
-def replan(p: Plan, **changes: Any) -> Plan:
-    """A copy of a plan with some fields changed (tests and tuning use it)."""
-    return replace(p, **changes)
