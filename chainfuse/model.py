@@ -128,6 +128,7 @@ class Nest:
         # sums over tile iterations, by the tiles they depend on; they depend on the prefix only as
         # a set, so nests whose prefixes hold the same loops may share one (`memo`)
         self.memo: dict[tuple[object, ...], int] = {} if memo is None else memo
+        self._static: dict[tuple[object, ...], Any] = {}  # tile-independent facts, computed once
         self.plain = all(
             _is_plain(ix) or not ix.terms
             for op in chain.ops
@@ -197,17 +198,28 @@ class Nest:
             sig.append(frozenset(n for n in self.prefix if n not in op.loops))
         return (tuple(sig), frozenset(self.prefix), self.parallel_candidates)
 
-    def _influencing(self, opn: OpNest, acc: Access) -> set[str]:
+    def _influencing(self, opn: OpNest, acc: Access) -> frozenset[str]:
         """Block loops whose iteration changes the region of `acc` touched by op `opn`."""
-        out: set[str] = set()
-        for ix in acc.index:
-            for loop in ix.loops:
-                out |= self._sources(opn.index, loop)
-        return out
+        key = ("infl", opn.index, acc.tensor)
+        if key not in self._static:
+            out: set[str] = set()
+            for ix in acc.index:
+                for loop in ix.loops:
+                    out |= self._sources(opn.index, loop)
+            self._static[key] = frozenset(out)
+        found: frozenset[str] = self._static[key]
+        return found
 
-    def _sources(self, op_index: int, loop: str) -> set[str]:
+    def _sources(self, op_index: int, loop: str) -> frozenset[str]:
+        key = ("src", op_index, loop)
+        if key not in self._static:
+            self._static[key] = self._find_sources(op_index, loop)
+        found: frozenset[str] = self._static[key]
+        return found
+
+    def _find_sources(self, op_index: int, loop: str) -> frozenset[str]:
         if (op_index, loop) not in self._derived:
-            return {loop}
+            return frozenset((loop,))
         out: set[str] = set()
         for ci, ix in self._derived[(op_index, loop)]:
             for cl in ix.loops:
@@ -216,7 +228,7 @@ class Nest:
                     out.add(cl)
                 elif ckind is LoopKind.DERIVED:
                     out |= self._sources(ci, cl)
-        return out
+        return frozenset(out)
 
     # -- intervals ------------------------------------------------------------------------------
     def interval(
@@ -245,12 +257,16 @@ class Nest:
 
     def relevant(self, op_index: int, loops: Iterable[str]) -> tuple[str, ...]:
         """The loops whose tiles decide the intervals of `loops` in op `op_index` (sorted)."""
-        out: set[str] = set()
-        for loop in loops:
-            out.add(loop)
-            for ci, ix in self._derived.get((op_index, loop), ()):
-                out.update(self.relevant(ci, ix.loops))
-        return tuple(sorted(out))
+        names = tuple(sorted(loops))
+        key = ("rel", op_index, names)
+        if key not in self._static:
+            out: set[str] = set(names)
+            for loop in names:
+                for ci, ix in self._derived.get((op_index, loop), ()):
+                    out.update(self.relevant(ci, ix.loops))
+            self._static[key] = tuple(sorted(out))
+        found: tuple[str, ...] = self._static[key]
+        return found
 
 
 def _access_of(op: Op, tensor: str) -> Access:
@@ -523,7 +539,7 @@ def _op_flops(nest: Nest, opn: OpNest, op: Op, tiles: Mapping[str, int]) -> int:
     # the op's iteration space summed over the prefix tiles that size its derived loops
     groups: list[tuple[set[str], list[str]]] = []
     for loop in op.loops:
-        src = nest._sources(opn.index, loop) & set(nest.prefix)
+        src = set(nest._sources(opn.index, loop) & set(nest.prefix))
         for g in groups:
             if g[0] & src:
                 g[0].update(src)
