@@ -78,7 +78,13 @@ def _bench(args: argparse.Namespace) -> int:
         from chainfuse.bench import gemm_chain
 
         return gemm_chain.main(args.rest)
-    raise ValueError(f"bench suite {args.suite!r} is not implemented yet; available: gemm-chain")
+    if args.suite == "attention":
+        from chainfuse.bench import attention
+
+        return attention.main(args.rest)
+    raise ValueError(
+        f"bench suite {args.suite!r} is not implemented yet; available: gemm-chain, attention"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -119,6 +119,7 @@ class Kernel:
         self._local = threading.local()
         soft = [op for op in chain.ops if isinstance(op, Softmax)]
         self._scale = soft[0].scale if soft else 1.0
+        self._prepare()
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.path})"
@@ -148,58 +149,57 @@ class Kernel:
         loops = [None] * (2 - nb) + [*self.spec.batch, m, l_]
         return arg.ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in loops]
 
-    def __call__(self, *inputs: Any, out: Any = None) -> Any:
+    def _prepare(self) -> None:
+        """What every call needs and no call changes: names, shapes, sizes, workspace size."""
         chain = self.chain
-        names = [t.name for t in chain.inputs]
+        self._names = [t.name for t in chain.inputs]
+        self._shapes = {t.name: t.shape for t in chain.tensors}
+        ext = chain.extents
+        first, second = chain.contractions
+        m, l_ = first.output.loops[-2:]
+        K, N = ext[first.reduction[0]], ext[second.output.loops[-1]]
+        self._nb = len(self.spec.batch)
+        sizes = [1] * (2 - self._nb) + [ext[n] for n in self.spec.batch]
+        self._sizes = (ctypes.c_long * 6)(*sizes, ext[m], N, K, ext[l_])
+        self._per = int(self._workspace_fn(K, N))
+
+    def __call__(self, *inputs: Any, out: Any = None) -> Any:
+        names = self._names
         if len(inputs) != len(names):
-            raise TypeError(f"{chain.name}: expected {len(names)} inputs ({', '.join(names)})")
+            chain = self.chain.name
+            raise TypeError(f"{chain}: expected {len(names)} inputs ({', '.join(names)})")
         a_name, b_name, d_name, e_name = self.spec.tensors
         by_name = dict(zip(names, inputs, strict=True))
-        args = {n: _check(n, by_name[n], chain.tensor(n).shape) for n in (a_name, b_name, d_name)}
-        out_shape = chain.tensor(e_name).shape
-        torch_in = _is_torch(inputs[0])
+        args = [_check(n, by_name[n], self._shapes[n]) for n in (a_name, b_name, d_name)]
+        out_shape = self._shapes[e_name]
         if out is None:
-            if torch_in:
+            if _is_torch(inputs[0]):
                 import torch
 
                 out = torch.empty(out_shape, dtype=torch.float32)
             else:
                 out = np.empty(out_shape, dtype=np.float32)
-        args[e_name] = _check("out", out, out_shape, writable=True)
-        ext = chain.extents
-        nb = len(self.spec.batch)
-        batch = [ext[n] for n in self.spec.batch]
-        sizes = [1] * (2 - nb) + batch
-        first = chain.contractions[0]
-        second = chain.contractions[1]
-        m, l_ = first.output.loops[-2:]
-        k = first.reduction[0]
-        n = second.output.loops[-1]
-        K = ext[k]
-        sizes += [ext[m], ext[n], K, ext[l_]]
+        args.append(_check("out", out, out_shape, writable=True))
+        nb = self._nb
         strides: list[int] = []
-        for tname in (a_name, b_name, d_name, e_name):
-            st = args[tname].strides
-            strides += [0] * (2 - nb) + list(st[:nb]) + [st[nb]]
+        for arg in args:
+            strides += [0] * (2 - nb) + list(arg.strides[:nb]) + [arg.strides[nb]]
         mask_ptr, mask_strides = self._mask(by_name, nb)
         threads = get_num_threads()
-        per = int(self._workspace_fn(K, ext[n]))
-        work = self._workspace(threads, per)
+        work = self._workspace(threads, self._per)
         base = (-work.ctypes.data % 64) // 4  # 64-byte aligned start
-        c_sizes = (ctypes.c_long * 6)(*sizes)
-        c_strides = (ctypes.c_long * 12)(*strides)
         self._fn(
-            args[a_name].ptr,
-            args[b_name].ptr,
-            args[d_name].ptr,
-            args[e_name].ptr,
-            c_sizes,
-            c_strides,
+            args[0].ptr,
+            args[1].ptr,
+            args[2].ptr,
+            args[3].ptr,
+            self._sizes,
+            (ctypes.c_long * 12)(*strides),
             ctypes.c_float(self._scale),
             mask_ptr,
             (ctypes.c_long * 4)(*mask_strides),
             work.ctypes.data + 4 * base,
-            per,
+            self._per,
             threads,
         )
         return out
