@@ -66,7 +66,13 @@ class GemmChainSpec:
                 Epilogue.SOFTMAX: "gemm_softmax"}[self.epilogue]  # fmt: skip
         word += "_causal" if self.causal else ""
         word += "" if self.mask is MaskKind.NONE else f"_{self.mask.value}mask"
-        key = f"{self}".encode()
+        # every field that shapes the code, spelled without sets (their order changes between
+        # processes), so the name, the source and the cache key are the same in every process
+        key = (
+            f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
+            f"{self.T_M},{self.T_L},{self.T_K},{self.T_N}|{self.kernel.name}|"
+            f"{self.mask.value}|{self.causal}"
+        ).encode()
         return (
             f"{word}_gemm_f32_tm{self.T_M}tl{self.T_L}tk{self.T_K}tn{self.T_N}_"
             f"{hashlib.sha256(key).hexdigest()[:8]}"
