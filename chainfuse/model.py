@@ -245,14 +245,14 @@ class Nest:
             if loop not in at:
                 return 0, n - 1
             t = min(tiles.get(loop, n), n)
-            return at[loop] * t, np.minimum(n, (at[loop] + 1) * t) - 1
+            return at[loop] * t, _min(n, (at[loop] + 1) * t) - 1
         # the consumer's private loops run whole within one prefix iteration
         shared = {k: v for k, v in at.items() if k in self.prefix}
         lo, hi = n, -1
         for ci, ix in self._derived[(op_index, loop)]:
             clo, chi = _bounds_at(self, ci, ix, tiles, shared)
-            lo = np.minimum(lo, np.maximum(clo, 0))
-            hi = np.maximum(hi, np.minimum(chi, n - 1))
+            lo = _min(lo, _max(clo, 0))
+            hi = _max(hi, _min(chi, n - 1))
         return lo, hi
 
     def relevant(self, op_index: int, loops: Iterable[str]) -> tuple[str, ...]:
@@ -308,9 +308,24 @@ def _trips(n: int, t: int) -> int:
     return -(-n // max(1, min(t, n)))
 
 
+def _min(a: Any, b: Any) -> Any:
+    """Elementwise minimum: numpy's for the arrays of a tile enumeration, the builtin (much
+    cheaper) for plain integers."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.minimum(a, b)
+    return a if a < b else b
+
+
+def _max(a: Any, b: Any) -> Any:
+    """Elementwise maximum, as `_min`."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.maximum(a, b)
+    return a if a > b else b
+
+
 def _span(lo: Any, hi: Any, size: int) -> Any:
     """Elements of [lo, hi] inside [0, size); works on numbers and on arrays of them."""
-    return np.maximum(0, np.minimum(hi, size - 1) - np.maximum(lo, 0) + 1)
+    return _max(0, _min(hi, size - 1) - _max(lo, 0) + 1)
 
 
 def _is_plain(ix: Affine) -> bool:
@@ -573,7 +588,7 @@ def _tile_grid(nest: Nest, names: Sequence[str], tiles: Mapping[str, int]) -> di
 
 
 def _len(iv: tuple[Any, Any]) -> Any:
-    return np.maximum(0, iv[1] - iv[0] + 1)
+    return _max(0, iv[1] - iv[0] + 1)
 
 
 def compulsory_bytes(chain: Chain) -> int:
