@@ -14,8 +14,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -27,10 +25,10 @@ import numpy as np
 from chainfuse import config
 from chainfuse.codegen.c import GemmChainShape, GemmChainSpec, emit_gemm_chain, match_gemm_chain
 from chainfuse.hardware import Hardware, resolve
-from chainfuse.ir import Chain, DType, MaskKind, Role, Softmax
+from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select
 from chainfuse.planner import Plan, plan
-from chainfuse.runtime import build, get_num_threads, load
+from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
 __all__ = ["Kernel", "compile"]
 
@@ -132,22 +130,14 @@ class Kernel:
         buf: np.ndarray[Any, np.dtype[np.float32]] = self._local.buf
         return buf
 
-    def _mask(self, by_name: dict[str, Any], nb: int) -> tuple[int | None, list[int]]:
+    def _mask(self, by_name: dict[str, Any]) -> tuple[int | None, list[int]]:
         """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it broadcasts."""
-        shape = self.shape
-        if shape.mask_tensor is None:
+        if self._mask_index is None:
             return None, [0, 0, 0, 0]
-        soft = next(op for op in self.chain.ops if isinstance(op, Softmax))
-        assert soft.mask is not None
-        name = shape.mask_tensor
-        dtype = "bool" if shape.mask is MaskKind.BOOL else "float32"
-        arg = _check(name, by_name[name], self.chain.tensor(name).shape, dtype=dtype)
-        by_loop = {ix.loops[0]: st for ix, st in zip(soft.mask.index, arg.strides, strict=True)
-                   if ix.loops}  # fmt: skip
-        first = self.chain.contractions[0]
-        m, l_ = first.output.loops[-2:]
-        loops = [None] * (2 - nb) + [*self.spec.batch, m, l_]
-        return arg.ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in loops]
+        name, dtype, index = self._mask_index
+        arg = _check(name, by_name[name], self._shapes[name], dtype=dtype)
+        by_loop = {ix.loops[0]: st for ix, st in zip(index, arg.strides, strict=True) if ix.loops}
+        return arg.ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in self._mask_loops]
 
     def _prepare(self) -> None:
         """What every call needs and no call changes: names, shapes, sizes, workspace size."""
@@ -162,6 +152,12 @@ class Kernel:
         sizes = [1] * (2 - self._nb) + [ext[n] for n in self.spec.batch]
         self._sizes = (ctypes.c_long * 6)(*sizes, ext[m], N, K, ext[l_])
         self._per = int(self._workspace_fn(K, N))
+        self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
+        self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
+        soft = next((op for op in chain.ops if isinstance(op, Softmax)), None)
+        if soft is not None and soft.mask is not None:
+            dtype = "bool" if soft.mask_kind is MaskKind.BOOL else "float32"
+            self._mask_index = (soft.mask.tensor, dtype, soft.mask.index)
 
     def __call__(self, *inputs: Any, out: Any = None) -> Any:
         names = self._names
@@ -184,7 +180,7 @@ class Kernel:
         strides: list[int] = []
         for arg in args:
             strides += [0] * (2 - nb) + list(arg.strides[:nb]) + [arg.strides[nb]]
-        mask_ptr, mask_strides = self._mask(by_name, nb)
+        mask_ptr, mask_strides = self._mask(by_name)
         threads = get_num_threads()
         work = self._workspace(threads, self._per)
         base = (-work.ctypes.data % 64) // 4  # 64-byte aligned start
@@ -205,9 +201,8 @@ class Kernel:
         return out
 
 
-def _structure(chain: Chain) -> tuple[tuple[str, ...], int]:
+def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
     """The (order, depth) the C backend implements: batch, m, l shared; k | n private."""
-    batch = match_gemm_chain(chain).batch
     first, second = chain.contractions
     m, l_ = first.output.loops[-2:]
     return (*batch, m, l_, first.reduction[0], second.output.loops[-1]), len(batch) + 2
@@ -233,7 +228,7 @@ def compile(
     hw = resolve(hardware)
     shape = match_gemm_chain(chain)
     batch = shape.batch
-    order, depth = _structure(chain)
+    order, depth = _structure(chain, batch)
     first = chain.contractions[0]
     m, l_ = first.output.loops[-2:]
     k, n = order[len(batch) + 2 :]
@@ -291,10 +286,7 @@ def _remembered_plan(
     chosen = plan(chain, hw, threads=threads, fuse=True, structures=[structure], quanta=quanta)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-")
-        with os.fdopen(fd, "w") as handle:
-            handle.write(chosen.to_json())
-        os.replace(tmp, path)
+        write_atomic(path, chosen.to_json().encode())
     except OSError:
         pass  # an unwritable cache only costs planning again next time
     return chosen

@@ -7,7 +7,7 @@ Typical use::
     lib.gemm_f32_ab12cd34(..., get_num_threads())
 """
 
-from chainfuse.runtime.cache import BuildResult, build, cache_key, entry_path
+from chainfuse.runtime.cache import BuildResult, build, cache_key, entry_path, write_atomic
 from chainfuse.runtime.cc import (
     BASE_FLAGS,
     INSTALL_HINT,
@@ -38,4 +38,5 @@ __all__ = [
     "get_num_threads",
     "load",
     "set_num_threads",
+    "write_atomic",
 ]

@@ -40,7 +40,7 @@ import filelock
 from chainfuse import config
 from chainfuse.runtime.cc import CompileError, Compiler, find_compiler, flags
 
-__all__ = ["BuildResult", "build", "cache_key", "entry_path"]
+__all__ = ["BuildResult", "build", "cache_key", "entry_path", "write_atomic"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _LIBS = ("-lm",)
@@ -83,7 +83,7 @@ def build(
     dump = config.dump_dir()
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
-        _write_atomic(dump / f"{name}_{key[:16]}.c", source.encode())
+        write_atomic(dump / f"{name}_{key[:16]}.c", source.encode())
 
     preferred = config.cache_dir()
     so = entry_path(preferred, name, key)
@@ -139,7 +139,7 @@ def _valid(so: Path) -> bool:
 
 def _compile(cc: Compiler, build_flags: tuple[str, ...], source: str, so: Path) -> None:
     src = so.with_suffix(".c")
-    _write_atomic(src, source.encode())
+    write_atomic(src, source.encode())
     fd, tmp_name = tempfile.mkstemp(dir=so.parent, prefix=f".{so.stem}.", suffix=".so.tmp")
     os.close(fd)
     tmp = Path(tmp_name)
@@ -154,13 +154,15 @@ def _compile(cc: Compiler, build_flags: tuple[str, ...], source: str, so: Path) 
                 source_path=src,
                 command=command,
             )
-        _write_atomic(_digest_path(so), _sha256(tmp).encode())
+        write_atomic(_digest_path(so), _sha256(tmp).encode())
         os.replace(tmp, so)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the whole new one, never a
+    part: a temporary file in the same directory, then `os.replace`."""
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -139,12 +139,11 @@ def _remembered(key: str, compute: Callable[[], Any]) -> Any:
         return facts[key]
     value = compute()
     facts[key] = value
+    from chainfuse.runtime.cache import write_atomic  # cache imports this module
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".toolchain-")
-        with os.fdopen(fd, "w") as handle:
-            json.dump(facts, handle)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(facts).encode())
     except OSError:
         pass
     return value
