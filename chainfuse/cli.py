@@ -4,6 +4,7 @@ chainfuse plan bert-base --hw xeon-gold-6240
 chainfuse plan --gemm 12,512,64,64,512 --between softmax --json
 chainfuse plan --conv 64,56,56,64,64,1,1 --kernels 1,3 --between relu
 chainfuse hw [--hw PRESET]
+chainfuse bench [gemm-chain|attention|conv-chain|all] [--quick] [--threads 1,2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -74,17 +75,9 @@ def _hw(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.suite == "gemm-chain":
-        from chainfuse.bench import gemm_chain
+    from chainfuse.bench import runner
 
-        return gemm_chain.main(args.rest)
-    if args.suite == "attention":
-        from chainfuse.bench import attention
-
-        return attention.main(args.rest)
-    raise ValueError(
-        f"bench suite {args.suite!r} is not implemented yet; available: gemm-chain, attention"
-    )
+    return runner.main(args.rest)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,9 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true", help="also run the tile simulator")
     p.set_defaults(run=_plan)
 
-    b = sub.add_parser("bench", help="benchmark against PyTorch and numpy", add_help=False)
-    b.add_argument("suite", choices=["gemm-chain", "attention", "conv-chain", "all"])
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (--help)")
+    b = sub.add_parser("bench", help="benchmark against PyTorch/numpy, write a report",
+                       add_help=False)  # fmt: skip
+    b.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="[gemm-chain|attention|conv-chain|all] [--quick] ... (see --help)")  # fmt: skip
     b.set_defaults(run=_bench)
 
     h = sub.add_parser("hw", help="print the detected (or a preset) hardware")

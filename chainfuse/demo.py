@@ -20,12 +20,8 @@ import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench import workloads
-from chainfuse.bench.gemm_chain import (
-    fp32_peak_gflops,
-    numpy_baseline,
-    set_threads,
-    torch_baselines,
-)
+from chainfuse.bench.gemm_chain import numpy_baseline, set_threads, torch_baselines
+from chainfuse.bench.probe import fp32_peak_gflops
 from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware
 from chainfuse.ir import Chain

@@ -9,44 +9,42 @@ a fraction of the FP32 FMA peak measured by a probe in the same run.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench import workloads
+from chainfuse.bench.results import Result, geomean
+from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
+from chainfuse.hardware import Hardware, resolve
+from chainfuse.model import Nest, estimate
+from chainfuse.planner import timed_plan
 from chainfuse.runtime import set_num_threads
+from chainfuse.simulate import simulate
 
-__all__ = ["Row", "main", "numpy_baseline", "run", "set_threads", "torch_baselines"]
+__all__ = [
+    "compile_times",
+    "main",
+    "model_facts",
+    "numpy_baseline",
+    "predicted_ms",
+    "run",
+    "set_threads",
+    "summarise",
+    "torch_baselines",
+]
 
+SUITE = "gemm-chain"
 QUICK = ("bert-base", "vit-huge-14", "mixer-l-32-s", "mixer-b-32-c")
-
-
-@dataclass
-class Row:
-    """One workload at one thread count: milliseconds per implementation, and derived figures."""
-
-    workload: str
-    between: str
-    threads: int
-    gflop: float
-    ms: dict[str, float] = field(default_factory=dict)
-    tiles: str = ""
-
-    def speedup(self, baseline: str) -> float:
-        return self.ms[baseline] / self.ms["chainfuse"]
+BASELINES = ("torch_prealloc", "torch", "numpy")
 
 
 def torch_baselines(
@@ -127,29 +125,6 @@ def set_threads(n: int) -> None:
     threadpool_limits(limits=n, user_api="blas")
 
 
-def _time(fns: dict[str, Callable[[], object]], rounds: int, best: bool) -> dict[str, float]:
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    deadline = time.perf_counter() + 20.0
-    for r in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-        if r >= 2 and time.perf_counter() > deadline:
-            break
-    pick = min if best else statistics.median
-    return {k: pick(v) * 1e3 for k, v in samples.items()}
-
-
-def fp32_peak_gflops() -> float:
-    """This core's FP32 FMA peak, measured now by a probe (12 independent FMA chains)."""
-    from chainfuse.bench.microkernel import measure
-
-    return measure(seconds=0.05, repeat=5).probe_gflops
-
-
 def compile_times() -> dict[str, float]:
     """Cold compile (empty cache) and warm first call (cached, in a new process), seconds."""
     with tempfile.TemporaryDirectory(prefix="chainfuse-bench-") as tmp:
@@ -168,10 +143,14 @@ def compile_times() -> dict[str, float]:
             "t3 = time.perf_counter()\n"
             "print(t2 - t1, t3 - t1, k.cached)\n"
         )
-        cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, check=True).stdout.split()  # fmt: skip
-        warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, check=True).stdout.split()  # fmt: skip
+        runs = []
+        for _ in ("cold", "warm"):
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                  text=True, check=False)  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError(f"compile-time probe failed:\n{done.stderr[-2000:]}")
+            runs.append(done.stdout.split())
+        cold, warm = runs
     return {
         "cold_compile_s": float(cold[0]),
         "warm_first_call_s": float(warm[1]),
@@ -179,10 +158,45 @@ def compile_times() -> dict[str, float]:
     }
 
 
+def model_facts(chain: Any, kernel: Any, hw: Hardware | None = None) -> dict[str, Any]:
+    """What the model said about a compiled kernel, for `Result`: bytes per level, the
+    simulator's bytes for the same plan, and the time a full planning run takes."""
+    hw = hw or resolve(None)
+    _, seconds = timed_plan(chain, hw)
+    try:
+        simulated = simulate(chain, kernel.plan, hw)
+    except ValueError:  # too many blocks to walk
+        simulated = {}
+    return {
+        "predicted_bytes": dict(kernel.plan.bytes_per_level),
+        "simulated_bytes": simulated,
+        "planning_ms": seconds * 1e3,
+        "compile_s": kernel.compile_seconds,
+    }
+
+
+def predicted_ms(chain: Any, plan: Any, threads: int, hw: Hardware | None = None) -> float:
+    """The model's time for `plan` run on `threads` cores (plans are made for all cores)."""
+    hw = hw or resolve(None)
+    nest = Nest(chain, plan.order, plan.depth, fused=plan.fused)
+    tiles = {level: dict(t) for level, t in plan.tiles}
+    return estimate(nest, tiles, hw, plan.parallel, threads).time_s * 1e3
+
+
+def tiles_text(kernel: Any) -> str:
+    spec = kernel.spec
+    return f"T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}"
+
+
 def run(
-    names: Sequence[str], betweens: Sequence[str | None], threads: Sequence[int], rounds: int
-) -> list[Row]:
-    rows: list[Row] = []
+    names: Sequence[str],
+    betweens: Sequence[str | None],
+    threads: Sequence[int],
+    rounds: int,
+    progress: Callable[[str], None] | None = None,
+) -> list[Result]:
+    """Compile, check and time every (workload, between) at every thread count."""
+    results: list[Result] = []
     for name in names:
         for between in betweens:
             chain = workloads.chain_of(name, between)
@@ -197,47 +211,38 @@ def run(
             np_fn = numpy_baseline(between, args)
             if np_fn is not None:
                 fns["numpy"] = np_fn
-            spec = kernel.spec
+            facts = model_facts(chain, kernel)
             for n in threads:
                 set_threads(n)
-                row = Row(name, between or "none", n, chain.flops() / 1e9,
-                          tiles=f"{spec.T_M}/{spec.T_L}/{spec.T_K}/{spec.T_N}")  # fmt: skip
-                row.ms = _time(fns, rounds, best=n > 1)
-                rows.append(row)
-                _print_row(row)
-    return rows
+                timing = interleave(fns, rounds, best=n > 1)
+                results.append(Result(
+                    SUITE, name, between or "none", n, chain.flops() / 1e9,
+                    ms={k: t.ms for k, t in timing.items()},
+                    baselines=BASELINES,
+                    spread={k: t.spread for k, t in timing.items()},
+                    tiles=tiles_text(kernel), predicted_ms=predicted_ms(chain, kernel.plan, n),
+                    **facts,
+                ))  # fmt: skip
+                if progress is not None:
+                    progress(f"{name} {between or 'none'} {n}t")
+    return results
 
 
-_PEAK: list[float] = []
-
-
-def _print_row(row: Row) -> None:
-    cf = row.ms["chainfuse"]
-    gf = row.gflop / (cf / 1e3)
-    peak = _PEAK[0] * row.threads if _PEAK else math.nan
-    parts = [f"{row.workload:<14} {row.between:<8} {row.threads}t  chainfuse {cf:8.3f} ms "
-             f"{gf:6.1f} GF/s ({gf / peak:5.1%} of peak)"]  # fmt: skip
-    for base in ("torch_prealloc", "torch", "numpy"):
-        if base in row.ms:
-            parts.append(f"{base} {row.ms[base]:8.3f} ms x{row.speedup(base):.2f}")
-    print("  ".join(parts), flush=True)
-
-
-def summarise(rows: Sequence[Row]) -> dict[str, Any]:
+def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
+    """The figures issue 3's acceptance lines are stated in, per thread count."""
     out: dict[str, Any] = {}
-    for n in sorted({r.threads for r in rows}):
-        sel = [r for r in rows if r.threads == n and "torch_prealloc" in r.ms]
+    for n in sorted({r.threads for r in results}):
+        sel = [r for r in results if r.threads == n and "torch_prealloc" in r.ms]
         if not sel:
             continue
         att = [r for r in sel if workloads.find(r.workload).attention_shaped]  # type: ignore[union-attr]
         mlp = [r for r in sel if r not in att]
         ratios = [r.speedup("torch_prealloc") for r in att]
-        peak = _PEAK[0] * n if _PEAK else math.nan
         out[f"{n}t"] = {
-            "attention_shaped_geomean_vs_torch_prealloc": _geomean(ratios),
+            "attention_shaped_geomean_vs_torch_prealloc": geomean(ratios),
             "attention_shaped_min_vs_torch_prealloc": min(ratios) if ratios else math.nan,
             "attention_shaped_at_or_above_85pct_peak": sum(
-                r.gflop / (r.ms["chainfuse"] / 1e3) >= 0.85 * peak for r in att
+                r.gflops() >= 0.85 * peak * n for r in att
             ),
             "attention_shaped_count": len(att),
             "mlp_min_vs_torch_prealloc": min(
@@ -247,43 +252,12 @@ def summarise(rows: Sequence[Row]) -> dict[str, Any]:
     return out
 
 
-def _geomean(xs: Sequence[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+    """`chainfuse bench gemm-chain ...`: the shared runner with this suite."""
+    from chainfuse.bench import runner
 
-    parser = argparse.ArgumentParser(prog="chainfuse bench gemm-chain", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--between", default="none,relu")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default="bench-out", help="directory for gemm_chain.json")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        print(f"warning: load average {load:.2f}: another job is running; figures will be low")
-    _PEAK[:] = [fp32_peak_gflops()]
-    print(f"FP32 FMA peak, measured now: {_PEAK[0]:.1f} GFLOP/s per core")
-    times = compile_times()
-    print(f"cold compile {times['cold_compile_s']:.2f} s; warm first call (new process, cached)"
-          f" {times['warm_first_call_s'] * 1e3:.1f} ms")  # fmt: skip
-    names = QUICK if args.quick else tuple(w.name for w in workloads.GEMM)
-    betweens = [None if b == "none" else b for b in args.between.split(",")]
-    threads = [int(t) for t in args.threads.split(",")]
-    rows = run(names, betweens, threads, args.rounds)
-    summary = summarise(rows)
-    for key, value in summary.items():
-        print(key, json.dumps(value))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemm_chain.json").write_text(json.dumps(
-        {"peak_gflops_per_core": _PEAK[0], "compile": times, "summary": summary,
-         "rows": [asdict(r) for r in rows]}, indent=1))  # fmt: skip
-    return 0
+    return runner.main(["gemm-chain", *(argv or [])])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

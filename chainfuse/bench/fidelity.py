@@ -1,0 +1,220 @@
+"""How well the model ranks plans: compile the planner's top plans, time them, compare.
+
+For one chain the planner's choice is compiled, then the plans the model ranks right behind it:
+the same block order with other code-level tiles (multiples of the micro-kernel's block around
+the chosen ones, each costed by `model.estimate` over every level, capacity respected). The
+top `k` by predicted time are compiled and timed interleaved on one thread, and two figures
+come out:
+
+- Spearman's rank correlation between the model's ranking and the measured times (1: the model
+  orders the plans exactly as the machine does; near 0: its ordering among these is noise).
+  The model's predicted time is max(compute, memory) per plan, so compute-bound plans tie on
+  it; the ranking breaks those ties by predicted memory time (the sum over levels of bytes over
+  bandwidth, which is what the planner's per-level search minimises next to compute);
+- the tuning gap: how much slower the planner's first choice is than the best of the `k`
+  measured (0 %: an autotuner over these plans would have found nothing better).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from chainfuse import reference
+from chainfuse.bench.timing import interleave
+from chainfuse.compiler import Kernel, compile
+from chainfuse.hardware import Hardware, resolve
+from chainfuse.ir import Chain
+from chainfuse.model import Nest, estimate
+from chainfuse.planner import USABLE
+
+__all__ = ["Fidelity", "measure", "spearman"]
+
+_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
+
+
+@dataclass
+class Fidelity:
+    """Predicted and measured milliseconds of the top plans of one workload; [0] is the choice."""
+
+    suite: str
+    workload: str
+    variant: str
+    tiles: list[str]
+    predicted_ms: list[float]  # the model's time: max(compute, memory)
+    predicted_memory_ms: list[float]  # its tie-break: summed memory time over the levels
+    measured_ms: list[float]
+
+    @property
+    def predicted_rank(self) -> list[float]:
+        keys = list(zip(self.predicted_ms, self.predicted_memory_ms, strict=True))
+        return _ranks(keys)
+
+    @property
+    def rho(self) -> float:
+        return spearman(self.predicted_rank, self.measured_ms)
+
+    @property
+    def tuning_gap(self) -> float:
+        """measured(first choice) / min(measured) - 1."""
+        return self.measured_ms[0] / min(self.measured_ms) - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rho": self.rho, "tuning_gap": self.tuning_gap}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Fidelity:
+        keep = ("suite", "workload", "variant", "tiles", "predicted_ms", "predicted_memory_ms",
+                "measured_ms")  # fmt: skip
+        return cls(**{k: d[k] for k in keep})
+
+
+def _ranks(xs: Sequence[Any]) -> list[float]:
+    """Ranks 1..n, ties given their average rank."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation (Pearson's on average ranks); NaN if either is constant."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman: {len(xs)} and {len(ys)} values")
+    if len(xs) < 2:
+        return math.nan
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
+
+
+def _code_loops(kernel: Kernel) -> dict[str, str]:
+    """Chain loop name of each code-level tile (T_M, T_L, T_K, T_N)."""
+    first, second = kernel.chain.contractions
+    m, l_ = first.output.loops[-2:]
+    return {"T_M": m, "T_L": l_, "T_K": first.reduction[0], "T_N": second.output.loops[-1]}
+
+
+Key = tuple[float, float]  # (predicted time, predicted memory time), seconds
+
+
+def candidates(
+    kernel: Kernel, hw: Hardware, threads: int, top: int
+) -> list[tuple[Key, dict[str, int]]]:
+    """(model's key, code-level tiles) of the chosen plan and of the `top - 1` best others."""
+    chain, chosen = kernel.chain, kernel.plan
+    level = _level_of(chosen, hw)
+    ext = chain.extents
+    loops = _code_loops(kernel)
+    spec = kernel.spec
+    picked = {loops[f]: getattr(spec, f) for f in ("T_M", "T_L", "T_K", "T_N")}
+    quantum = {loops["T_M"]: spec.kernel.nr, loops["T_L"]: spec.kernel.mr,
+               loops["T_N"]: spec.kernel.mr, loops["T_K"]: 1}  # fmt: skip
+    nest = Nest(chain, chosen.order, chosen.depth)
+    base = {lv: dict(t) for lv, t in chosen.tiles}
+    capacity = next(lv.capacity for lv in hw.levels if lv.name == level) * USABLE
+
+    def values(loop: str) -> list[int]:
+        q, n, t = quantum[loop], ext[loop], picked[loop]
+        out = {min(n, max(q, round(t * f / q) * q)) for f in _FACTORS}
+        return sorted(out | {t})
+
+    def cost(tiles: dict[str, int]) -> Key | None:
+        levels = {lv: dict(t) for lv, t in base.items()}
+        levels[level] = {**levels[level], **tiles}
+        for lv, t in levels.items():  # inner levels never hold more than the code level
+            if lv != level and _inner(hw, lv, level):
+                levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
+        c = estimate(nest, levels, hw, chosen.parallel, threads)
+        used = dict(c.used_per_level).get(level, 0)
+        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s))
+
+    first = cost(picked)
+    assert first is not None, "the planner's own tiles must fit"
+    scored: list[tuple[Key, dict[str, int]]] = []
+    names = list(picked)
+    for combo in itertools.product(*(values(n) for n in names)):
+        tiles = dict(zip(names, combo, strict=True))
+        if tiles == picked:
+            continue
+        t = cost(tiles)
+        if t is not None:
+            scored.append((t, tiles))
+    scored.sort(key=lambda st: st[0])
+    return [(first, picked), *scored[: top - 1]]
+
+
+def _inner(hw: Hardware, a: str, b: str) -> bool:
+    names = [lv.name for lv in hw.levels]
+    return names.index(a) < names.index(b)
+
+
+def _level_of(chosen: Any, hw: Hardware) -> str:
+    from chainfuse.compiler import _code_level
+
+    return _code_level(hw)
+
+
+def measure(
+    chain: Chain,
+    suite: str,
+    workload: str,
+    variant: str,
+    top: int = 10,
+    rounds: int = 9,
+    hardware: Hardware | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Fidelity:
+    """Compile and time the top `top` plans of `chain` (1 thread; see the module docstring)."""
+    hw = hardware or resolve(None)
+    chosen = compile(chain, hw, threads=1)
+    ranked = candidates(chosen, hw, 1, top)
+    loops = _code_loops(chosen)
+    by_loop = {v: k for k, v in loops.items()}
+
+    def build(tiles: dict[str, int]) -> Kernel:
+        return compile(chain, hw, threads=1, tiles=tiles)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # gcc runs outside the GIL
+        kernels = [chosen, *pool.map(build, [t for _, t in ranked[1:]])]
+    inputs = reference.random_inputs(chain, seed=11)
+    args = [inputs[t.name] for t in chain.inputs]
+    want = reference.run(chain, inputs)[chain.outputs[0].name]
+    fns: dict[str, Callable[[], object]] = {}
+    for i, kernel in enumerate(kernels):
+        out = np.empty(chain.outputs[0].shape, dtype=np.float32)
+        kernel(*args, out=out)
+        reference.assert_close(out, want, chain)
+        fns[str(i)] = _bind(kernel, args, out)
+    timing = interleave(fns, rounds)
+    if progress is not None:
+        progress(f"fidelity {workload} {variant}")
+    return Fidelity(
+        suite,
+        workload,
+        variant,
+        tiles=[" ".join(f"{by_loop[k]}={v}" for k, v in t.items()) for _, t in ranked],
+        predicted_ms=[p[0] * 1e3 for p, _ in ranked],
+        predicted_memory_ms=[p[1] * 1e3 for p, _ in ranked],
+        measured_ms=[timing[str(i)].ms for i in range(len(kernels))],
+    )
+
+
+def _bind(kernel: Kernel, args: Sequence[Any], out: Any) -> Callable[[], object]:
+    return lambda: kernel(*args, out=out)

@@ -1,0 +1,203 @@
+"""`chainfuse bench [gemm-chain|attention|conv-chain|all]`: run suites, write the report.
+
+    chainfuse bench all --quick --out bench-out     # the representative subset, ~2 minutes
+    chainfuse bench gemm-chain --threads 1,2        # one suite, every paper workload
+
+Order of a run: probe the machine (FP32 peak, read bandwidths, load average; warn when busy),
+time a cold compile and a warm first call, run each suite (compile, check against the float64
+reference, time chainfuse and the baselines interleaved), then the model-fidelity runs (the top
+plans of some workloads compiled and timed), and write report.md, the plots and results.json
+into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from chainfuse.bench import attention, fidelity, gemm_chain, report, workloads
+from chainfuse.bench.fidelity import Fidelity
+from chainfuse.bench.probe import measure_machine
+from chainfuse.bench.results import Result
+
+__all__ = ["Progress", "main"]
+
+SUITES = ("gemm-chain", "attention", "conv-chain")
+CONV_QUICK = ("resnet50-1x1-3x3", "1x1-1x1-a")
+# fidelity: the workloads whose top plans are compiled and timed (quick: the first of each)
+FIDELITY_GEMM = (("bert-base", "relu"), ("vit-huge-14", "none"), ("mixer-l-32-s", "relu"),
+                 ("mixer-b-32-c", "none"))  # fmt: skip
+FIDELITY_ATTENTION = ("bert-base", "vit-large-16", "seq-128")
+
+
+class Progress:
+    """A one-line progress bar on a terminal, one line per step otherwise (logs, CI)."""
+
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.start = time.perf_counter()
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        if self.stream.isatty():
+            filled = round(30 * self.done / self.total)
+            bar = "#" * filled + "." * (30 - filled)
+            end = "\n" if self.done >= self.total else ""
+            self.stream.write(
+                f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f} s  {label:<40}{end}"
+            )
+        else:
+            self.stream.write(f"[{self.done}/{self.total} {elapsed:.0f} s] {label}\n")
+        self.stream.flush()
+
+
+def _conv_module() -> Any | None:
+    try:
+        return importlib.import_module("chainfuse.bench.conv_chain")
+    except ImportError:
+        return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chainfuse bench", description=__doc__.split("\n")[0])
+    p.add_argument("suite", nargs="?", default="all", choices=[*SUITES, "all"])
+    p.add_argument("--quick", action="store_true", help="a representative subset (~2 minutes)")
+    p.add_argument("--threads", default="1,2", help="thread counts, e.g. 1,2")
+    p.add_argument("--dtype", default="fp32", help="fp32 (bf16 needs AMX kernels: not built yet)")
+    p.add_argument("--between", default="none,relu", help="gemm-chain/conv-chain variants")
+    p.add_argument("--rounds", type=int, default=15, help="timing rounds per case")
+    p.add_argument("--top", type=int, default=10, help="plans per fidelity run (0: no fidelity)")
+    p.add_argument("--out", default="bench-out", help="directory for report.md, plots, JSON")
+    return p
+
+
+def _parse_threads(text: str) -> list[int]:
+    try:
+        threads = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"chainfuse bench: --threads: expected integers like 1,2, got {text!r}"
+        ) from None
+    if not threads or min(threads) < 1:
+        raise SystemExit(f"chainfuse bench: --threads: expected positive integers, got {text!r}")
+    return threads
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    dtypes = args.dtype.split(",")
+    bad = [d for d in dtypes if d != "fp32"]
+    if bad:
+        print(f"chainfuse bench: --dtype {','.join(bad)}: only fp32 kernels exist in this build "
+              "(bf16 needs the AMX / AVX512-BF16 micro-kernels, not written yet)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    threads = _parse_threads(args.threads)
+    betweens = [None if b == "none" else b for b in args.between.split(",")]
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    conv = _conv_module()
+    if "conv-chain" in suites and conv is None:
+        if args.suite == "conv-chain":
+            print("chainfuse bench: the conv-chain suite is not available in this build",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        suites.remove("conv-chain")
+        print("note: conv-chain suite not available in this build; skipped", file=sys.stderr)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    gemm_names = gemm_chain.QUICK if args.quick else tuple(w.name for w in workloads.GEMM)
+    att_names = [c[0] for c in attention.cases(args.quick)]
+    conv_names = CONV_QUICK if args.quick else tuple(w.name for w in workloads.CONV)
+    fid_gemm = FIDELITY_GEMM[:1] if args.quick else FIDELITY_GEMM
+    fid_att = FIDELITY_ATTENTION[:1] if args.quick else FIDELITY_ATTENTION
+    steps = {
+        "gemm-chain": len(gemm_names) * len(betweens) * len(threads),
+        "attention": len(att_names) * len(threads),
+        "conv-chain": len(conv_names) * len(betweens) * len(threads),
+    }
+    total = sum(steps[s] for s in suites)
+    if args.top > 0:
+        total += len(fid_gemm) * ("gemm-chain" in suites) + len(fid_att) * ("attention" in suites)
+
+    gemm_chain.set_threads(1)
+    machine = measure_machine()
+    print(f"{machine.hardware.name}: FP32 FMA peak measured {machine.peak_gflops:.1f} GFLOP/s "
+          f"per core (nominal {machine.nominal_peak_gflops:.1f}); load {machine.load_average:.2f}")  # fmt: skip
+    for w in machine.warnings():
+        print(f"warning: {w}", file=sys.stderr)
+    extra: dict[str, Any] = {"compile": gemm_chain.compile_times()}
+    print(f"cold compile {extra['compile']['cold_compile_s']:.2f} s; warm first call "
+          f"(new process, cached) {extra['compile']['warm_first_call_s'] * 1e3:.1f} ms")  # fmt: skip
+
+    progress = Progress(total)
+    results: list[Result] = []
+    runs: dict[str, Callable[[], list[Result]]] = {
+        "gemm-chain": lambda: gemm_chain.run(gemm_names, betweens, threads, args.rounds, progress),
+        "attention": lambda: attention.run(att_names, threads, args.rounds, progress),
+        "conv-chain": lambda: _run_conv(conv, conv_names, betweens, threads, args.rounds, progress),
+    }
+    for suite in suites:
+        results += runs[suite]()
+    peak = machine.peak_gflops
+    if "gemm-chain" in suites:
+        extra["gemm_chain_issue_figures"] = gemm_chain.summarise(
+            [r for r in results if r.suite == "gemm-chain"], peak
+        )
+    if "attention" in suites:
+        extra["attention_issue_figures"] = attention.summarise(
+            [r for r in results if r.suite == "attention"], peak
+        )
+
+    fids: list[Fidelity] = []
+    if args.top > 0:
+        gemm_chain.set_threads(1)
+        if "gemm-chain" in suites:
+            for name, between in fid_gemm:
+                chain = workloads.chain_of(name, None if between == "none" else between)
+                fids.append(fidelity.measure(chain, "gemm-chain", name, between, args.top,
+                                             progress=progress))  # fmt: skip
+        if "attention" in suites:
+            for name in fid_att:
+                fids.append(fidelity.measure(attention.chain_of(name), "attention", name,
+                                             "softmax", args.top, progress=progress))  # fmt: skip
+
+    command = "chainfuse bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    files = report.write(Path(args.out), results, fids, machine, extra, command.strip())
+    for s in report.summary_rows(results, peak):
+        print(f"{s['suite']:<11} {s['threads']}t  geomean x{s['geomean_speedup']:.2f}  "
+              f"min x{s['min_speedup']:.2f}  over the fastest baseline ({s['cases']} cases)")  # fmt: skip
+    for f in fids:
+        print(f"fidelity {f.suite} {f.workload} {f.variant}: Spearman rho {f.rho:.2f}, "
+              f"tuning gap {f.tuning_gap:.1%}")  # fmt: skip
+    print("wrote " + ", ".join(str(p) for p in files))
+    return 0
+
+
+def _run_conv(
+    conv: Any,
+    names: Sequence[str],
+    betweens: Sequence[str | None],
+    threads: Sequence[int],
+    rounds: int,
+    progress: Progress,
+) -> list[Result]:
+    out: list[Result] = []
+    for name in names:  # one workload at a time, so the progress bar moves
+        got: list[Result] = conv.run([name], betweens, threads, rounds)
+        for r in got:
+            progress(f"{r.workload} {r.variant} {r.threads}t")
+        out += got
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""Interleaved timing of several implementations of the same computation, in one process.
+
+A shared 2-core machine drifts by tens of percent within seconds, so implementations are timed
+round-robin (one call each per round) rather than one after another: a slow moment then slows
+every contender alike, and ratios stay meaningful even when absolute times do not.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["Timing", "interleave"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One implementation's figure: `ms` is the median (or the best, see `interleave`)."""
+
+    ms: float
+    spread: float  # (75th - 25th percentile) / median: how noisy the samples were
+    samples: int
+
+
+def interleave(
+    fns: Mapping[str, Callable[[], object]],
+    rounds: int,
+    best: bool = False,
+    budget_s: float = 20.0,
+) -> dict[str, Timing]:
+    """Time every function of `fns` round-robin after one warm-up call each.
+
+    `best=True` reports the minimum instead of the median (used with more than one thread,
+    where a shared machine only ever slows a run down). Stops after `rounds` rounds, or earlier
+    once `budget_s` has passed and at least three rounds are in.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    deadline = time.perf_counter() + budget_s
+    for r in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+        if r >= 2 and time.perf_counter() > deadline:
+            break
+    out: dict[str, Timing] = {}
+    for name, xs in samples.items():
+        median = statistics.median(xs)
+        if len(xs) >= 4:
+            q = statistics.quantiles(xs, n=4)
+            spread = (q[2] - q[0]) / median
+        else:
+            spread = (max(xs) - min(xs)) / median
+        out[name] = Timing((min(xs) if best else median) * 1e3, spread, len(xs))
+    return out

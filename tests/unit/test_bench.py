@@ -1,0 +1,161 @@
+"""The benchmark harness's own logic: timing, results, rank correlation, report, CLI errors.
+
+No timing is asserted here (timing belongs in benchmarks); these check the bookkeeping that
+turns measurements into the report.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chainfuse.bench import fidelity, report, runner
+from chainfuse.bench.fidelity import Fidelity, spearman
+from chainfuse.bench.probe import Machine
+from chainfuse.bench.results import Result, geomean
+from chainfuse.bench.timing import interleave
+from chainfuse.hardware import Hardware
+
+
+def _result(suite: str = "gemm-chain", workload: str = "bert-base", threads: int = 1,
+            ms: dict[str, float] | None = None) -> Result:  # fmt: skip
+    return Result(
+        suite, workload, "relu", threads, 0.8,
+        ms=ms or {"chainfuse": 10.0, "torch_prealloc": 12.0, "numpy": 11.0},
+        baselines=("torch_prealloc", "numpy"), spread={"chainfuse": 0.02},
+        tiles="T_M=96", predicted_ms=9.0, predicted_bytes={"L2": 1 << 20, "DRAM": 1 << 18},
+        simulated_bytes={"L2": 1 << 20}, planning_ms=12.0, compile_s=0.5,
+    )  # fmt: skip
+
+
+def _machine() -> Machine:
+    hw = Hardware.preset("xeon-gold-6240")
+    return Machine(hw, 0.1, 150.0, hw.peak("float32") / 1e9, (("L2", 1e11), ("DRAM", 1.2e10)))
+
+
+def test_interleave_calls_every_function_round_robin() -> None:
+    calls: list[str] = []
+    fns = {n: (lambda n=n: calls.append(n)) for n in ("a", "b")}
+    out = interleave(fns, rounds=4)
+    assert calls == ["a", "b"] + ["a", "b"] * 4  # one warm-up each, then alternating
+    assert set(out) == {"a", "b"} and all(t.samples == 4 and t.ms >= 0 for t in out.values())
+    with pytest.raises(ValueError, match="rounds"):
+        interleave(fns, rounds=0)
+
+
+def test_result_speedup_is_against_the_fastest_baseline() -> None:
+    r = _result()
+    assert r.best_baseline() == "numpy"
+    assert r.speedup() == pytest.approx(1.1)
+    assert r.speedup("torch_prealloc") == pytest.approx(1.2)
+    assert r.gflops() == pytest.approx(80.0)
+    assert Result.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    with pytest.raises(ValueError, match="none of the baselines"):
+        _result(ms={"chainfuse": 1.0}).best_baseline()
+
+
+def test_geomean() -> None:
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert math.isnan(geomean([]))
+
+
+def test_spearman_known_values() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    with pytest.raises(ValueError):
+        spearman([1, 2], [1])
+
+
+@settings(deadline=None)  # the first call imports scipy
+@given(st.lists(st.tuples(st.integers(0, 5), st.floats(-10, 10)), min_size=3, max_size=30))
+def test_spearman_matches_scipy(pairs: list[tuple[int, float]]) -> None:
+    scipy_stats = pytest.importorskip("scipy.stats")
+    xs, ys = [float(a) for a, _ in pairs], [b for _, b in pairs]
+    want = scipy_stats.spearmanr(xs, ys).statistic
+    got = spearman(xs, ys)
+    assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, abs=1e-9)
+
+
+def test_fidelity_rank_breaks_time_ties_by_memory_time() -> None:
+    f = Fidelity("gemm-chain", "w", "none", ["a", "b", "c"], predicted_ms=[5.0, 5.0, 6.0],
+                 predicted_memory_ms=[2.0, 1.0, 0.5], measured_ms=[3.0, 2.0, 4.0])  # fmt: skip
+    assert f.predicted_rank == [2.0, 1.0, 3.0]
+    assert f.rho == pytest.approx(1.0)
+    assert f.tuning_gap == pytest.approx(0.5)
+    assert Fidelity.from_dict(json.loads(json.dumps(f.to_dict()))) == f
+
+
+def test_report_writes_markdown_json_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = [_result(threads=1), _result(threads=2),
+               _result("attention", "seq-64", ms={"chainfuse": 1.0, "sdpa": 0.9})]  # fmt: skip
+    results[2].baselines = ("sdpa",)
+    fids = [Fidelity("gemm-chain", "bert-base", "relu", ["x", "y"], [1.0, 2.0], [0.1, 0.1],
+                     [1.1, 1.0])]  # fmt: skip
+    files = report.write(tmp_path, results, fids, _machine(), {"extra": 1}, "chainfuse bench x")
+    names = {p.name for p in files}
+    assert {"report.md", "results.json"} <= names
+    pngs = [p for p in files if p.suffix == ".png"]
+    assert len(pngs) >= 3 and all(p.stat().st_size > 5000 for p in pngs)
+    md = (tmp_path / "report.md").read_text()
+    assert "## gemm-chain" in md and "## attention" in md and "## Model fidelity" in md
+    assert "1.10x (numpy)" in md and "0.90x (sdpa)" in md  # speedups vs the fastest baseline
+    assert "1.00 / 1.00" in md  # L2 MiB predicted / simulated
+    assert "not simulated" in md  # DRAM had no simulator figure
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["results"]) == 3 and data["fidelity"][0]["tuning_gap"] == pytest.approx(0.1)
+    summary = {(s["suite"], s["threads"]): s for s in data["summary"]}
+    assert summary["gemm-chain", 1]["geomean_speedup"] == pytest.approx(1.1)
+
+
+def test_progress_without_a_terminal_prints_one_line_per_step() -> None:
+    stream = io.StringIO()
+    bar = runner.Progress(2, stream)
+    bar("first")
+    bar("second")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[1/2") and lines[1].endswith("second")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["gemm-chain", "--dtype", "bf16"], "only fp32"),
+        (["gemm-chain", "--threads", "1,x"], "--threads"),
+        (["gemm-chain", "--threads", "0"], "--threads"),
+    ],
+)
+def test_runner_rejects_bad_options(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = runner.main(argv)
+    except SystemExit as exc:
+        code, text = 2, str(exc)
+    else:
+        text = capsys.readouterr().err
+    assert code == 2 and message in text
+
+
+def test_fidelity_candidates_start_with_the_planners_choice() -> None:
+    from chainfuse.compiler import compile
+    from chainfuse.hardware import resolve
+    from chainfuse.ir import gemm_chain
+
+    chain = gemm_chain(2, 96, 32, 32, 120, "relu")
+    kernel = compile(chain)
+    ranked = fidelity.candidates(kernel, resolve(None), 1, 5)
+    spec = kernel.spec
+    assert ranked[0][1] == {"m": spec.T_M, "l": spec.T_L, "k": spec.T_K, "n": spec.T_N}
+    assert 1 < len(ranked) <= 5
+    assert len({tuple(t.items()) for _, t in ranked}) == len(ranked)  # distinct plans
+    keys = [k for k, _ in ranked[1:]]
+    assert keys == sorted(keys)  # the others in the model's order
