@@ -50,7 +50,15 @@ from chainfuse.ir import (
     Softmax,
 )
 
-__all__ = ["UNIT_ROUNDOFF", "assert_close", "evaluate", "random_inputs", "run", "tolerance"]
+__all__ = [
+    "UNIT_ROUNDOFF",
+    "assert_close",
+    "evaluate",
+    "random_inputs",
+    "run",
+    "run_conv_chain",
+    "tolerance",
+]
 
 F64 = NDArray[np.float64]
 
@@ -123,6 +131,31 @@ def _bool_masks(chain: Chain) -> set[str]:
         for op in chain.ops
         if isinstance(op, Softmax) and op.mask is not None and op.mask_kind is MaskKind.BOOL
     }
+
+
+def run_conv_chain(
+    chain: Chain,
+    inputs: Mapping[str, NDArray[Any]],
+    b1: NDArray[Any] | None = None,
+    b2: NDArray[Any] | None = None,
+    after: str | None = None,
+) -> NDArray[np.float64]:
+    """`run` of a `conv_chain_spec` chain with what its IR does not hold: per-channel biases
+    added to each convolution's result (`b1` before the op between them) and an optional relu
+    after the second one (`after="relu"`). Returns the output (float64). Kept apart from `run`:
+    the IR has no bias-after-contraction op for convolutions (yet)."""
+    if after not in (None, "relu"):
+        raise ValueError(f"after: expected None or 'relu', got {after!r}")
+    env = _check_inputs(chain, inputs)
+    first = chain.contractions[0]
+    for op in chain.ops:
+        value = evaluate(op, chain, env)
+        bias = b1 if op is first else (b2 if op is chain.ops[-1] else None)
+        if bias is not None:
+            value = value + np.asarray(bias, dtype=np.float64).reshape(1, -1, 1, 1)
+        env[op.output.tensor] = value
+    out = env[chain.outputs[0].name]
+    return np.maximum(out, 0.0) if after == "relu" else out
 
 
 # -- ops ------------------------------------------------------------------------------------------
@@ -539,19 +572,90 @@ def _longest_path(chain: Chain) -> tuple[int, int]:
     return max(d[0] for d in depth.values()), max(d[1] for d in depth.values())
 
 
+def softmax_error(
+    chain: Chain, inputs: Mapping[str, NDArray[Any]], dtype: DType | None = None
+) -> NDArray[np.float64] | None:
+    """What a softmax between two contractions may add to the output's error, per element.
+
+    A softmax turns a *relative* error of its input into an *absolute* error of an exponent:
+    scores `s = scale * sum_k q_k k_k` computed with relative error `tau` (the same random-walk
+    estimate as `tolerance`: `tau = c * sqrt(K * u_acc**2 + u**2)`, relative to `sum_k |q_k k_k|`)
+    come out as `s + d` with `|d| <= delta = tau * |scale| * sum_k |q_k k_k| + c * u * |s|`, and
+    `exp(s + d)` is off by a factor up to `exp(delta)`. With O(1) scores that is the relative
+    error `tolerance` already allows; with large inputs (|q|, |k| ~ 100) `delta` reaches 1 and
+    more, and an exact kernel rightly differs from the oracle by far more than `tolerance`.
+
+    The bound is taken relative to each row's largest score `r` (softmax ignores a common shift,
+    so only `d_j - d_r` matters): with `e_j = delta_j + delta_r` (0 at `r`),
+    `p'_j / p_j` lies in `[exp(-e_j) / Z_hi, exp(e_j) / Z_lo]`, `Z_hi = sum_k p_k exp(e_k)`,
+    `Z_lo = sum_k p_k exp(-e_k)`, so `|p'_j - p_j| <= dp_j` (also <= 1), and the output
+    `sum_j p_j v_j` moves by at most `sum_j dp_j |v_j|`. Where the softmax is one-hot (huge
+    scores, well separated) that is ~0, where scores nearly tie at huge magnitude it is up to
+    `|v|`: rounding alone really can pick the other key there.
+
+    None if the chain has no softmax read by its last contraction from a contraction's result.
+    """
+    softs = [op for op in chain.ops if isinstance(op, Softmax)]
+    last = chain.ops[-1]
+    if len(softs) != 1 or not isinstance(last, Contraction):
+        return None
+    (sm,) = softs
+    producer = next((op for op in chain.ops if op.output.tensor == sm.input.tensor), None)
+    if not isinstance(producer, Contraction) or sm.output.tensor not in (
+        acc.tensor for acc in last.inputs
+    ):
+        return None
+    dt = chain.dtype if dtype is None else dtype
+    u = UNIT_ROUNDOFF[dt]
+    u_acc = UNIT_ROUNDOFF[DType.FLOAT64] if dt is DType.FLOAT64 else UNIT_ROUNDOFF[DType.FLOAT32]
+    extents = chain.extents
+    env = _check_inputs(chain, inputs)
+    absolute = {k: (v if v.dtype == np.bool_ else np.abs(v)) for k, v in env.items()}
+    for op in chain.ops:
+        if op is sm:
+            break
+        env[op.output.tensor] = evaluate(op, chain, env)
+        absolute[op.output.tensor] = evaluate(op, chain, absolute)
+    out = _output_loops(sm.output)
+    axis = out.index(sm.axis)
+    probs = _softmax(sm, env, extents, out)  # exactly 0 where masked
+    n_red = math.prod(extents[x] for x in producer.reduction)
+    tau = _SAFETY * math.sqrt(n_red * u_acc**2 + u**2)
+    size = _aligned(sm.input, _real(absolute, sm.input), extents, out)
+    scores = np.abs(_aligned(sm.input, _real(env, sm.input), extents, out) * sm.scale)
+    delta = tau * abs(sm.scale) * size + _SAFETY * u * scores
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        lp = np.log(probs)  # -inf where masked or underflowed: those terms vanish below
+        top = np.argmax(probs, axis=axis)
+        d_top = np.take_along_axis(delta, np.expand_dims(top, axis), axis)
+        e = delta + d_top
+        np.put_along_axis(e, np.expand_dims(top, axis), 0.0, axis)
+        log_hi = np.log(np.sum(np.exp(np.minimum(lp + e, 700.0)), axis=axis, keepdims=True))
+        log_lo = np.log(np.sum(np.exp(lp - e), axis=axis, keepdims=True))
+        up = np.exp(np.minimum(lp + e - log_lo, 700.0)) - probs
+        down = probs - np.exp(lp - e - log_hi)
+        dp = np.minimum(np.nan_to_num(np.maximum(np.maximum(up, down), 0.0), nan=0.0), 1.0)
+    return evaluate(last, chain, {**absolute, sm.output.tensor: dp})
+
+
 def assert_close(
     actual: NDArray[Any],
     expected: NDArray[Any],
     chain: Chain,
     name: str = "output",
     dtype: DType | None = None,
+    inputs: Mapping[str, NDArray[Any]] | None = None,
 ) -> None:
-    """Raise AssertionError unless `|a - e| <= atol * max(1, max|e|) + rtol * |e|` everywhere.
+    """Raise AssertionError unless `|a - e| <= atol * max(1, max|e|) + rtol * |e| + extra`
+    everywhere.
 
-    `(rtol, atol) = tolerance(chain, dtype)`; `max|e|` is over the finite expected values. Where
-    `expected` is finite, a NaN or inf in `actual` fails; where it is not, `actual` must be the
-    same inf or also NaN. The message names the worst element (largest error among the failing
-    ones), its index, the bound there, and how many elements failed.
+    `(rtol, atol) = tolerance(chain, dtype)`; `max|e|` is over the finite expected values.
+    `extra` is `softmax_error(chain, inputs)` when the `inputs` are given and the chain has a
+    softmax between two contractions (0 otherwise): the part of the same rounding analysis that
+    depends on the inputs' magnitude. Where `expected` is finite, a NaN or inf in `actual`
+    fails; where it is not, `actual` must be the same inf or also NaN. The message names the
+    worst element (largest error among the failing ones), its index, the bound there, and how
+    many elements failed.
     """
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
@@ -561,9 +665,12 @@ def assert_close(
     finite = np.isfinite(e)
     peak = float(np.max(np.abs(e[finite]))) if finite.any() else 0.0
     floor = atol * max(1.0, peak)
+    extra = None if inputs is None else softmax_error(chain, inputs, dtype)
     with np.errstate(invalid="ignore"):
         diff = np.abs(a - e)
         bound = floor + rtol * np.abs(np.where(finite, e, 0.0))
+        if extra is not None:
+            bound = bound + extra
         ok = np.where(finite, diff <= bound, (a == e) | (np.isnan(a) & np.isnan(e)))
     failed = int(np.count_nonzero(~ok))
     if failed == 0:

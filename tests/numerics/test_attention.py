@@ -12,38 +12,81 @@ from chainfuse import reference
 from chainfuse.bench import workloads
 from chainfuse.compiler import compile
 
-SEQ = st.one_of(st.sampled_from([1, 7, 17, 63, 65, 129, 131]), st.integers(1, 200))
-HEAD = st.sampled_from([1, 16, 40, 59, 64, 80, 96, 111, 160])
+try:
+    import torch as _TORCH
+except ImportError:  # the float64 reference alone then
+    _TORCH = None
+
+SEQ = st.one_of(st.sampled_from([1, 7, 17, 63, 65, 129, 131, 257, 509, 599, 600]),
+                st.integers(1, 600))  # fmt: skip
+HEAD = st.one_of(st.sampled_from([1, 16, 40, 59, 64, 80, 96, 111, 160, 256]), st.integers(1, 256))
+# input magnitudes: O(1), the range where rounded scores move the softmax (10-100), and huge
+MAGNITUDE = st.sampled_from([1.0, 1.0, 3.0, 10.0, 31.6, 100.0, 1e3, 1e4])
 TILES = st.sampled_from([None, {"m": 16, "l": 6, "k": 7, "n": 6}, {"m": 48, "l": 30}])
 MASK = st.sampled_from([None, "bool", "additive"])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    b=st.integers(1, 2),
-    h=st.integers(1, 2),
-    sq=SEQ,
-    sk=SEQ,
-    dqk=HEAD,
-    dv=HEAD,
-    causal=st.booleans(),
-    mask=MASK,
-    broadcast=st.booleans(),
-    tiles=TILES,
-)
-def test_attention_matches_reference(
+def _draw_test(examples: int):  # type: ignore[no-untyped-def]
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        b=st.integers(1, 2),
+        h=st.integers(1, 2),
+        sq=SEQ,
+        sk=SEQ,
+        dqk=HEAD,
+        dv=HEAD,
+        causal=st.booleans(),
+        mask=MASK,
+        broadcast=st.booleans(),
+        tiles=TILES,
+        magnitude=MAGNITUDE,
+    )
+    def check(
+        b: int, h: int, sq: int, sk: int, dqk: int, dv: int, causal: bool, mask: str | None,
+        broadcast: bool, tiles: dict[str, int] | None, magnitude: float,
+    ) -> None:  # fmt: skip
+        """Against the float64 reference and, where torch is installed, SDPA in float64; inputs
+        up to 1e4 in magnitude (the tolerance's softmax term accounts for the rounded scores)."""
+        _check_attention(b, h, sq, sk, dqk, dv, causal, mask, broadcast, tiles, magnitude)
+
+    return check
+
+
+test_attention_matches_reference = _draw_test(40)
+test_attention_matches_reference_many = pytest.mark.slow(_draw_test(300))
+
+
+def _check_attention(
     b: int, h: int, sq: int, sk: int, dqk: int, dv: int, causal: bool, mask: str | None,
-    broadcast: bool, tiles: dict[str, int] | None,
+    broadcast: bool, tiles: dict[str, int] | None, magnitude: float,
 ) -> None:  # fmt: skip
     shape = (1, sq, sk) if broadcast else None
     chain = chainfuse.attention_chain(b, h, sq, sk, dqk, dv, causal=causal, mask=mask,
                                       mask_shape=shape if mask else None)  # fmt: skip
-    inputs = reference.random_inputs(chain, seed=sq * 7 + sk)
+    inputs = reference.random_inputs(chain, seed=sq * 7 + sk, scale=magnitude)
     out = compile(chain, tiles=tiles)(*[inputs[t.name] for t in chain.inputs])
-    reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
+    assert np.isfinite(out).all()
+    reference.assert_close(out, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+    if _TORCH is None or (causal and mask is not None):  # SDPA takes one or the other
+        return
+    q, k, v = (_TORCH.from_numpy(inputs[n]).double() for n in ("Q", "K", "V"))
+    m = None
+    if mask is not None:
+        m = _TORCH.from_numpy(inputs["mask"])
+        m = m if mask == "bool" else m.double()
+    theirs = _TORCH.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                               is_causal=causal)  # fmt: skip
+    reference.assert_close(out, theirs.numpy(), chain, inputs=inputs)
 
 
-@pytest.mark.parametrize("name", ["bert-small", "vit-base-16"])
+ATTENTION_SHAPED = [w.name for w in workloads.GEMM if w.attention_shaped]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in ("bert-small", "vit-base-16") else pytest.param(n, marks=pytest.mark.slow)
+     for n in ATTENTION_SHAPED],
+)  # fmt: skip
 def test_paper_workloads_as_attention(name: str) -> None:
     w = workloads.find(name)
     assert isinstance(w, workloads.GemmWorkload)

@@ -29,6 +29,7 @@ from chainfuse.ir import (
     Loop,
     Pointwise,
     Role,
+    Softmax,
     Tensor,
     attention_chain,
     conv_chain_spec,
@@ -469,3 +470,74 @@ def test_assert_close_reports_the_failure() -> None:
         reference.assert_close(want[0], want, chain)
     nan = np.full(3, np.nan)
     reference.assert_close(nan, nan, chain)  # NaN where NaN is expected is fine
+
+
+# -- the softmax term of the tolerance -----------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sq=st.integers(1, 40),
+    sk=st.integers(1, 40),
+    d=st.integers(1, 24),
+    magnitude=st.sampled_from([0.3, 1.0, 10.0, 31.6, 100.0, 1e4]),
+    mask=st.sampled_from([None, "bool", "additive"]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_softmax_error_bounds_any_score_perturbation_within_delta(
+    sq: int, sk: int, d: int, magnitude: float, mask: str | None, causal: bool, seed: int
+) -> None:
+    """Move every score by up to the delta the bound assumes (random signs, and the extreme
+    corners +-delta), recompute the output exactly: it never moves more than the bound says."""
+    chain = attention_chain(1, 1, sq, sk, d, d, causal=causal, mask=mask)
+    x = reference.random_inputs(chain, seed=seed, scale=magnitude)
+    bound = reference.softmax_error(chain, x)
+    assert bound is not None and np.isfinite(bound).all()
+    q, k, v = (x[n][0, 0].astype(np.float64) for n in ("Q", "K", "V"))
+    soft = next(op for op in chain.ops if isinstance(op, Softmax))
+    tau = reference._SAFETY * np.sqrt(d * reference.UNIT_ROUNDOFF[DType.FLOAT32] ** 2
+                                      + reference.UNIT_ROUNDOFF[DType.FLOAT32] ** 2)  # fmt: skip
+    s = q @ k.T * soft.scale
+    delta = tau * soft.scale * (np.abs(q) @ np.abs(k).T) + reference._SAFETY * 2**-24 * np.abs(s)
+    keep = np.ones((sq, sk), dtype=bool)
+    if mask == "additive":
+        s = s + x["mask"][0, 0]
+    elif mask == "bool":
+        keep &= x["mask"][0, 0]
+    if causal:
+        keep &= np.tri(sq, sk, dtype=bool)
+
+    def attend(scores: np.ndarray) -> np.ndarray:
+        z = np.where(keep, scores, -np.inf)
+        top = z.max(axis=1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0.0)
+        p = np.exp(z - top)
+        total = p.sum(axis=1, keepdims=True)
+        return (p / np.where(total > 0, total, 1.0)) @ v
+
+    base = attend(s)
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        signs = rng.choice([-1.0, 1.0], size=s.shape) * rng.random(s.shape) ** 0.25
+        moved = attend(s + signs * delta)
+        assert (np.abs(moved - base) <= bound[0, 0] * (1 + 1e-9) + 1e-12).all()
+
+
+def test_softmax_error_is_small_where_scores_are_small_or_well_separated() -> None:
+    """Not a vacuous bound: O(1) scores get about the plain tolerance; huge, separated scores
+    (one-hot softmax) get ~0, so a kernel that picked the wrong key would fail."""
+    chain = attention_chain(1, 2, 50, 70, 32, 16)
+    _, atol = reference.tolerance(chain)
+    small = reference.softmax_error(chain, reference.random_inputs(chain, seed=1))
+    assert small is not None and small.max() < 20 * atol
+    x = reference.random_inputs(chain, seed=1, scale=1e4)
+    huge = reference.softmax_error(chain, x)
+    assert huge is not None and np.median(huge) == 0.0
+    out = reference.run(chain, x)["O"]
+    wrong = out.copy()
+    wrong[0, 0, 3] = x["V"][0, 0, 0]  # as if row 3 had attended to key 0 only
+    with pytest.raises(AssertionError, match="not close"):
+        reference.assert_close(wrong, out, chain, inputs=x)
+    assert reference.softmax_error(gemm_chain(1, 8, 8, 8, 8, "relu"),
+                                   reference.random_inputs(gemm_chain(1, 8, 8, 8, 8, "relu"))) is None  # fmt: skip
