@@ -33,6 +33,7 @@ from chainfuse.kernels import MicroKernel, emit_with_packing
 __all__ = ["Epilogue", "GemmChainShape", "GemmChainSpec", "emit_gemm_chain", "match_gemm_chain"]
 
 MAX_BATCH = 2  # batch loops the kernel takes (attention: batch and heads)
+DIRECT_STRIPS = 8  # row blocks of at most this many nr-strips read B and D slivers in place
 
 
 class Epilogue(enum.Enum):
@@ -234,6 +235,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(f"#define LPM {-(-spec.T_L // mr) * mr} /* T_L rounded up to whole mr strips */")
     w.line(f"#define NPM {-(-spec.T_N // mr) * mr}")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
+    w.line(f"#define DIRECT_MC {DIRECT_STRIPS} * NR /* up to this many columns: no B/D packing */")
     w.line("")
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
     w.line("   packed Dᵀ, the Eᵀ accumulator and the softmax column statistics */")
@@ -308,6 +310,9 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const float* restrict B_b = B + b0 * sB0 + b1 * sB1;")
     w.line("const float* restrict D_b = D + b0 * sD0 + b1 * sD1;")
     w.line("float* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
+    w.line("/* few column strips: a B or D sliver serves too few micro-kernel calls to pay for")
+    w.line("   packing it; whole slivers are then read in place (tails are still packed) */")
+    w.line("const int direct = mc <= DIRECT_MC;")
     if spec.mask is MaskKind.ADDITIVE:
         w.line("const float* mask_b = (const float*)mask_data + b0 * sM0 + b1 * sM1;")
     elif spec.mask is MaskKind.BOOL:
@@ -333,6 +338,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                 _pack_at(w, uk, "k0", "kc")
             with w.block("for (int s = 0; s * MR < lc; ++s)"):
                 w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                w.line("if (direct && m == MR) continue; /* read in place below */")
                 if spec.b_transposed:
                     w.line(
                         f"{uk}_pack_a(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * MR * kc);"
@@ -348,16 +354,27 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                 )
                 with w.block("for (int s = 0; s * MR < lc; ++s)"):
                     w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                    w.line(
-                        f"{uk}(kc, Bt + (long)s * MR * kc, a, Pt + (long)j * LPM * NR + s * MR * NR,"
-                        " NR, m, n, k0 > 0);"
-                    )
+                    w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
+                    with w.block("if (direct && m == MR)"):
+                        if spec.b_transposed:
+                            w.line(
+                                f"{uk}_strided(kc, B_b + (l0 + s * MR) * sBr + k0, sBr, 1, a, c,"
+                                " NR, n, k0 > 0);"
+                            )
+                        else:
+                            w.line(
+                                f"{uk}_strided(kc, B_b + k0 * sBr + l0 + s * MR, 1, sBr, a, c,"
+                                " NR, n, k0 > 0);"
+                            )
+                    with w.block("else"):
+                        w.line(f"{uk}(kc, Bt + (long)s * MR * kc, a, c, NR, m, n, k0 > 0);")
         _epilogue(w, spec)
         w.line("/* op2: Eᵀ[n_o, m_o] (+)= Dᵀ[n_o, l_o] . Pᵀ[l_o, m_o] */")
         with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
             with w.block("for (int s = 0; s * MR < nc; ++s)"):
                 w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+                w.line("if (direct && m == MR) continue; /* read in place below */")
                 w.line(
                     f"{uk}_pack_at(lc, m, D_b + l0 * sDl + n0 + s * MR, sDl, Dt + (long)s * MR * lc);"
                 )
@@ -365,10 +382,17 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                 w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
                 with w.block("for (int s = 0; s * MR < nc; ++s)"):
                     w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
-                    w.line(
-                        f"{uk}(lc, Dt + (long)s * MR * lc, Pt + (long)j * LPM * NR, "
-                        "Et + (n0 + s * MR) * LDE + j * NR, LDE, m, n, l0 > 0);"
-                    )
+                    w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
+                    with w.block("if (direct && m == MR)"):
+                        w.line(
+                            f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl,"
+                            " Pt + (long)j * LPM * NR, c, LDE, n, l0 > 0);"
+                        )
+                    with w.block("else"):
+                        w.line(
+                            f"{uk}(lc, Dt + (long)s * MR * lc, Pt + (long)j * LPM * NR, c, LDE,"
+                            " m, n, l0 > 0);"
+                        )
     w.line(
         "/* E[m_o, :] = Eᵀ transposed"
         + (", each row over its softmax sum */" if softmax else " */")

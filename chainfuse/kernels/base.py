@@ -137,10 +137,25 @@ class MicroKernel:
         return (round(width * useful, 9), self.mr * self.nr, -self.registers)
 
     def emit(self) -> str:
-        """C source of ``static inline void <name>(...)`` (the fixed signature) and its full tile."""
+        """C of the micro-kernel's entry points, full tile included.
+
+        ``<name>(kc, Ap, Bp, C, ldc, m, n, accumulate)`` takes a packed sliver ``Ap`` (the fixed
+        layout ``Ap[p*mr + i]``); ``<name>_strided(kc, A, rs, ks, Bp, C, ldc, n, accumulate)``
+        reads a whole ``mr``-row sliver in place, ``A(i, p) = A[i*rs + p*ks]``: no packing where
+        a sliver is used too few times to pay for it (short sequences), and row-major or
+        transposed operands alike. A partial sliver (``m < mr``) must be packed: its missing rows
+        would be read out of bounds.
+        """
         mr, nr, name = self.mr, self.nr, self.name
         pad = " " * (len(name) + 20)
+        spad = " " * (len(name) + 28)
         wrapper = f"""
+static inline void {name}_full(int kc, const float* restrict Ap, const float* restrict Bp,
+{pad}float* restrict C, long ldc, int accumulate)
+{{
+    {name}_full_s(kc, Ap, 1, {mr}, Bp, C, ldc, accumulate);
+}}
+
 /* {name}: C[0:m, 0:n] (+)= Ap . Bp, m <= {mr}, n <= {nr}; Ap[p*{mr} + i], Bp[p*{nr} + j]. */
 static inline void {name}(int kc, const float* restrict Ap, const float* restrict Bp,
 {pad}float* restrict C, long ldc, int m, int n, int accumulate)
@@ -152,6 +167,25 @@ static inline void {name}(int kc, const float* restrict Ap, const float* restric
     float C_tile[{mr * nr}] __attribute__((aligned(64)));
     {name}_full(kc, Ap, Bp, C_tile, {nr}, 0);
     for (int i = 0; i < m; ++i) {{
+        for (int j = 0; j < n; ++j) {{
+            const float v = C_tile[i * {nr} + j];
+            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
+        }}
+    }}
+}}
+
+/* {name}_strided: C[0:{mr}, 0:n] (+)= A . Bp, A(i, p) = A[i*rs + p*ks] read in place. */
+static inline void {name}_strided(int kc, const float* restrict A, long rs, long ks,
+{spad}const float* restrict Bp, float* restrict C, long ldc, int n,
+{spad}int accumulate)
+{{
+    if (n == {nr}) {{
+        {name}_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate);
+        return;
+    }}
+    float C_tile[{mr * nr}] __attribute__((aligned(64)));
+    {name}_full_s(kc, A, rs, ks, Bp, C_tile, {nr}, 0);
+    for (int i = 0; i < {mr}; ++i) {{
         for (int j = 0; j < n; ++j) {{
             const float v = C_tile[i * {nr} + j];
             C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
@@ -287,8 +321,9 @@ class VectorOps:
 
 
 def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
-    """``<name>_full`` as an outer-product loop: per k step, ``nr/lanes`` vector loads of Bp,
-    ``mr`` broadcasts of Ap, ``mr*nr/lanes`` FMAs into accumulators named ``c<i>_<j>``."""
+    """``<name>_full_s`` as an outer-product loop: per k step, ``nr/lanes`` vector loads of Bp,
+    ``mr`` broadcasts of A (row ``i`` at ``A + i*rs``, step ``p`` at ``+ p*ks``), ``mr*nr/lanes``
+    FMAs into accumulators named ``c<i>_<j>``."""
     mr, nr, name = kernel.mr, kernel.nr, kernel.name
     if nr % ops.lanes:
         raise ValueError(f"{name}: nr={nr} is not a multiple of {ops.lanes} lanes")
@@ -297,10 +332,10 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
     lines = [
         ops.preamble.rstrip("\n"),
         "",
-        f"/* {name}_full: C[0:{mr}, 0:{nr}] (+)= Ap . Bp, {mr * nv} accumulators in registers */",
-        f"static inline void {name}_full(int kc, const float* restrict Ap,",
-        f"{' ' * (len(name) + 25)}const float* restrict Bp, float* restrict C, long ldc,",
-        f"{' ' * (len(name) + 25)}int accumulate)",
+        f"/* {name}_full_s: C[0:{mr}, 0:{nr}] (+)= A . Bp, {mr * nv} accumulators in registers */",
+        f"static inline void {name}_full_s(int kc, const float* restrict A, long rs, long ks,",
+        f"{' ' * (len(name) + 27)}const float* restrict Bp, float* restrict C, long ldc,",
+        f"{' ' * (len(name) + 27)}int accumulate)",
         "{",
     ]
     for i in range(mr):
@@ -309,7 +344,7 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
     lines += [
         "#pragma GCC unroll 4",
         "    for (int p = 0; p < kc; ++p) {",
-        f"        const float* restrict a = Ap + (long)p * {mr};",
+        "        const float* restrict a = A + (long)p * ks;",
         f"        const float* restrict b = Bp + (long)p * {nr};",
     ]
     for j in range(nv):
@@ -317,7 +352,9 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
             f"        const {ops.type} b{j} = {ops.load.format(ptr=f'b + {j * ops.lanes}')};"
         )
     for i in range(mr):
-        lines.append(f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=f'a + {i}')};")
+        lines.append(
+            f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=f'a + {i} * rs')};"
+        )
         for j in range(nv):
             fma = ops.fma.format(a=f"a{i}", b=f"b{j}", c=acc[i][j])
             lines.append(f"        {acc[i][j]} = {fma};")

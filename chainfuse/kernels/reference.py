@@ -24,9 +24,11 @@ __all__ = ["reference_4x4_f32"]
 def reference_4x4_f32(kernel: MicroKernel) -> str:
     mr, nr, name = kernel.mr, kernel.nr, kernel.name
     return f"""
-/* {name}_full: C[0:{mr}, 0:{nr}] (+)= Ap . Bp, one multiply-add at a time. */
-static inline void {name}_full(int kc, const float* restrict Ap, const float* restrict Bp,
-                               float* restrict C, long ldc, int accumulate)
+/* {name}_full_s: C[0:{mr}, 0:{nr}] (+)= A . Bp with A(i, p) = A[i*rs + p*ks], one
+   multiply-add at a time. */
+static inline void {name}_full_s(int kc, const float* restrict A, long rs, long ks,
+                                 const float* restrict Bp, float* restrict C, long ldc,
+                                 int accumulate)
 {{
     float acc[{mr}][{nr}];
     for (int i = 0; i < {mr}; ++i) {{
@@ -34,7 +36,7 @@ static inline void {name}_full(int kc, const float* restrict Ap, const float* re
     }}
     for (int p = 0; p < kc; ++p) {{
         for (int i = 0; i < {mr}; ++i) {{
-            const float a = Ap[(long)p * {mr} + i];
+            const float a = A[i * rs + p * ks];
             for (int j = 0; j < {nr}; ++j) acc[i][j] += a * Bp[(long)p * {nr} + j];
         }}
     }}
