@@ -24,13 +24,24 @@ import numpy as np
 
 from chainfuse import config
 from chainfuse.codegen.c import GemmChainShape, GemmChainSpec, emit_gemm_chain, match_gemm_chain
+from chainfuse.codegen.conv import (
+    ConvChainShape,
+    ConvChainSpec,
+    ConvTiles,
+    Halo,
+    choose_halo,
+    code_tiles,
+    emit_conv_chain,
+    geometry,
+    match_conv_chain,
+)
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select
 from chainfuse.planner import Plan, plan
 from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
-__all__ = ["Kernel", "compile"]
+__all__ = ["ConvKernel", "Kernel", "compile", "compile_conv"]
 
 
 @dataclass(frozen=True)
@@ -217,8 +228,14 @@ def compile(
     """Plan `chain` for this machine, generate and build its fused kernel, and load it.
 
     `tiles` overrides the planner's tiles of the code level (loop name -> tile; tests and
-    tuning use it to reach every path of the generated loops).
+    tuning use it to reach every path of the generated loops). A convolution chain
+    (`conv_chain_spec`) gives a `ConvKernel`: the same as `compile_conv(chain, ...)`, which is
+    the typed entry point (and the one with the conv-only options).
     """
+    if isinstance(chain, Chain) and _is_conv(chain):
+        # the static type stays Kernel for the GEMM chains every caller compiles; conv callers
+        # that want ConvKernel's attributes typed call compile_conv
+        return compile_conv(chain, hardware, threads, tiles)  # type: ignore[return-value]
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
     if chain.dtype is not DType.FLOAT32:
@@ -313,4 +330,277 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
         f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}\n"
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}); "
         f"epilogue {spec.epilogue.value}; parallel over {', '.join(chosen.parallel)}"
+    )
+
+
+# -- convolution chains ---------------------------------------------------------------------------
+
+
+def _is_conv(chain: Chain) -> bool:
+    """A chain whose contractions read through windows (`2*p + r - 1`): a convolution chain."""
+    return any(len(ix.terms) > 1 for op in chain.contractions for a in op.reads for ix in a.index)
+
+
+#: the (order, depth) the conv backend implements: per (n, p2, q2) block the producer runs in
+#: front of its consumer (the plan's tiles of p2 x q2 become whole-row bands, see `code_tiles`)
+_CONV_ORDER = ("n", "p2", "q2", "k2", "k1", "p1", "q1", "c", "r1", "s1", "r2", "s2")
+
+
+def _dense_strides(name: str, x: Any, shape: tuple[int, ...]) -> _Arg:
+    """A float32 CPU array in NCHW or channels-last (NHWC) memory order, or a contiguous 1-D one.
+
+    The kernel reads and writes through strides, so both orders are zero-copy; any other layout
+    (a strided view) is refused rather than silently copied. Called four to six times per call:
+    kept lean (a few attribute reads per tensor).
+    """
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
+        got = x.shape
+        strides = tuple(s >> 2 for s in x.strides)
+        if any(s & 3 for s in x.strides):
+            raise ValueError(f"{name}: strides {x.strides} are not whole elements")
+        ptr = int(x.ctypes.data)
+    elif _is_torch(x):
+        t: Any = x
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
+        if t.dtype is not _torch_float32():
+            raise TypeError(f"{name}: expected dtype float32, got {t.dtype}")
+        got = tuple(t.shape)
+        strides = t.stride()
+        ptr = t.data_ptr()
+    else:
+        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+    if got != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(got)}")
+    orders = _ORDERS if len(shape) == 4 else ((0,),)
+    if not any(_dense_in(order, shape, strides) for order in orders):
+        kinds = "NCHW or channels_last" if len(shape) == 4 else "contiguous"
+        raise ValueError(
+            f"{name}: expected a {kinds} array, got strides {strides} for shape {shape}; "
+            "pass a contiguous copy (x.contiguous() / np.ascontiguousarray(x))"
+        )
+    return _Arg(ptr, strides)
+
+
+_ORDERS = ((0, 1, 2, 3), (0, 2, 3, 1))
+
+
+def _torch_float32() -> Any:
+    import torch
+
+    return torch.float32
+
+
+def _dense_in(order: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when the dims, innermost last in `order`, are packed without gaps (size-1 dims free)."""
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and strides[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
+class ConvKernel:
+    """A compiled conv -> [relu] -> conv chain: `kernel(x, w1, w2, b1=None, b2=None, out=None)`.
+
+    `x` [N, C, H, W], `w1` [K1, C, R1, S1], `w2` [K2, K1, R2, S2] (PyTorch's layouts), in NCHW
+    or channels-last memory order (numpy arrays or torch CPU tensors, float32); biases [K1] /
+    [K2] or None. The result has `x`'s kind and memory order. Every argument is passed by
+    pointer and strides: nothing is copied, in either order. `halo` says whether overlapping
+    rows of the intermediate are kept or recomputed, `halo_reason` why, `tiles` the code tiles.
+    """
+
+    def __init__(
+        self,
+        chain: Chain,
+        plan_: Plan,
+        spec: ConvChainSpec,
+        shape: ConvChainShape,
+        tiles: ConvTiles,
+        halo_reason: str,
+        source: str,
+    ) -> None:
+        self.chain = chain
+        self.plan = plan_
+        self.spec = spec
+        self.shape = shape
+        self.tiles = tiles
+        self.halo = spec.halo
+        self.halo_reason = halo_reason
+        self.source = source
+        self.name = spec.name
+        start = time.perf_counter()
+        result = build(source, spec.name, spec.kernel.cflags)
+        self.compile_seconds = time.perf_counter() - start
+        self.cached = result.cached
+        self.path = result.path
+        lib = load(result.path)
+        self._fn = getattr(lib, spec.name)
+        self._fn.restype = None
+        longs = ctypes.POINTER(ctypes.c_long)
+        self._fn.argtypes = (
+            [ctypes.c_void_p] * 6
+            + [longs]
+            + [ctypes.c_void_p] * 4
+            + [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_long,
+                ctypes.c_int,
+            ]
+        )
+        workspace = getattr(lib, f"{spec.name}_workspace")
+        workspace.restype = ctypes.c_long
+        workspace.argtypes = [longs, longs]
+        self._geometry = (ctypes.c_long * 21)(*geometry(shape, tiles))
+        per = ctypes.c_long(0)
+        self._shared = int(workspace(self._geometry, ctypes.byref(per)))
+        self._per = int(per.value)
+        s = shape
+        self._shapes = {
+            "x": (s.N, s.C, s.H, s.W),
+            "w1": (s.K1, s.C, s.R1, s.S1),
+            "w2": (s.K2, s.K1, s.R2, s.S2),
+            "out": (s.N, s.K2, s.P2, s.Q2),
+            "b1": (s.K1,),
+            "b2": (s.K2,),
+        }
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"ConvKernel({self.name}, halo={self.halo.value}, {self.tiles}, {self.path})"
+
+    def _workspace(self, threads: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+        size = self._shared + threads * self._per + 32
+        buf: np.ndarray[Any, np.dtype[np.float32]] | None = getattr(self._local, "buf", None)
+        if buf is None or buf.size < size:
+            buf = np.empty(size, dtype=np.float32)
+            self._local.buf = buf
+        return buf
+
+    def __call__(
+        self, x: Any, w1: Any, w2: Any, b1: Any = None, b2: Any = None, out: Any = None
+    ) -> Any:
+        shapes = self._shapes
+        ax = _dense_strides("x", x, shapes["x"])
+        a1 = _dense_strides("w1", w1, shapes["w1"])
+        a2 = _dense_strides("w2", w2, shapes["w2"])
+        bias1 = None if b1 is None else _dense_strides("b1", b1, shapes["b1"]).ptr
+        bias2 = None if b2 is None else _dense_strides("b2", b2, shapes["b2"]).ptr
+        # channels-last: C innermost (with C = 1 both orders are dense; the stride tells them apart)
+        channels_last = ax.strides[1] == 1 and _dense_in((0, 2, 3, 1), shapes["x"], ax.strides)
+        if out is None:
+            out = _empty_like_input(x, shapes["out"], channels_last)
+        elif _is_torch(out) and out.requires_grad:
+            raise ValueError("out: the output must not require grad")
+        elif isinstance(out, np.ndarray) and not out.flags.writeable:
+            raise ValueError("out: the output array is read-only")
+        ao = _dense_strides("out", out, shapes["out"])
+        threads = get_num_threads()
+        work = self._workspace(threads)
+        base = work.ctypes.data + 4 * ((-work.ctypes.data % 64) // 4)  # 64-byte aligned start
+        strides = (ctypes.c_long * 16)(*ax.strides, *a1.strides, *a2.strides, *ao.strides)
+        at = ctypes.addressof(strides)
+        self._fn(
+            ax.ptr, a1.ptr, a2.ptr, bias1, bias2, ao.ptr,
+            self._geometry, at, at + 32, at + 64, at + 96,
+            base, base + 4 * self._shared, self._per, threads,
+        )  # fmt: skip
+        return out
+
+
+def _empty_like_input(x: Any, shape: tuple[int, ...], channels_last: bool) -> Any:
+    """A new result of `x`'s kind in `x`'s memory order (numpy: NCHW or an NHWC-ordered view)."""
+    if _is_torch(x):
+        import torch
+
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        return torch.empty(shape, dtype=torch.float32, memory_format=fmt)
+    if channels_last:
+        N, K, P, Q = shape
+        return np.empty((N, P, Q, K), dtype=np.float32).transpose(0, 3, 1, 2)
+    return np.empty(shape, dtype=np.float32)
+
+
+def compile_conv(
+    chain: Chain,
+    hardware: Hardware | str | None = None,
+    threads: int | None = None,
+    tiles: Mapping[str, int] | None = None,
+    halo: Halo | str | None = None,
+    after: str | None = None,
+) -> ConvKernel:
+    """Plan a conv -> [relu] -> conv chain and build its one fused kernel (see `codegen.conv`).
+
+    `tiles` overrides code tiles by loop name: `p2` (output rows per band), `c` and `k1` (the
+    channel blocks of the two reductions). `halo` forces "keep" or "recompute" (default: the
+    cost comparison of `choose_halo`). `after="relu"` adds a relu after the second convolution.
+    """
+    if not isinstance(chain, Chain):
+        raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
+    if chain.dtype is not DType.FLOAT32:
+        raise TypeError(
+            f"{chain.name}: only float32 chains compile for now, got {chain.dtype.value}"
+        )
+    if after not in (None, "relu"):
+        raise ValueError(f"after: expected None or 'relu', got {after!r}")
+    hw = resolve(hardware)
+    shape = match_conv_chain(chain)
+    ext = chain.extents
+    kernel = select(Problem(DType.FLOAT32, shape.K1, shape.P1 * shape.Q1, ext["c"]), hw)
+    n_first = shape.N > 1
+    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
+    chosen = _remembered_plan(chain, hw, threads, (order, 3 if n_first else 2), {})
+    planned = chosen.tiles_at(_code_level(hw)) or {}
+    code = code_tiles(shape, planned, hw.levels[0].capacity, kernel.nr)
+    picks = {"p2": code.band_rows, "c": code.c_block, "k1": code.k1_block}
+    for loop, t in (tiles or {}).items():
+        if loop not in picks:
+            raise ValueError(f"tiles: unknown conv tile {loop!r}; expected p2, c or k1")
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
+        picks[loop] = t
+    code = ConvTiles(picks["p2"], picks["c"], picks["k1"])
+    decided, reason = choose_halo(shape, code.band_rows, chosen.threads)
+    if halo is not None:
+        forced = Halo(halo)
+        if forced is not decided:
+            reason = f"forced {forced.value} (the model chose {decided.value}: {reason})"
+        decided = forced
+    spec = ConvChainSpec(kernel, shape.relu_mid, after == "relu", decided)
+    header = _conv_header(spec, after)
+    return ConvKernel(chain, chosen, spec, shape, code, reason, emit_conv_chain(spec, header))
+
+
+def _conv_header(spec: ConvChainSpec, after: str | None) -> str:
+    """The conv kernel's opening comment: structure, schedule and how its tiles are chosen (no
+    sizes: they, the tiles included, are arguments, so one object serves every shape)."""
+    # the chain with its sizes, strides and paddings as symbols: they are arguments
+    ops = [
+        "  Y1[n,k1,p1,q1] = sum[c,r1,s1] X[n,c,st1*p1+r1-pad1,st1*q1+s1-pad1] * W1[k1,c,r1,s1]",
+        "  Y1 += b1[k1] (if given)",
+        *(["  Z = relu(Y1)"] if spec.relu_mid else ["  Z = Y1"]),
+        "  Y2[n,k2,p2,q2] = sum[k1,r2,s2] Z[n,k1,st2*p2+r2-pad2,st2*q2+s2-pad2] * W2[k2,k1,r2,s2]",
+        "  Y2 += b2[k2] (if given)" + ("; Y2 = relu(Y2)" if after == "relu" else ""),
+    ]
+    keep = spec.halo is Halo.KEEP
+    return (
+        f"chainfuse generated kernel {spec.name}\n"
+        "chain:\n" + "\n".join(ops) + "\n"
+        f"plan structure {' > '.join(_CONV_ORDER)} (n last when N = 1), shared n > p2 > q2: "
+        "conv1 runs per block of conv2's output pixels; parallel over n x row bands of conv2\n"
+        "code tiles (run-time arguments): T_P2 = whole rows holding the plan's p2 x q2 pixels\n"
+        "  at its code level, T_C / T_K1 = channel blocks whose gathered windows fit half of L1\n"
+        f"halo: {spec.halo.value} ("
+        + (
+            "overlapping rows of Z stay in each thread's rolling row buffer"
+            if keep
+            else "every band recomputes the rows of Z it reads"
+        )
+        + "), chosen by choose_halo's cost comparison (ConvKernel.halo_reason)\n"
+        f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}): output channels x "
+        "pixels; layouts: any NCHW / channels-last strides"
     )

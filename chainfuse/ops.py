@@ -5,6 +5,7 @@ compiled kernel for later calls with the same shapes (kernels whose generated so
 share one compiled object on disk, so a new shape often costs a plan and a load, not a compile).
 
     E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
+    y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="relu")
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import functools
 from typing import Any
 
 from chainfuse import ir
-from chainfuse.compiler import Kernel, compile
+from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
 from chainfuse.ir import Activation, Chain
 
-__all__ = ["attention", "gemm_chain"]
+__all__ = ["attention", "conv_chain", "gemm_chain"]
 
 
 def _shape(name: str, x: Any, float32: bool = True) -> tuple[int, ...]:
@@ -109,3 +110,92 @@ def attention(
     inputs = [q, k, v] if attn_mask is None else [q, k, v, attn_mask]
     out = _kernel(chain)(*inputs)
     return out[:, 0] if flat else out
+
+
+@functools.lru_cache(maxsize=256)
+def _conv_kernel(chain: Chain, after: str | None) -> ConvKernel:
+    return compile_conv(chain, after=after)
+
+
+def _conv_operand(name: str, x: Any, ndim: int) -> tuple[int, ...]:
+    """Shape of a conv operand after the checks that need no sizes: kind, dtype, device, rank."""
+    shape = _shape(name, x)
+    device = getattr(x, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
+    if len(shape) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {shape}")
+    if any(s <= 0 for s in shape):
+        raise ValueError(f"{name}: sizes must be positive, got shape {shape}")
+    return shape
+
+
+def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
+        raise ValueError(f"{name}: expected two integers (first conv, second conv), got {value!r}")
+    if any(v < least for v in pair):
+        raise ValueError(f"{name}: expected integers >= {least}, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def conv_chain(
+    x: Any,
+    w1: Any,
+    w2: Any,
+    b1: Any = None,
+    b2: Any = None,
+    stride: int | tuple[int, int] = (1, 1),
+    padding: int | tuple[int, int] = (0, 0),
+    between: str | None = None,
+    after: str | None = None,
+    out: Any = None,
+) -> Any:
+    """`conv2d(between(conv2d(x, w1, b1, stride[0], padding[0])), w2, b2, stride[1], padding[1])`,
+    fused into one kernel, then `after` ("relu" or None) on the result.
+
+    `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
+    float32 numpy arrays or torch CPU tensors, in NCHW or channels-last memory order: both are
+    read in place through their strides, never copied (the kernel's gathers transpose
+    channels-last pixels into its packed operand; NCHW rows are copied into it whole). The result
+    has `x`'s kind and memory order (numpy: NCHW), or is written into `out`.
+    """
+    N, C, H, W = _conv_operand("x", x, 4)
+    K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
+    K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
+    if C1 != C:
+        raise ValueError(f"w1: expected {C} input channels (x's C), got shape {(K1, C1, R1, S1)}")
+    if C2 != K1:
+        raise ValueError(
+            f"w2: expected {K1} input channels (w1's output channels), got shape {(K2, C2, R2, S2)}"
+        )
+    for name, bias, k in (("b1", b1, K1), ("b2", b2, K2)):
+        if bias is not None and _conv_operand(name, bias, 1) != (k,):
+            raise ValueError(f"{name}: expected shape ({k},), got {tuple(bias.shape)}")
+    st1, st2 = _pair("stride", stride, 1)
+    pad1, pad2 = _pair("padding", padding, 0)
+    if between not in (None, "relu"):
+        raise ValueError(f"between: expected None or 'relu', got {between!r}")
+    if after not in (None, "relu"):
+        raise ValueError(f"after: expected None or 'relu', got {after!r}")
+    if H + 2 * pad1 < R1 or W + 2 * pad1 < S1:
+        raise ValueError(
+            f"w1: kernel {R1}x{S1} is larger than the padded input {H + 2 * pad1}x{W + 2 * pad1}"
+        )
+    P1, Q1 = ir.conv_out_size(H, R1, st1, pad1), ir.conv_out_size(W, S1, st1, pad1)
+    if P1 + 2 * pad2 < R2 or Q1 + 2 * pad2 < S2:
+        raise ValueError(
+            f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
+            f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
+        )
+    try:
+        chain = ir.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
+                                   padding=(pad1, pad2), between=between)  # fmt: skip
+    except ValueError as err:
+        if "never hits" not in str(err):
+            raise
+        raise ValueError(
+            f"padding: every window of the second convolution along a dim reads only its "
+            f"padding ({err}); not supported"
+        ) from None
+    return _conv_kernel(chain, after)(x, w1, w2, b1, b2, out=out)

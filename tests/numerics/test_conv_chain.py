@@ -1,0 +1,327 @@
+"""Fused conv -> [relu] -> conv kernels against the float64 reference.
+
+Sizes, strides, paddings and tiles are run-time arguments of a compiled conv kernel; what is
+compiled in is the micro-kernel, the two relus and the halo policy. So the hypothesis tests, which
+draw hundreds of shapes, go through a handful of compiled objects (each draw still plans, as a
+user's call would).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import chainfuse
+from chainfuse import ops, reference
+from chainfuse.bench import workloads
+from chainfuse.codegen.conv import Halo
+from chainfuse.compiler import compile_conv
+from chainfuse.ir import conv_out_size
+
+KINDS = ("numpy", "torch_nchw", "torch_channels_last")
+
+
+def _as(kind: str, a: np.ndarray[Any, Any]) -> Any:
+    """`a` (NCHW numpy) as the given kind of input; 1-D arrays stay plain for torch kinds."""
+    if kind == "numpy":
+        return a
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if kind == "torch_channels_last" and t.dim() == 4:
+        t = t.contiguous(memory_format=torch.channels_last)
+    return t
+
+
+def _numpy(y: Any) -> np.ndarray[Any, Any]:
+    return y.numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+
+
+def _check_ops(
+    chain: chainfuse.Chain,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    between: str | None,
+    kind: str,
+    bias: bool = False,
+    after: str | None = None,
+    seed: int = 0,
+) -> None:
+    inputs = reference.random_inputs(chain, seed=seed)
+    rng = np.random.default_rng(seed)
+    K1, K2 = inputs["W1"].shape[0], inputs["W2"].shape[0]
+    b1 = rng.standard_normal(K1).astype(np.float32) if bias else None
+    b2 = rng.standard_normal(K2).astype(np.float32) if bias else None
+    args = [_as(kind, inputs[name]) for name in ("X", "W1", "W2")]
+    biases = [None if b is None else _as(kind, b) for b in (b1, b2)]
+    y = ops.conv_chain(*args, *biases, stride=stride, padding=padding, between=between,
+                       after=after)  # fmt: skip
+    assert type(y) is type(args[0])
+    # the result follows x's memory order (tiny shapes can be both orders at once)
+    if kind == "torch_channels_last" and not args[0].is_contiguous():
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    elif kind == "torch_nchw" and not args[0].is_contiguous(memory_format=torch.channels_last):
+        assert y.is_contiguous()
+    want = reference.run_conv_chain(chain, inputs, b1, b2, after)
+    reference.assert_close(_numpy(y), want, chain)
+
+
+# -- the paper's eight chains ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("between", [None, "relu"])
+@pytest.mark.parametrize("name", [w.name for w in workloads.CONV])
+def test_paper_chains(name: str, between: str | None) -> None:
+    w = workloads.find(name)
+    assert isinstance(w, workloads.ConvWorkload)
+    chain = w.chain(between)
+    _check_ops(chain, (w.stride1, w.stride2), (w.R1 // 2, w.R2 // 2), between,
+               "torch_channels_last")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["numpy", "torch_nchw"])
+@pytest.mark.parametrize("name", [w.name for w in workloads.CONV])
+def test_paper_chains_nchw_with_bias(name: str, kind: str) -> None:
+    w = workloads.find(name)
+    assert isinstance(w, workloads.ConvWorkload)
+    chain = w.chain("relu")
+    _check_ops(chain, (w.stride1, w.stride2), (w.R1 // 2, w.R2 // 2), "relu", kind, bias=True,
+               after="relu")  # fmt: skip
+
+
+# -- drawn chains ---------------------------------------------------------------------------------
+
+SPATIAL = st.one_of(st.sampled_from([1, 2, 7, 13, 17, 31, 53, 59, 60]), st.integers(1, 60))
+CHANNELS = st.one_of(st.sampled_from([1, 3, 7, 16, 17, 63, 65, 127, 130]), st.integers(1, 130))
+KERNEL = st.sampled_from([1, 3, 5])
+STRIDE = st.integers(1, 4)
+PAD = st.integers(0, 2)
+MAX_FLOP = 1.5e8  # keeps one draw (kernel + float64 reference) well under a second
+
+
+@st.composite
+def conv_chains(draw: st.DrawFn) -> tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]]:
+    N = draw(st.sampled_from([1, 1, 1, 2, 3]))
+    C, K1, K2 = draw(CHANNELS), draw(CHANNELS), draw(CHANNELS)
+    H, W = draw(SPATIAL), draw(SPATIAL)
+    R1, R2 = draw(KERNEL), draw(KERNEL)
+    S1 = draw(st.sampled_from([R1, R1, 1, 3, 5]))
+    S2 = draw(st.sampled_from([R2, R2, 1, 3, 5]))
+    st1, st2, pad1, pad2 = draw(STRIDE), draw(STRIDE), draw(PAD), draw(PAD)
+    assume(H + 2 * pad1 >= R1 and W + 2 * pad1 >= S1)
+    P1, Q1 = conv_out_size(H, R1, st1, pad1), conv_out_size(W, S1, st1, pad1)
+    assume(P1 + 2 * pad2 >= R2 and Q1 + 2 * pad2 >= S2)
+    P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
+    flop = 2 * N * (P1 * Q1 * K1 * C * R1 * S1 + P2 * Q2 * K2 * K1 * R2 * S2)
+    assume(flop <= MAX_FLOP)
+    between = draw(st.sampled_from([None, "relu"]))
+    try:
+        chain = chainfuse.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
+                                          padding=(pad1, pad2), between=between)  # fmt: skip
+    except ValueError as err:  # the IR refuses a conv whose windows see only padding along a dim
+        assert "never hits" in str(err)
+        assume(False)
+        raise
+    return chain, (st1, st2), (pad1, pad2)
+
+
+def _ops_test(examples: int):  # type: ignore[no-untyped-def]
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    @given(
+        drawn=conv_chains(),
+        kind=st.sampled_from(KINDS),
+        bias=st.booleans(),
+        after=st.sampled_from([None, "relu"]),
+        seed=st.integers(0, 3),
+    )
+    def check(
+        drawn: tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]],
+        kind: str,
+        bias: bool,
+        after: str | None,
+        seed: int,
+    ) -> None:
+        chain, stride, padding = drawn
+        between = "relu" if len(chain.ops) == 3 else None
+        _check_ops(chain, stride, padding, between, kind, bias, after, seed)
+
+    return check
+
+
+test_drawn_chains_through_ops = _ops_test(45)
+test_drawn_chains_through_ops_many = pytest.mark.slow(_ops_test(400))
+
+
+def _tiles_test(examples: int):  # type: ignore[no-untyped-def]
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    @given(
+        drawn=conv_chains(),
+        halo=st.sampled_from(["keep", "recompute"]),
+        band=st.integers(1, 9),
+        c_block=st.sampled_from([1, 5, 8, 16, 200]),
+        k1_block=st.sampled_from([1, 7, 8, 64, 200]),
+        kind=st.sampled_from(KINDS),
+    )
+    def check(
+        drawn: tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]],
+        halo: str,
+        band: int,
+        c_block: int,
+        k1_block: int,
+        kind: str,
+    ) -> None:
+        """Every halo policy and tile (bands of 1..9 rows, channel blocks with tails) is right."""
+        chain = drawn[0]
+        kernel = compile_conv(chain, halo=halo, tiles={"p2": band, "c": c_block, "k1": k1_block})
+        assert kernel.halo is Halo(halo)
+        inputs = reference.random_inputs(chain)
+        y = kernel(*[_as(kind, inputs[n]) for n in ("X", "W1", "W2")])
+        reference.assert_close(_numpy(y), reference.run(chain, inputs)["Y2"], chain)
+
+    return check
+
+
+test_drawn_chains_forced_tiles_and_halo = _tiles_test(30)
+test_drawn_chains_forced_tiles_and_halo_many = pytest.mark.slow(_tiles_test(300))
+
+
+# -- structure: one kernel, shared objects, visible halo policy ----------------------------------
+
+
+def test_fused_chain_is_one_kernel_call() -> None:
+    """One call of one compiled function, whose workspace cannot hold the intermediate."""
+    w = workloads.find("resnet50-1x1-3x3")
+    assert isinstance(w, workloads.ConvWorkload)
+    chain = w.chain("relu")
+    kernel = compile_conv(chain)
+    calls = []
+    fn = kernel._fn
+
+    def counted(*args: Any) -> None:
+        calls.append(args)
+        fn(*args)
+
+    kernel._fn = counted
+    inputs = reference.random_inputs(chain)
+    y = kernel(inputs["X"], inputs["W1"], inputs["W2"])
+    assert len(calls) == 1
+    reference.assert_close(y, reference.run(chain, inputs)["Y2"], chain)
+    exported = [line for line in kernel.source.splitlines() if line.startswith(("void ", "long "))]
+    assert [line.split("(")[0] for line in exported] == [
+        f"long {kernel.name}_workspace",
+        f"void {kernel.name}",
+    ]
+    intermediate = chain.tensor("Y1").size
+    # a thread's workspace: a band of rows of Y1 (8 of 56 here) and window panels, never all of Y1
+    assert kernel._per < intermediate / 2
+
+
+def test_shapes_share_one_compiled_object() -> None:
+    a = chainfuse.conv_chain_spec(1, 5, 9, 11, 7, 3, 3, 6, 1, 1, stride=(1, 1), padding=(1, 0),
+                                  between="relu")  # fmt: skip
+    b = chainfuse.conv_chain_spec(2, 17, 30, 8, 33, 5, 5, 9, 3, 3, stride=(2, 3), padding=(2, 1),
+                                  between="relu")  # fmt: skip
+    ka = compile_conv(a, halo="keep")
+    kb = compile_conv(b, halo="keep")
+    assert ka.path == kb.path
+    assert ka.tiles != kb.tiles or ka.shape != kb.shape
+
+
+def test_halo_policy_is_recorded() -> None:
+    chain = chainfuse.conv_chain_spec(1, 8, 40, 40, 8, 1, 1, 8, 3, 3, stride=(1, 1),
+                                      padding=(0, 1))  # fmt: skip
+    kernel = compile_conv(chain)
+    assert kernel.halo in (Halo.KEEP, Halo.RECOMPUTE)
+    assert f"halo: {kernel.halo.value}" in kernel.source
+    assert "conv1 rows" in kernel.halo_reason
+    forced = compile_conv(chain, halo="recompute")
+    assert forced.halo is Halo.RECOMPUTE and "halo: recompute" in forced.source
+    assert "#define HALO_KEEP 0" in forced.source
+
+
+def test_compile_dispatches_conv_chains() -> None:
+    chain = chainfuse.conv_chain_spec(1, 3, 8, 8, 4, 3, 3, 5, 1, 1, padding=(1, 0))
+    kernel: Any = chainfuse.compile(chain)
+    assert type(kernel).__name__ == "ConvKernel"
+    inputs = reference.random_inputs(chain)
+    reference.assert_close(kernel(inputs["X"], inputs["W1"], inputs["W2"]),
+                           reference.run(chain, inputs)["Y2"], chain)  # fmt: skip
+
+
+def test_out_argument_and_output_format() -> None:
+    chain = chainfuse.conv_chain_spec(2, 6, 10, 9, 8, 3, 3, 5, 3, 3, stride=(1, 2),
+                                      padding=(1, 1), between="relu")  # fmt: skip
+    inputs = reference.random_inputs(chain)
+    want = reference.run(chain, inputs)["Y2"]
+    x = torch.from_numpy(inputs["X"]).contiguous(memory_format=torch.channels_last)
+    w1, w2 = torch.from_numpy(inputs["W1"]), torch.from_numpy(inputs["W2"])
+    out = torch.empty(want.shape, dtype=torch.float32)  # NCHW out from a channels-last input
+    y = ops.conv_chain(x, w1, w2, stride=(1, 2), padding=(1, 1), between="relu", out=out)
+    assert y is out
+    reference.assert_close(out.numpy(), want, chain)
+    z = ops.conv_chain(inputs["X"], inputs["W1"], inputs["W2"], stride=(1, 2), padding=1,
+                       between="relu")  # fmt: skip
+    assert isinstance(z, np.ndarray) and z.flags.c_contiguous
+    reference.assert_close(z, want, chain)
+
+
+# -- errors name the argument ---------------------------------------------------------------------
+
+
+def _args() -> tuple[np.ndarray[Any, Any], ...]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 4, 9, 9)).astype(np.float32)
+    w1 = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
+    w2 = rng.standard_normal((5, 6, 1, 1)).astype(np.float32)
+    return x, w1, w2
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda x, w1, w2: (x, w1[:, :3], w2), r"w1: expected 4 input channels"),
+        (lambda x, w1, w2: (x, w1, w2[:, :5]), r"w2: expected 6 input channels"),
+        (lambda x, w1, w2: (x[:, :, :0], w1, w2), r"x: sizes must be positive"),
+        (lambda x, w1, w2: (x[:, :, :2, :2], w1, w2), r"w1: kernel 3x3 is larger"),
+        (lambda x, w1, w2: (x, w1, np.ones((5, 6, 9, 9), np.float32)), r"w2: kernel 9x9"),
+        (lambda x, w1, w2: (x.astype(np.float64), w1, w2), r"x: expected dtype float32"),
+        (lambda x, w1, w2: (x, w1.astype(np.float16), w2), r"w1: expected dtype float32"),
+        (lambda x, w1, w2: (x[..., ::2, :], w1, w2), r"x: expected a NCHW or channels_last"),
+        (lambda x, w1, w2: (x, w1, w2[0]), r"w2: expected 4 dims"),
+        (lambda x, w1, w2: ([[1.0]], w1, w2), r"x: expected a numpy array or a torch tensor"),
+    ],
+)
+def test_errors_name_the_argument(change: Any, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.conv_chain(*change(*_args()), padding=(0, 0))
+
+
+def test_errors_bias_stride_padding_between_device() -> None:
+    x, w1, w2 = _args()
+    with pytest.raises(ValueError, match=r"b1: expected shape \(6,\)"):
+        ops.conv_chain(x, w1, w2, b1=np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="stride: expected integers >= 1"):
+        ops.conv_chain(x, w1, w2, stride=(1, 0))
+    with pytest.raises(ValueError, match="padding: expected integers >= 0"):
+        ops.conv_chain(x, w1, w2, padding=(-1, 0))
+    with pytest.raises(ValueError, match="between: expected None or 'relu'"):
+        ops.conv_chain(x, w1, w2, between="gelu")
+    with pytest.raises(ValueError, match="x: expected a CPU tensor, got device meta"):
+        ops.conv_chain(torch.empty(1, 4, 9, 9, device="meta"), w1, w2)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        ops.conv_chain(x, w1, w2, out=np.empty((1, 5, 9, 9), np.float32))
+    t = torch.from_numpy(x)
+    with pytest.raises(ValueError, match="x: expected a NCHW or channels_last"):
+        ops.conv_chain(t.transpose(2, 3), w1, w2)
