@@ -27,7 +27,7 @@ import hashlib
 from dataclasses import dataclass, replace
 
 from chainfuse.codegen.writer import Writer
-from chainfuse.ir import Activation, Chain, Contraction, MaskKind, Pointwise, Softmax
+from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
 from chainfuse.kernels import MicroKernel, emit_with_packing
 
 __all__ = ["Epilogue", "GemmChainShape", "GemmChainSpec", "emit_gemm_chain", "match_gemm_chain"]
@@ -60,6 +60,7 @@ class GemmChainSpec:
     kernel: MicroKernel
     mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
     causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
+    dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16: fp32 arithmetic inside)
 
     @property
     def name(self) -> str:
@@ -72,10 +73,11 @@ class GemmChainSpec:
         key = (
             f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
             f"{self.T_M},{self.T_L},{self.T_K},{self.T_N}|{self.kernel.name}|"
-            f"{self.mask.value}|{self.causal}"
+            f"{self.mask.value}|{self.causal}|{self.dtype.value}"
         ).encode()
+        short = {DType.FLOAT32: "f32", DType.BFLOAT16: "bf16"}[self.dtype]
         return (
-            f"{word}_gemm_f32_tm{self.T_M}tl{self.T_L}tk{self.T_K}tn{self.T_N}_"
+            f"{word}_gemm_{short}_tm{self.T_M}tl{self.T_L}tk{self.T_K}tn{self.T_N}_"
             f"{hashlib.sha256(key).hexdigest()[:8]}"
         )
 
@@ -203,6 +205,59 @@ static inline float cf_erf(float x)
 """
 
 
+_BF16 = r"""
+#include <stdint.h>
+
+/* bf16 <-> fp32: a bf16 is the high half of an fp32, so widening is a shift; narrowing rounds
+   to nearest, ties to even (NaN kept quiet). */
+static inline float cf_from_bf16(uint16_t h)
+{
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t cf_to_bf16(float f)
+{
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+/* packing from bf16 sources into the micro-kernel's fp32 panels (same layouts as the fp32
+   routines: zeros beyond m / n) */
+static inline void cf_bf16_pack_a(int kc, int m, const uint16_t* restrict A, long lda,
+                                  float* restrict Ap)
+{
+    for (int i = 0; i < MR; ++i) {
+        const uint16_t* restrict row = A + i * lda;
+        for (int p = 0; p < kc; ++p) Ap[(long)p * MR + i] = i < m ? cf_from_bf16(row[p]) : 0.0f;
+    }
+}
+
+static inline void cf_bf16_pack_at(int kc, int m, const uint16_t* restrict At, long ldat,
+                                   float* restrict Ap)
+{
+    for (int p = 0; p < kc; ++p) {
+        for (int i = 0; i < MR; ++i) {
+            Ap[(long)p * MR + i] = i < m ? cf_from_bf16(At[p * ldat + i]) : 0.0f;
+        }
+    }
+}
+
+static inline void cf_bf16_pack_bt(int kc, int n, const uint16_t* restrict Bt, long ldbt,
+                                   float* restrict Bp)
+{
+    for (int j = 0; j < NR; ++j) {
+        const uint16_t* restrict col = Bt + j * ldbt;
+        for (int p = 0; p < kc; ++p) Bp[(long)p * NR + j] = j < n ? cf_from_bf16(col[p]) : 0.0f;
+    }
+}
+"""
+
+
 def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     """C source of `void <name>(...)` and `long <name>_workspace(...)` for `spec`.
 
@@ -235,7 +290,27 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(f"#define LPM {-(-spec.T_L // mr) * mr} /* T_L rounded up to whole mr strips */")
     w.line(f"#define NPM {-(-spec.T_N // mr) * mr}")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
-    w.line(f"#define DIRECT_MC {DIRECT_STRIPS} * NR /* up to this many columns: no B/D packing */")
+    if spec.dtype is DType.BFLOAT16:
+        w.line("/* bf16 inputs and output: converted to fp32 while packing (the micro-kernel and")
+        w.line("   the intermediate are fp32), E rounded to bf16 once at the end */")
+        w.lines(_BF16)
+        w.line("typedef uint16_t cf_elem;")
+        w.line("#define CF_LOAD(x) cf_from_bf16(x)")
+        w.line("#define CF_STORE(x) cf_to_bf16(x)")
+        w.line("#define PACK_A cf_bf16_pack_a")
+        w.line("#define PACK_AT cf_bf16_pack_at")
+        w.line("#define PACK_BT cf_bf16_pack_bt")
+        w.line("#define DIRECT_MC 0 /* bf16 slivers cannot be read in place by an fp32 kernel */")
+    else:
+        w.line("typedef float cf_elem;")
+        w.line("#define CF_LOAD(x) (x)")
+        w.line("#define CF_STORE(x) (x)")
+        w.line(f"#define PACK_A {ker.name}_pack_a")
+        w.line(f"#define PACK_AT {ker.name}_pack_at")
+        w.line(f"#define PACK_BT {ker.name}_pack_bt")
+        w.line(
+            f"#define DIRECT_MC {DIRECT_STRIPS} * NR /* up to this many columns: no B/D packing */"
+        )
     w.line("")
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
     w.line("   packed Dᵀ, the Eᵀ accumulator and the softmax column statistics */")
@@ -254,8 +329,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         "   row (the last dim is contiguous); B's row is k (or l when B is stored transposed) */"
     )
     with w.block(
-        f"void {name}(const float* restrict A, const float* restrict B,\n"
-        f"    const float* restrict D, float* restrict E, const long* sizes,\n"
+        f"void {name}(const cf_elem* restrict A, const cf_elem* restrict B,\n"
+        f"    const cf_elem* restrict D, cf_elem* restrict E, const long* sizes,\n"
         f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
         f"    float* restrict work, long work_per_thread, int nthreads)"
     ):
@@ -296,25 +371,26 @@ def _pack_at(w: Writer, uk: str, k0: str, kc: str) -> None:
     """Aᵀ strips (op1's B operand): strip j holds m columns j*nr.. over k."""
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
-        w.line(f"{uk}_pack_bt({kc}, n, A_b + j * NR * sAm + {k0}, sAm, At + (long)j * NR * {kc});")
+        w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, At + (long)j * NR * {kc});")
 
 
 def _block(w: Writer, spec: GemmChainSpec) -> None:
     """The body of one (batch, m_o) block."""
     uk = spec.kernel.name
     softmax = spec.epilogue is Epilogue.SOFTMAX
+    in_place = spec.dtype is DType.FLOAT32  # the micro-kernel reads fp32 slivers in place
     w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
     w.line("const long m0 = (blk % mblocks) * T_M;")
     w.line("const int mc = (int)(M - m0 < T_M ? M - m0 : T_M);")
-    w.line("const float* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
-    w.line("const float* restrict B_b = B + b0 * sB0 + b1 * sB1;")
-    w.line("const float* restrict D_b = D + b0 * sD0 + b1 * sD1;")
-    w.line("float* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
+    w.line("const cf_elem* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
+    w.line("const cf_elem* restrict B_b = B + b0 * sB0 + b1 * sB1;")
+    w.line("const cf_elem* restrict D_b = D + b0 * sD0 + b1 * sD1;")
+    w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
     w.line("/* few column strips: a B or D sliver serves too few micro-kernel calls to pay for")
     w.line("   packing it; whole slivers are then read in place (tails are still packed) */")
     w.line("const int direct = mc <= DIRECT_MC;")
     if spec.mask is MaskKind.ADDITIVE:
-        w.line("const float* mask_b = (const float*)mask_data + b0 * sM0 + b1 * sM1;")
+        w.line("const cf_elem* mask_b = (const cf_elem*)mask_data + b0 * sM0 + b1 * sM1;")
     elif spec.mask is MaskKind.BOOL:
         w.line(
             "const unsigned char* mask_b = (const unsigned char*)mask_data + b0 * sM0 + b1 * sM1;"
@@ -341,11 +417,11 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                 w.line("if (direct && m == MR) continue; /* read in place below */")
                 if spec.b_transposed:
                     w.line(
-                        f"{uk}_pack_a(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * MR * kc);"
+                        "PACK_A(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * MR * kc);"
                     )
                 else:
                     w.line(
-                        f"{uk}_pack_at(kc, m, B_b + k0 * sBr + l0 + s * MR, sBr, Bt + (long)s * MR * kc);"
+                        "PACK_AT(kc, m, B_b + k0 * sBr + l0 + s * MR, sBr, Bt + (long)s * MR * kc);"
                     )
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
                 w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
@@ -356,7 +432,9 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                     w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
                     w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
                     with w.block("if (direct && m == MR)"):
-                        if spec.b_transposed:
+                        if not in_place:
+                            w.line("/* never: bf16 is packed */")
+                        elif spec.b_transposed:
                             w.line(
                                 f"{uk}_strided(kc, B_b + (l0 + s * MR) * sBr + k0, sBr, 1, a, c,"
                                 " NR, n, k0 > 0);"
@@ -375,19 +453,20 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
             with w.block("for (int s = 0; s * MR < nc; ++s)"):
                 w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
                 w.line("if (direct && m == MR) continue; /* read in place below */")
-                w.line(
-                    f"{uk}_pack_at(lc, m, D_b + l0 * sDl + n0 + s * MR, sDl, Dt + (long)s * MR * lc);"
-                )
+                w.line("PACK_AT(lc, m, D_b + l0 * sDl + n0 + s * MR, sDl, Dt + (long)s * MR * lc);")
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
                 w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
                 with w.block("for (int s = 0; s * MR < nc; ++s)"):
                     w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
                     w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
                     with w.block("if (direct && m == MR)"):
-                        w.line(
-                            f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl,"
-                            " Pt + (long)j * LPM * NR, c, LDE, n, l0 > 0);"
-                        )
+                        if not in_place:
+                            w.line("/* never: bf16 is packed */")
+                        else:
+                            w.line(
+                                f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl,"
+                                " Pt + (long)j * LPM * NR, c, LDE, n, l0 > 0);"
+                            )
                     with w.block("else"):
                         w.line(
                             f"{uk}(lc, Dt + (long)s * MR * lc, Pt + (long)j * LPM * NR, c, LDE,"
@@ -403,11 +482,11 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("/* row by row: E is written contiguously, and the N lines of Eᵀ a row reads stay in L1")
     w.line("   for the next rows */")
     with w.block("for (int i = 0; i < mc; ++i)"):
-        w.line("float* restrict e = E_b + i * sEm;")
+        w.line("cf_elem* restrict e = E_b + i * sEm;")
         if softmax:
             w.line("const float inv = col_sum[i];")
         with w.block("for (long c = 0; c < N; ++c)"):
-            w.line("e[c] = Et[c * LDE + i]" + (" * inv;" if softmax else ";"))
+            w.line("e[c] = CF_STORE(Et[c * LDE + i]" + (" * inv);" if softmax else ");"))
 
 
 def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
@@ -445,7 +524,7 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
             with w.block("for (int c = 0; c < NR; ++c)"):
                 w.line("float v = p[r * NR + c] * scale;")
                 if spec.mask is MaskKind.ADDITIVE:
-                    w.line("v += mask_b[q[c] * sMm + (l0 + r) * sMl];")
+                    w.line("v += CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]);")
                 elif spec.mask is MaskKind.BOOL:
                     w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
                 if spec.causal:
