@@ -12,13 +12,14 @@ without a copy; anything else is an error naming the tensor (never a silent copy
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -59,8 +60,32 @@ def _is_torch(x: object) -> bool:
 def _check(
     name: str, x: object, shape: tuple[int, ...], writable: bool = False, dtype: str = "float32"
 ) -> _Arg:
-    """Validate one argument; errors name the tensor and what was expected."""
-    if _is_torch(x):
+    """Validate one argument; errors name the tensor and what was expected.
+
+    Every call of a kernel runs this on each argument, so the common case (a numpy array or a
+    CPU tensor of the right dtype and shape) takes the fewest attribute lookups: for a short
+    sequence the kernel itself takes tens of microseconds.
+    """
+    if type(x) is np.ndarray:
+        want = _NP_DTYPES.get(dtype)
+        if x.dtype != want if want is not None else x.dtype.name != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {x.dtype}")
+        if x.shape != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {x.shape}")
+        flags = x.flags
+        if writable and not flags.writeable:
+            raise ValueError(f"{name}: the output array is read-only")
+        if flags.c_contiguous:
+            strides = _contiguous(shape)
+        else:
+            size = x.itemsize
+            strides = tuple(s // size for s in x.strides)
+            if any(s % size for s in x.strides):
+                raise ValueError(f"{name}: strides {x.strides} are not whole elements")
+        # from_buffer is 3x cheaper than .ctypes.data, but takes only whole writable buffers
+        fast = flags.writeable and flags.c_contiguous
+        ptr = ctypes.addressof(_BYTE.from_buffer(cast(Any, x))) if fast else int(x.ctypes.data)
+    elif _is_torch(x):
         t: Any = x
         if t.device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
@@ -70,19 +95,10 @@ def _check(
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
         if t.requires_grad and writable:
             raise ValueError(f"{name}: the output must not require grad")
-        strides = tuple(int(s) for s in t.stride())
+        strides = tuple(t.stride())
         ptr = int(t.data_ptr())
-    elif isinstance(x, np.ndarray):
-        if x.dtype != np.dtype(dtype):
-            raise TypeError(f"{name}: expected dtype {dtype}, got {x.dtype}")
-        if x.shape != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got {x.shape}")
-        if writable and not x.flags.writeable:
-            raise ValueError(f"{name}: the output array is read-only")
-        if any(s % x.itemsize for s in x.strides):
-            raise ValueError(f"{name}: strides {x.strides} are not whole elements")
-        strides = tuple(s // x.itemsize for s in x.strides)
-        ptr = int(x.ctypes.data)
+    elif isinstance(x, np.ndarray):  # a subclass: the same checks, the slow way
+        return _check(name, np.asarray(x), shape, writable, dtype)
     else:
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
     if shape and shape[-1] > 1 and strides[-1] != 1:
@@ -91,6 +107,19 @@ def _check(
             "pass np.ascontiguousarray(x) or x.contiguous()"
         )
     return _Arg(ptr, strides)
+
+
+_NP_DTYPES = {"float32": np.dtype(np.float32), "bool": np.dtype(np.bool_)}
+_BYTE = ctypes.c_char
+
+
+@functools.lru_cache(maxsize=1024)
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of `shape`."""
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return tuple(out)
 
 
 class Kernel:
@@ -104,6 +133,7 @@ class Kernel:
         self.plan = plan_
         self.spec = spec
         self.source = source
+        self.arithmetic = arithmetic(spec)
         start = time.perf_counter()
         result = build(source, spec.name, spec.kernel.cflags)
         self.compile_seconds = time.perf_counter() - start
@@ -128,18 +158,24 @@ class Kernel:
         self._local = threading.local()
         soft = [op for op in chain.ops if isinstance(op, Softmax)]
         self._scale = soft[0].scale if soft else 1.0
+        self._dtype = chain.dtype.value  # of every input and the output (masks: see _prepare)
         self._prepare()
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.path})"
 
-    def _workspace(self, threads: int, per: int) -> np.ndarray[Any, np.dtype[np.float32]]:
-        key = (threads, per)
-        if getattr(self._local, "key", None) != key:
-            self._local.key = key
-            self._local.buf = np.empty(threads * per + 16, dtype=np.float32)
-        buf: np.ndarray[Any, np.dtype[np.float32]] = self._local.buf
-        return buf
+    def _workspace(self, threads: int, per: int) -> tuple[int, Any, Any]:
+        """This thread's (64-byte aligned workspace address, strides array, mask strides array)
+        for `threads` threads: kept between calls, so a call allocates nothing."""
+        local = self._local
+        if getattr(local, "key", None) != (threads, per):
+            local.key = (threads, per)
+            local.buf = np.empty(threads * per + 16, dtype=np.float32)
+            address = int(local.buf.ctypes.data)
+            local.address = address + 4 * ((-address % 64) // 4)
+            local.strides = (ctypes.c_long * 12)()
+            local.mask_strides = (ctypes.c_long * 4)()
+        return local.address, local.strides, local.mask_strides
 
     def _mask(self, by_name: dict[str, Any]) -> tuple[int | None, list[int]]:
         """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it broadcasts."""
@@ -155,6 +191,8 @@ class Kernel:
         chain = self.chain
         self._names = [t.name for t in chain.inputs]
         self._shapes = {t.name: t.shape for t in chain.tensors}
+        self._positions = tuple(self._names.index(n) for n in self.spec.tensors[:3])
+        self._scale_c = ctypes.c_float(self._scale)
         ext = chain.extents
         first, second = chain.contractions
         m, l_ = first.output.loops[-2:]
@@ -167,45 +205,54 @@ class Kernel:
         self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
         soft = next((op for op in chain.ops if isinstance(op, Softmax)), None)
         if soft is not None and soft.mask is not None:
-            dtype = "bool" if soft.mask_kind is MaskKind.BOOL else "float32"
+            dtype = "bool" if soft.mask_kind is MaskKind.BOOL else self._dtype
             self._mask_index = (soft.mask.tensor, dtype, soft.mask.index)
 
     def __call__(self, *inputs: Any, out: Any = None) -> Any:
-        names = self._names
-        if len(inputs) != len(names):
-            chain = self.chain.name
-            raise TypeError(f"{chain}: expected {len(names)} inputs ({', '.join(names)})")
+        if len(inputs) != len(self._names):
+            names = ", ".join(self._names)
+            raise TypeError(f"{self.chain.name}: expected {len(self._names)} inputs ({names})")
+        dt = self._dtype
+        shapes = self._shapes
         a_name, b_name, d_name, e_name = self.spec.tensors
-        by_name = dict(zip(names, inputs, strict=True))
-        args = [_check(n, by_name[n], self._shapes[n]) for n in (a_name, b_name, d_name)]
-        out_shape = self._shapes[e_name]
+        a_at, b_at, d_at = self._positions
+        args = [
+            _check(a_name, inputs[a_at], shapes[a_name], dtype=dt),
+            _check(b_name, inputs[b_at], shapes[b_name], dtype=dt),
+            _check(d_name, inputs[d_at], shapes[d_name], dtype=dt),
+        ]
+        out_shape = shapes[e_name]
         if out is None:
             if _is_torch(inputs[0]):
                 import torch
 
-                out = torch.empty(out_shape, dtype=torch.float32)
+                out = torch.empty(out_shape, dtype=getattr(torch, dt))
             else:
-                out = np.empty(out_shape, dtype=np.float32)
-        args.append(_check("out", out, out_shape, writable=True))
+                out = np.empty(out_shape, dtype=inputs[0].dtype)
+        args.append(_check("out", out, out_shape, writable=True, dtype=dt))
         nb = self._nb
+        pad = [0] * (2 - nb)
         strides: list[int] = []
         for arg in args:
-            strides += [0] * (2 - nb) + list(arg.strides[:nb]) + [arg.strides[nb]]
-        mask_ptr, mask_strides = self._mask(by_name)
+            strides += [*pad, *arg.strides[:nb], arg.strides[nb]]
         threads = get_num_threads()
-        work = self._workspace(threads, self._per)
-        base = (-work.ctypes.data % 64) // 4  # 64-byte aligned start
+        work, strides_c, mask_strides_c = self._workspace(threads, self._per)
+        strides_c[:] = strides
+        mask_ptr = None
+        if self._mask_index is not None:
+            mask_ptr, mask_strides = self._mask(dict(zip(self._names, inputs, strict=True)))
+            mask_strides_c[:] = mask_strides
         self._fn(
             args[0].ptr,
             args[1].ptr,
             args[2].ptr,
             args[3].ptr,
             self._sizes,
-            (ctypes.c_long * 12)(*strides),
-            ctypes.c_float(self._scale),
+            strides_c,
+            self._scale_c,
             mask_ptr,
-            (ctypes.c_long * 4)(*mask_strides),
-            work.ctypes.data + 4 * base,
+            mask_strides_c,
+            work,
             self._per,
             threads,
         )
@@ -238,9 +285,9 @@ def compile(
         return compile_conv(chain, hardware, threads, tiles)  # type: ignore[return-value]
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
-    if chain.dtype is not DType.FLOAT32:
+    if chain.dtype not in (DType.FLOAT32, DType.BFLOAT16):
         raise TypeError(
-            f"{chain.name}: only float32 chains compile for now, got {chain.dtype.value}"
+            f"{chain.name}: float32 and bfloat16 chains compile, got {chain.dtype.value}"
         )
     hw = resolve(hardware)
     shape = match_gemm_chain(chain)
@@ -273,6 +320,7 @@ def compile(
         T_K=tiles[k],
         T_N=tiles[n],
         kernel=kernel,
+        dtype=chain.dtype,
     )
     header = _header(chain, chosen, spec)
     return Kernel(chain, chosen, spec, shape, emit_gemm_chain(spec, header))
@@ -329,8 +377,21 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
         f"order {' > '.join(chosen.order)}, shared {' > '.join(chosen.prefix)}; "
         f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}\n"
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}); "
-        f"epilogue {spec.epilogue.value}; parallel over {', '.join(chosen.parallel)}"
+        f"epilogue {spec.epilogue.value}; parallel over {', '.join(chosen.parallel)}\n"
+        f"arithmetic: {arithmetic(spec)}"
     )
+
+
+def arithmetic(spec: GemmChainSpec) -> str:
+    """What the kernel computes in, said plainly (the plan's record of the path taken)."""
+    uk = spec.kernel.name
+    if spec.dtype is DType.BFLOAT16:
+        return (
+            f"bf16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
+            "fp32 intermediate, output rounded to bf16 once (no AMX / AVX512-BF16 kernel is "
+            "registered for this CPU)"
+        )
+    return f"fp32 micro-kernel {uk}, fp32 intermediate"
 
 
 # -- convolution chains ---------------------------------------------------------------------------

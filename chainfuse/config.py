@@ -17,6 +17,7 @@ variable                 meaning
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -81,6 +82,13 @@ def default_num_threads() -> int:
         if n < 1:
             raise ValueError(f"{ENV_NUM_THREADS}={value!r} is not a positive integer")
         return n
+    return _usable_cpus()
+
+
+@functools.cache
+def _usable_cpus() -> int:
+    """CPUs in this process's affinity mask, read once: it is a system call, and every kernel
+    call asks (a change of affinity after the first call is not seen)."""
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)

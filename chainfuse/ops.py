@@ -30,6 +30,20 @@ def _shape(name: str, x: Any, float32: bool = True) -> tuple[int, ...]:
     return tuple(int(s) for s in shape)
 
 
+_DTYPES = {"float32": "float32", "torch.float32": "float32", "bfloat16": "bfloat16",
+           "torch.bfloat16": "bfloat16"}  # fmt: skip
+
+
+def _dtype(names: str, *xs: Any) -> str:
+    """The common dtype of the operands: float32, or bfloat16 (a torch.bfloat16 tensor or a
+    numpy array of ml_dtypes.bfloat16); anything else, or a mix, is an error naming them."""
+    found = [_DTYPES.get(str(getattr(x, "dtype", ""))) for x in xs]
+    if None in found or len(set(found)) != 1:
+        got = ", ".join(str(getattr(x, "dtype", type(x).__name__)) for x in xs)
+        raise TypeError(f"{names}: expected all float32 or all bfloat16, got {got}")
+    return str(found[0])
+
+
 @functools.lru_cache(maxsize=256)
 def _kernel(chain: Chain) -> Kernel:
     return compile(chain)
@@ -38,12 +52,14 @@ def _kernel(chain: Chain) -> Kernel:
 def gemm_chain(
     A: Any, B: Any, D: Any, between: Activation | str | None = None, out: Any = None
 ) -> Any:
-    """`between(A @ B) @ D` for A [b, M, K] (or [M, K]), B [b, K, L], D [b, L, N], float32.
+    """`between(A @ B) @ D` for A [b, M, K] (or [M, K]), B [b, K, L], D [b, L, N].
 
+    float32, or bfloat16 in and out (fp32 arithmetic inside; `Kernel.arithmetic` says so).
     `between` is None, "relu", "gelu" or "softmax" (over L). Returns [b, M, N] ([M, N] for 2-D
     inputs) of the inputs' kind; `out=` writes into a preallocated result.
     """
-    sa, sb, sd = _shape("A", A), _shape("B", B), _shape("D", D)
+    dtype = _dtype("A, B, D", A, B, D)
+    sa, sb, sd = (_shape(n, x, float32=False) for n, x in (("A", A), ("B", B), ("D", D)))
     if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
         raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
     flat = len(sa) == 2
@@ -61,7 +77,7 @@ def gemm_chain(
     if sd[1] != L:
         raise ValueError(f"D: expected {L} rows (B's L), got shape {sd[1:]}")
     N = sd[2]
-    result = _kernel(ir.gemm_chain(batch, M, N, K, L, between))(A, B, D, out=out)
+    result = _kernel(ir.gemm_chain(batch, M, N, K, L, between, dtype))(A, B, D, out=out)
     return result[0] if flat else result
 
 
@@ -73,7 +89,8 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
 ) -> Any:
-    """`softmax(q kᵀ * scale + mask) v`, fused, for numpy arrays or torch CPU tensors (float32).
+    """`softmax(q kᵀ * scale + mask) v`, fused, for numpy arrays or torch CPU tensors, float32
+    or bfloat16 (then an additive mask is bfloat16 too, as in PyTorch).
 
     q [batch, heads, seq_q, d_qk] (or [batch, seq_q, d_qk]), k [.., seq_k, d_qk],
     v [.., seq_k, d_v]. `attn_mask` is boolean (True takes part) or additive float, and
@@ -81,7 +98,8 @@ def attention(
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros. `scale` defaults to 1/sqrt(d_qk).
     """
-    sq, sk, sv = _shape("q", q), _shape("k", k), _shape("v", v)
+    dtype = _dtype("q, k, v", q, k, v)
+    sq, sk, sv = (_shape(n, x, float32=False) for n, x in (("q", q), ("k", k), ("v", v)))
     if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
         raise ValueError(f"q, k, v: expected all 3-D or all 4-D, got shapes {sq}, {sk}, {sv}")
     flat = len(sq) == 3
@@ -100,13 +118,14 @@ def attention(
     mask_shape = None
     if attn_mask is not None:
         mask_shape = _shape("attn_mask", attn_mask, float32=False)
-        dtype = str(getattr(attn_mask, "dtype", ""))
-        mask_kind = "bool" if dtype in ("bool", "torch.bool") else "additive"
+        mask_dtype = str(getattr(attn_mask, "dtype", ""))
+        mask_kind = "bool" if mask_dtype in ("bool", "torch.bool") else "additive"
         if flat and len(mask_shape) == 3:  # [batch, seq_q, seq_k] masks of 3-D inputs
             attn_mask = attn_mask[:, None]
             mask_shape = (mask_shape[0], 1, *mask_shape[1:])
     chain = ir.attention_chain(batch, heads, seq_q, seq_k, d_qk, sv[3], causal=is_causal,
-                               mask=mask_kind, scale=scale, mask_shape=mask_shape)  # fmt: skip
+                               mask=mask_kind, scale=scale, mask_shape=mask_shape,
+                               dtype=dtype)  # fmt: skip
     inputs = [q, k, v] if attn_mask is None else [q, k, v, attn_mask]
     out = _kernel(chain)(*inputs)
     return out[:, 0] if flat else out

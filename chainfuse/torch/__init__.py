@@ -29,7 +29,7 @@ def attention(
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask: must be None when is_causal=True (as in PyTorch's SDPA)")
-    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32):
-        raise TypeError(f"attn_mask: expected dtype bool or float32, got {attn_mask.dtype}")
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
+        raise TypeError(f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}")
     with torch.no_grad():
         return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)

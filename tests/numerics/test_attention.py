@@ -162,5 +162,5 @@ def test_attention_argument_errors() -> None:
         chainfuse.ops.attention(q, torch.randn(1, 2, 5, 7), q)
     with pytest.raises(ValueError, match="does not broadcast"):
         chainfuse.ops.attention(q, q, q, attn_mask=torch.ones(3, 5, dtype=torch.bool))
-    with pytest.raises(TypeError, match="q: expected dtype float32"):
+    with pytest.raises(TypeError, match="q, k, v: expected all float32 or all bfloat16"):
         chainfuse.ops.attention(q.double(), q, q)
