@@ -24,6 +24,10 @@ region its consumer reads during one prefix iteration (a 3x3 consumer needs a ha
 producer recomputes the overlap; a loop of the consumer that is in the prefix but not in the
 producer makes the producer recompute its whole tile each iteration). Intermediates move nothing
 but occupy memory for the whole prefix iteration.
+
+Planning evaluates this thousands of times, so a nest is compiled once (`_Shape`, `_Compiled`):
+each access' regions become `chainfuse.footprint` expressions, and an evaluation is integer
+arithmetic plus memo lookups of the expressions' values by the tiles they read.
 """
 
 from __future__ import annotations
@@ -31,13 +35,22 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from chainfuse.footprint import (
+    Dim,
+    Expr,
+    dim_leaves,
+    distinct,
+    grid_sum,
+    leaves,
+    plain_loop,
+    point_span,
+)
 from chainfuse.ir import Access, Affine, Chain, Contraction, Op, Role
 
 if TYPE_CHECKING:
@@ -51,6 +64,7 @@ __all__ = [
     "compulsory_bytes",
     "estimate",
     "example_dv",
+    "least_flops",
     "level_cost",
 ]
 
@@ -93,7 +107,7 @@ class Nest:
         order: Sequence[str],
         depth: int,
         fused: bool = True,
-        memo: dict[tuple[object, ...], int] | None = None,
+        memo: dict[tuple[object, ...], Any] | None = None,
     ) -> None:
         names = [lp.name for lp in chain.loops]
         if sorted(order) != sorted(names):
@@ -111,30 +125,49 @@ class Nest:
         self.intermediate = (
             {t.name for t in chain.intermediates} if fused else set[str]()
         )  # tensors that never leave the fuse level
-        reason = self._illegal()
+        # region sums and footprints by (structure, tiles they read): keys name everything the
+        # value depends on, so every nest of a chain may share one memo (the planner does)
+        self.memo: dict[tuple[object, ...], Any] = {} if memo is None else memo
+        # what depends on the prefix only as a set is worked out once per memo
+        key = ("layout", frozenset(self.prefix), fused)
+        if key not in self.memo:
+            self.memo[key] = self._layout()
+        reason, kinds, plain, self._derived, self._static = self.memo[key]
         if reason:
             raise ValueError(f"order {self.order} depth {depth}: {reason}")
-        self.ops = tuple(self._op_nest(i, op) for i, op in enumerate(chain.ops))
+        self.plain: bool = plain
+        self.ops = tuple(
+            OpNest(i, self.prefix + tuple(n for n in self.order[depth:]
+                                          if k.get(n) is LoopKind.PRIVATE), k)
+            for i, k in enumerate(kinds)
+        )  # fmt: skip
+
+    def _layout(self) -> tuple[str | None, list[dict[str, LoopKind]], bool, Any, Any]:
+        """Legality, each op's loop kinds, the derived loops' consumer indices: all depend on
+        which loops the prefix holds, not on their order."""
+        chain = self.chain
+        reason = self._illegal()
+        if reason:
+            return reason, [], False, {}, {}
+        kinds = [self._kinds(op) for op in chain.ops]
         # for each derived (op, loop): the consumers' indices of that output dim
-        self._derived: dict[tuple[int, str], tuple[tuple[int, Affine], ...]] = {}
+        derived: dict[tuple[int, str], tuple[tuple[int, Affine], ...]] = {}
         for i, op in enumerate(chain.ops):
             for d, ix in enumerate(op.output.index):
-                if self.ops[i].kind_or_none(ix.loops[0]) is not LoopKind.DERIVED:
+                if kinds[i].get(ix.loops[0]) is not LoopKind.DERIVED:
                     continue
-                self._derived[(i, ix.loops[0])] = tuple(
+                derived[(i, ix.loops[0])] = tuple(
                     (chain.ops.index(c), _access_of(c, op.output.tensor).index[d])
                     for c in chain.consumers(op.output.tensor)
                 )
-        # sums over tile iterations, by the tiles they depend on; they depend on the prefix only as
-        # a set, so nests whose prefixes hold the same loops may share one (`memo`)
-        self.memo: dict[tuple[object, ...], int] = {} if memo is None else memo
-        self._static: dict[tuple[object, ...], Any] = {}  # tile-independent facts, computed once
-        self.plain = all(
+        plain = all(
             _is_plain(ix) or not ix.terms
             for op in chain.ops
             for acc in op.reads
             for ix in acc.index
         )
+        static: dict[tuple[object, ...], Any] = {}  # tile-independent facts, computed on demand
+        return None, kinds, plain, derived, static
 
     def _illegal(self) -> str | None:
         """Why this prefix cannot be shared by all ops, or None."""
@@ -155,7 +188,7 @@ class Nest:
                         )
         return None
 
-    def _op_nest(self, index: int, op: Op) -> OpNest:
+    def _kinds(self, op: Op) -> dict[str, LoopKind]:
         kinds: dict[str, LoopKind] = {}
         derived = set()
         if op.output.tensor in self.intermediate:
@@ -167,12 +200,11 @@ class Nest:
                 kinds[loop] = LoopKind.DERIVED
             else:
                 kinds[loop] = LoopKind.PRIVATE
-        private = tuple(n for n in self.order[self.depth :] if kinds.get(n) is LoopKind.PRIVATE)
-        return OpNest(index, self.prefix + private, kinds)
+        return kinds
 
     @cached_property
-    def _fast(self) -> _FastCost | None:
-        return _FastCost(self) if self.plain else None
+    def _compiled(self) -> _Compiled:
+        return _Compiled(self)
 
     @cached_property
     def parallel_candidates(self) -> tuple[str, ...]:
@@ -230,44 +262,6 @@ class Nest:
                     out |= self._sources(ci, cl)
         return frozenset(out)
 
-    # -- intervals ------------------------------------------------------------------------------
-    def interval(
-        self, op_index: int, loop: str, tiles: Mapping[str, int], at: Mapping[str, int]
-    ) -> tuple[int, int]:
-        """Inclusive range of `loop` in op `op_index`'s block when block loops sit at tile `at`.
-
-        A block loop missing from `at` covers its whole extent (what one prefix iteration
-        covers for a consumer's private loop).
-        """
-        n = self.extents[loop]
-        kind = self.ops[op_index].kind(loop)
-        if kind is not LoopKind.DERIVED:
-            if loop not in at:
-                return 0, n - 1
-            t = min(tiles.get(loop, n), n)
-            return at[loop] * t, _min(n, (at[loop] + 1) * t) - 1
-        # the consumer's private loops run whole within one prefix iteration
-        shared = {k: v for k, v in at.items() if k in self.prefix}
-        lo, hi = n, -1
-        for ci, ix in self._derived[(op_index, loop)]:
-            clo, chi = _bounds_at(self, ci, ix, tiles, shared)
-            lo = _min(lo, _max(clo, 0))
-            hi = _max(hi, _min(chi, n - 1))
-        return lo, hi
-
-    def relevant(self, op_index: int, loops: Iterable[str]) -> tuple[str, ...]:
-        """The loops whose tiles decide the intervals of `loops` in op `op_index` (sorted)."""
-        names = tuple(sorted(loops))
-        key = ("rel", op_index, names)
-        if key not in self._static:
-            out: set[str] = set(names)
-            for loop in names:
-                for ci, ix in self._derived.get((op_index, loop), ()):
-                    out.update(self.relevant(ci, ix.loops))
-            self._static[key] = tuple(sorted(out))
-        found: tuple[str, ...] = self._static[key]
-        return found
-
 
 def _access_of(op: Op, tensor: str) -> Access:
     for acc in op.reads:
@@ -299,235 +293,261 @@ class LevelCost:
         return out
 
 
-def _moves(nest: Nest, loop: str, tiles: Mapping[str, int]) -> bool:
-    """A loop with a single tile never changes any region: it neither reloads nor recomputes."""
-    return _trips(nest.extents[loop], tiles.get(loop, nest.extents[loop])) > 1
-
-
 def _trips(n: int, t: int) -> int:
     return -(-n // max(1, min(t, n)))
-
-
-def _min(a: Any, b: Any) -> Any:
-    """Elementwise minimum: numpy's for the arrays of a tile enumeration, the builtin (much
-    cheaper) for plain integers."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.minimum(a, b)
-    return a if a < b else b
-
-
-def _max(a: Any, b: Any) -> Any:
-    """Elementwise maximum, as `_min`."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.maximum(a, b)
-    return a if a > b else b
-
-
-def _span(lo: Any, hi: Any, size: int) -> Any:
-    """Elements of [lo, hi] inside [0, size); works on numbers and on arrays of them."""
-    return _max(0, _min(hi, size - 1) - _max(lo, 0) + 1)
 
 
 def _is_plain(ix: Affine) -> bool:
     return len(ix.terms) == 1 and ix.terms[0][1] == 1 and ix.offset == 0
 
 
-def _region_sum(
-    nest: Nest, op_index: int, acc: Access, tiles: Mapping[str, int], loops: Iterable[str]
-) -> int:
-    """Sum over the tile iterations of `loops` of the number of elements of `acc` touched."""
-    chain = nest.chain
-    shape = chain.tensor(acc.tensor).shape
-    loops = tuple(loops)
-    # group dims by the block loops that move them; sum each group separately (they factorize)
-    groups: list[tuple[set[str], list[int]]] = []
-    for d, ix in enumerate(acc.index):
-        src: set[str] = set()
-        for loop in ix.loops:
-            src |= nest._sources(op_index, loop) & set(loops)
-        for g in groups:
-            if g[0] & src:
-                g[0].update(src)
-                g[1].append(d)
-                break
-        else:
-            groups.append((src, [d]))
-    total = 1
-    for src, dims in groups:
-        if not src:
-            total *= math.prod(
-                _span(*_bounds_at(nest, op_index, acc.index[d], tiles, {}), shape[d]) for d in dims
-            )
-            continue
-        if len(dims) == 1 and _is_plain(acc.index[dims[0]]) and len(src) == 1:
-            total *= shape[dims[0]]  # the tiles of one plain loop cover it exactly once
-            continue
-        names = sorted(src)
-        rel = nest.relevant(op_index, {n for d in dims for n in acc.index[d].loops} | src)
-        key = ("sum", op_index, acc.tensor, tuple(dims), tuple(names),
-               tuple(tiles.get(n, 0) for n in rel))  # fmt: skip
-        if key not in nest.memo:
-            at = _tile_grid(nest, names, tiles)
-            spans = [_span(*_bounds_at(nest, op_index, acc.index[d], tiles, at), shape[d])
-                     for d in dims]  # fmt: skip
-            nest.memo[key] = int(np.sum(math.prod(spans)))
-        total *= nest.memo[key]
-    return total
+def _expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr:
+    """The interval of `loop` in op `op_index`'s block as a `footprint` expression.
+
+    Block loops are tiled (all of them, or with `prefix_only` only the shared prefix: what one
+    prefix iteration covers); a derived loop covers what its consumers read, where the consumers'
+    own private loops run whole within the prefix iteration.
+    """
+    kind = nest.ops[op_index].kind(loop)
+    n = nest.extents[loop]
+    if kind is LoopKind.DERIVED:
+        uses = tuple(
+            (ix.offset, tuple((c, _expr(nest, ci, cl, True)) for cl, c in ix.terms))
+            for ci, ix in nest._derived[(op_index, loop)]
+        )
+        return ("d", n, uses)
+    if prefix_only and kind is not LoopKind.PREFIX:
+        return ("w", n)
+    return ("t", loop, n)
 
 
-def _footprint(
-    nest: Nest, op_index: int, acc: Access, tiles: Mapping[str, int], whole_prefix: bool
-) -> int:
-    """Elements of `acc` one block touches (a full, non-edge tile); with `whole_prefix`, what one
-    prefix iteration touches (an intermediate must hold that)."""
-    opn = nest.ops[op_index]
-    rel = nest.relevant(op_index, acc.loops)
-    key = ("foot", op_index, acc.tensor, whole_prefix, tuple(tiles.get(n, 0) for n in rel))
-    if key not in nest.memo:
-        at = {n: 0 for n in opn.enclosing if not (whole_prefix and n not in nest.prefix)}
-        shape = nest.chain.tensor(acc.tensor).shape
-        total = 1
-        for d, ix in enumerate(acc.index):
-            total *= _span(*_bounds_at(nest, op_index, ix, tiles, at), shape[d])
-        nest.memo[key] = total
-    return nest.memo[key]
+def _dims(nest: Nest, op_index: int, acc: Access, prefix_only: bool) -> tuple[Dim, ...]:
+    shape = nest.chain.tensor(acc.tensor).shape
+    return tuple(
+        (size, (ix.offset, tuple((c, _expr(nest, op_index, loop, prefix_only))
+                                 for loop, c in ix.terms)))
+        for ix, size in zip(acc.index, shape, strict=True)
+    )  # fmt: skip
 
 
-def _bounds_at(
-    nest: Nest, op_index: int, ix: Affine, tiles: Mapping[str, int], at: Mapping[str, int]
-) -> tuple[int, int]:
-    lo: Any = ix.offset
-    hi: Any = ix.offset
-    for loop, c in ix.terms:
-        a, b = nest.interval(op_index, loop, tiles, at)
-        lo = lo + (c * a if c > 0 else c * b)
-        hi = hi + (c * b if c > 0 else c * a)
-    return lo, hi
+# A memoised quantity: (id, getter of the tiles it reads, dims, summed over all blocks or one)
+_Recipe = tuple[int, Callable[[Mapping[str, int]], object], tuple[Dim, ...], bool]
+# A block footprint: itemsize x constant, plain tiled dims (loop, cap), index of a recipe or -1
+_Point = tuple[int, tuple[tuple[str, int], ...], int]
 
 
-class _FastCost:
-    """`level_cost` for chains whose every index is one loop or a constant (GEMMs, attention).
+class _Shape:
+    """The part of a nest's cost that depends on which loops its prefix holds, not their order.
 
-    Then each access' region sum is its element count and each footprint a product of tiles,
-    so everything that does not depend on the tiles is worked out once per nest.
+    Per access: its influencing loops, and its region summed over the blocks split into a
+    constant (a plain loop's tiles cover it once; a dim no block loop moves is whole) times
+    `footprint` recipes; per op: its block footprints and its flops the same way. Recipes are
+    interned in the memo by structure, so nests of a chain share their memoised values.
     """
 
     def __init__(self, nest: Nest) -> None:
         chain = nest.chain
         ext = nest.extents
-        self.extents = ext
-        # per access: (op, tensor, itemsize, elements, enclosing, influencing, footprint dims)
-        self.accesses: list[tuple[int, str, int, int, tuple[str, ...], frozenset[str],
-                                  tuple[tuple[str | None, int], ...]]] = []  # fmt: skip
-        self.held: list[list[tuple[int, tuple[tuple[str | None, int], ...]]]] = []
-        self.flops: list[tuple[int, tuple[str, ...]]] = []
+        self.memo = nest.memo
+        self.recipes: list[_Recipe] = []
+        self._index: dict[tuple[bool, tuple[Dim, ...]], int] = {}
+        # per access: (op, tensor, itemsize, influencing loops, constant, recipe indices)
+        self.accesses: list[tuple[int, str, int, frozenset[str], int, tuple[int, ...]]] = []
+        self.held: list[list[_Point]] = []
+        self.flops: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
+        self.least_flops = 0  # no tiles execute fewer
         live = _live_intermediates(nest)
         for opn, op in zip(nest.ops, chain.ops, strict=True):
-            held: list[tuple[int, tuple[tuple[str | None, int], ...]]] = []
+            held: list[_Point] = []
             for acc in (*op.reads, op.output):
                 if acc.tensor in nest.intermediate:
                     continue
                 t = chain.tensor(acc.tensor)
-                dims = tuple(
-                    (None, 1) if not ix.terms else _fast_dim(opn, ix.loops[0], ext)
-                    for ix in acc.index
-                )
-                elems = math.prod(
-                    size for ix, size in zip(acc.index, t.shape, strict=True) if ix.terms
-                )
-                infl = frozenset(nest._influencing(opn, acc))
-                self.accesses.append((opn.index, t.name, t.dtype.itemsize, elems, opn.enclosing,
-                                      infl, dims))  # fmt: skip
-                held.append((t.dtype.itemsize, dims))
+                dims = _dims(nest, opn.index, acc, prefix_only=False)
+                const, recipes = self._sums(dims)
+                infl = nest._influencing(opn, acc)
+                self.accesses.append((opn.index, t.name, t.dtype.itemsize, infl, const, recipes))
+                held.append(self._point(t.dtype.itemsize, dims))
             for name in live[opn.index]:
-                t = chain.tensor(name)
                 producer = chain.producer(name)
                 assert producer is not None
-                dims = tuple(
-                    (ix.loops[0], ext[ix.loops[0]]) if ix.loops[0] in nest.prefix
-                    else (None, ext[ix.loops[0]])
-                    for ix in producer.output.index
-                )  # fmt: skip
-                held.append((t.dtype.itemsize, dims))
+                dims = _dims(nest, chain.ops.index(producer), producer.output, prefix_only=True)
+                held.append(self._point(chain.tensor(name).dtype.itemsize, dims))
             self.held.append(held)
             per = 2 if isinstance(op, Contraction) else 1
-            recompute = tuple(n for n in nest.prefix if n not in op.loops)
-            self.flops.append((per * math.prod(ext[n] for n in op.loops), recompute))
+            own = op.loops
+            recompute = tuple(
+                n for n in nest.prefix
+                if n not in own and not any(n in nest._sources(opn.index, m) for m in own)
+            )  # fmt: skip
+            loops = tuple((ext[lp], (0, ((1, _expr(nest, opn.index, lp, True)),))) for lp in own)
+            const, recipes = self._sums(loops)
+            self.flops.append((per * const, recompute, recipes))
+            self.least_flops += per * const * math.prod(self._least(r) for r in recipes)
+
+    def _least(self, recipe: int) -> int:
+        """A lower bound of a loop's iteration counts summed over the blocks: a derived loop
+        runs at least over the values its consumers read. 0 (no bound) for a group of loops."""
+        dims = self.recipes[recipe][2]
+        if len(dims) != 1:
+            return 0
+        values = distinct(dims[0][1][1][0][1])
+        return 0 if values is None else len(values)
+
+    def _recipe(self, dims: tuple[Dim, ...], grid: bool) -> int:
+        if (grid, dims) not in self._index:
+            rid = self.memo.setdefault(("recipe", grid, dims), len(self.memo))
+            names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
+            self._index[(grid, dims)] = len(self.recipes)
+            self.recipes.append((rid, operator.itemgetter(*names), dims, grid))
+        return self._index[(grid, dims)]
+
+    def _sums(self, dims: tuple[Dim, ...]) -> tuple[int, tuple[int, ...]]:
+        """Split the sum over all blocks of the product of the dims' spans into independent
+        factors: dims moved by disjoint sets of loops sum separately. (The split depends on the
+        dims alone; nests sharing the memo share it.)"""
+        key = ("sums", dims)
+        if key not in self.memo:
+            self.memo[key] = _split_sums(dims)
+        const, groups = self.memo[key]
+        return const, tuple(self._recipe(g, grid=True) for g in groups)
+
+    def _point(self, itemsize: int, dims: tuple[Dim, ...]) -> _Point:
+        key = ("point", dims)
+        if key not in self.memo:
+            self.memo[key] = _split_point(dims)
+        const, simple, rest = self.memo[key]
+        return itemsize * const, simple, self._recipe(rest, grid=False) if rest else -1
+
+
+def _split_sums(dims: tuple[Dim, ...]) -> tuple[int, tuple[tuple[Dim, ...], ...]]:
+    groups: list[tuple[set[str], list[Dim]]] = []
+    for d in dims:
+        src = set(dim_leaves(d))
+        joined = [g for g in groups if g[0] & src]
+        for g in joined:
+            src |= g[0]
+            groups.remove(g)
+        groups.append((src, [x for g in joined for x in g[1]] + [d]))
+    const = 1
+    rest = []
+    for src, group in groups:
+        plain = plain_loop(group[0]) if len(group) == 1 else None
+        if not src:
+            const *= grid_sum(group, {})
+        elif plain is not None:
+            const *= min(plain[1], group[0][0])  # a plain loop's tiles cover it once
+        else:
+            rest.append(tuple(group))
+    return const, tuple(rest)
+
+
+def _split_point(dims: tuple[Dim, ...]) -> tuple[int, tuple[tuple[str, int], ...], tuple[Dim, ...]]:
+    """A block's footprint as constant dims, plain tiled dims (loop, cap) and the rest."""
+    const = 1
+    simple = []
+    rest = []
+    for d in dims:
+        plain = plain_loop(d)
+        if not dim_leaves(d):
+            const *= point_span((d,), {})
+        elif plain is not None:
+            simple.append((plain[0], min(plain[1], d[0])))
+        else:
+            rest.append(d)
+    return const, tuple(simple), tuple(rest)
+
+
+class _Compiled:
+    """`level_cost` of one nest with every tile-independent fact worked out once (`_Shape`,
+    shared by the nests whose prefixes hold the same loops, plus the loops enclosing each op):
+    an evaluation is plain-int arithmetic and one memo lookup per distinct recipe."""
+
+    def __init__(self, nest: Nest) -> None:
+        key = ("shape", frozenset(nest.prefix), nest.fused)
+        if key not in nest.memo:
+            nest.memo[key] = _Shape(nest)
+        shape: _Shape = nest.memo[key]
+        self.extents = nest.extents
+        self.memo = nest.memo
+        self.recipes = shape.recipes
+        # per access, the loops enclosing its op innermost first, each with whether it moves
+        # the access' region
+        self.accesses = [
+            (op, name, item, tuple((n, n in infl) for n in reversed(nest.ops[op].enclosing)),
+             const, recipes)
+            for op, name, item, infl, const, recipes in shape.accesses
+        ]  # fmt: skip
+        self.held = shape.held
+        self.flops = shape.flops
+        self.least_flops = shape.least_flops
 
     def __call__(self, tiles: Mapping[str, int]) -> LevelCost:
+        full = {}  # tiles clamped to [1, extent]: equal blocks, equal memo keys
         trips = {}
         for n, e in self.extents.items():
             t = tiles.get(n, e)
-            trips[n] = 1 if t >= e else -(-e // max(1, t))
+            if t >= e:
+                full[n], trips[n] = e, 1
+            else:
+                t = max(1, t)
+                full[n], trips[n] = t, -(-e // t)
+        memo = self.memo
+        values = []
+        for rid, get, dims, grid in self.recipes:
+            key = (rid, get(full))
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = grid_sum(dims, full) if grid else point_span(dims, full)
+            values.append(found)
         moved = []
-        for op_index, name, item, elems, enclosing, infl, _ in self.accesses:
-            star = -1
-            for i, n in enumerate(enclosing):
-                if trips[n] > 1 and n in infl:
-                    star = i
-            mult = elems * item
-            for n in enclosing[: star + 1]:
-                if n not in infl:
-                    mult *= trips[n]
+        for op_index, name, item, inward, const, recipes in self.accesses:
+            # the region reloads on every trip of the loops at or outside the innermost loop
+            # that moves it; the region sum already counts the moving loops' trips
+            mult = const * item
+            outside = False
+            for n, moves in inward:
+                if outside:
+                    if not moves:
+                        mult *= trips[n]
+                elif moves and trips[n] > 1:
+                    outside = True
+            for r in recipes:
+                mult *= values[r]
             moved.append((op_index, name, mult))
         used = 0
         for held in self.held:
             total = 0
-            for itemsize, dims in held:
-                size = itemsize
-                for dim_loop, extent in dims:
-                    if dim_loop is None:
-                        size *= extent
-                    else:
-                        t = tiles.get(dim_loop, extent)
-                        size *= t if t < extent else extent
+            for size, simple, rest in held:
+                for loop, cap in simple:
+                    t = full[loop]
+                    size *= t if t < cap else cap
+                if rest >= 0:
+                    size *= values[rest]
                 total += size
             if total > used:
                 used = total
-        flops = tuple(f * math.prod([trips[n] for n in rec]) for f, rec in self.flops)
-        return LevelCost(tuple(moved), used, flops)
-
-
-def _fast_dim(opn: OpNest, loop: str, ext: Mapping[str, int]) -> tuple[str | None, int]:
-    """A plain dim's block extent: its loop's tile, or the whole extent for a derived loop."""
-    if opn.kind(loop) is LoopKind.DERIVED:
-        return None, ext[loop]
-    return loop, ext[loop]
+        flops = []
+        for const, recompute, recipes in self.flops:
+            for n in recompute:
+                const *= trips[n]
+            for r in recipes:
+                const *= values[r]
+            flops.append(const)
+        return LevelCost(tuple(moved), used, tuple(flops))
 
 
 def level_cost(nest: Nest, tiles: Mapping[str, int]) -> LevelCost:
-    """Bytes moved into a level whose tiles are `tiles`, bytes it must hold, flops executed."""
-    if nest._fast is not None:
-        return nest._fast(tiles)
-    chain = nest.chain
-    moved: list[tuple[int, str, int]] = []
-    used = 0
-    flops: list[int] = []
-    live = _live_intermediates(nest)
-    for opn, op in zip(nest.ops, chain.ops, strict=True):
-        held = 0
-        for acc in (*op.reads, op.output):
-            item = chain.tensor(acc.tensor).dtype.itemsize
-            if acc.tensor in nest.intermediate:
-                continue
-            held += int(_footprint(nest, opn.index, acc, tiles, whole_prefix=False)) * item
-            infl = {n for n in nest._influencing(opn, acc) if _moves(nest, n, tiles)}
-            star = max((i for i, n in enumerate(opn.enclosing) if n in infl), default=-1)
-            mult = 1
-            for n in opn.enclosing[: star + 1]:
-                if n not in infl:
-                    mult *= _trips(nest.extents[n], tiles.get(n, nest.extents[n]))
-            region = _region_sum(nest, opn.index, acc, tiles, opn.enclosing[: star + 1])
-            moved.append((opn.index, acc.tensor, int(region * mult * item)))
-        for name in live[opn.index]:
-            producer = chain.producer(name)
-            assert producer is not None
-            pi = chain.ops.index(producer)
-            item = chain.tensor(name).dtype.itemsize
-            held += int(_footprint(nest, pi, producer.output, tiles, whole_prefix=True)) * item
-        used = max(used, held)
-        flops.append(int(_op_flops(nest, opn, op, tiles)))
-    return LevelCost(tuple(moved), used, tuple(flops))
+    """Bytes moved into a level whose tiles are `tiles`, bytes it must hold, flops executed.
+
+    A loop missing from `tiles` is one whole tile.
+    """
+    return nest._compiled(tiles)
+
+
+def least_flops(nest: Nest) -> int:
+    """A lower bound of the flops `nest` executes whatever its tiles (recompute can only add)."""
+    return nest._compiled.least_flops
 
 
 def _live_intermediates(nest: Nest) -> list[list[str]]:
@@ -544,88 +564,44 @@ def _live_intermediates(nest: Nest) -> list[list[str]]:
     return out
 
 
-def _op_flops(nest: Nest, opn: OpNest, op: Op, tiles: Mapping[str, int]) -> int:
-    per = 2 if isinstance(op, Contraction) else 1
-    own = {n for n in op.loops}
-    recompute = 1
-    for n in nest.prefix:
-        if n not in own and not any(n in nest._sources(opn.index, m) for m in own):
-            recompute *= _trips(nest.extents[n], tiles.get(n, nest.extents[n]))
-    # the op's iteration space summed over the prefix tiles that size its derived loops
-    groups: list[tuple[set[str], list[str]]] = []
-    for loop in op.loops:
-        src = set(nest._sources(opn.index, loop) & set(nest.prefix))
-        for g in groups:
-            if g[0] & src:
-                g[0].update(src)
-                g[1].append(loop)
-                break
-        else:
-            groups.append((src, [loop]))
-    total = 1
-    for src, loops in groups:
-        if len(loops) == 1 and opn.kind(loops[0]) is not LoopKind.DERIVED:
-            total *= nest.extents[loops[0]]
-            continue
-        names = sorted(src)
-        rel = nest.relevant(opn.index, loops)
-        key = ("flops", opn.index, tuple(loops), tuple(tiles.get(n, 0) for n in rel))
-        if key not in nest.memo:
-            at = _tile_grid(nest, names, tiles)
-            lengths = [_len(nest.interval(opn.index, lp, tiles, at)) for lp in loops]
-            nest.memo[key] = int(np.sum(math.prod(lengths)))
-        total *= nest.memo[key]
-    return per * total * recompute
-
-
-def _tile_grid(nest: Nest, names: Sequence[str], tiles: Mapping[str, int]) -> dict[str, Any]:
-    """Every combination of the tile indices of `names`, as arrays (one entry per block)."""
-    if not names:
-        return {}
-    trips = [_trips(nest.extents[n], tiles.get(n, nest.extents[n])) for n in names]
-    grid = np.indices(trips).reshape(len(names), -1)
-    return dict(zip(names, grid, strict=True))
-
-
-def _len(iv: tuple[Any, Any]) -> Any:
-    return _max(0, iv[1] - iv[0] + 1)
-
-
 def compulsory_bytes(chain: Chain) -> int:
-    """Every input read once and every output written once: no schedule moves less."""
-    total = 0
-    for t in chain.tensors:
-        if t.role is Role.INTERMEDIATE:
-            continue
-        if t.role is Role.OUTPUT:
-            total += t.nbytes
-            continue
-        # only the elements some op reads (a strided conv may skip rows of its input)
-        total += t.nbytes if _reads_all(chain, t.name) else _read_elements(chain, t.name)
-    return total
+    """Every output written once and every input element some output depends on read once: no
+    schedule moves less.
 
-
-def _reads_all(chain: Chain, name: str) -> bool:
-    return all(
-        all(_is_plain(ix) or not ix.terms for ix in _access_of(op, name).index)
-        for op in chain.consumers(name)
-    )
-
-
-def _read_elements(chain: Chain, name: str) -> int:
-    t = chain.tensor(name)
+    An output needs all of itself; an op's result is needed only where its consumers read it (a
+    strided consumer skips rows), and an op needs its inputs only where its needed iterations
+    read them: a fused producer never computes, nor reads the inputs of, rows nobody reads.
+    (Each dim of an access is indexed by loops of its own, so the needed elements of a tensor
+    are a product of per-dim sets.)
+    """
     ext = chain.extents
-    touched = 1
-    acc = _access_of(chain.consumers(name)[0], name)
-    for d, ix in enumerate(acc.index):
-        values: set[int] = set()
-        ranges = [range(ext[n]) for n in ix.loops]
-        for combo in itertools.product(*ranges):
-            v = ix.offset + sum(c * x for (_, c), x in zip(ix.terms, combo, strict=True))
-            if 0 <= v < t.shape[d]:
-                values.add(v)
-        touched *= len(values)
-    return touched * t.dtype.itemsize
+    needed: dict[str, list[set[int]]] = {}  # per intermediate: the values of each dim read
+    read: dict[str, int] = {}  # per input: the elements read
+    for op in reversed(chain.ops):  # consumers before their producers
+        values: dict[str, Iterable[int]] = {n: range(ext[n]) for n in op.loops}
+        for ix, vals in zip(op.output.index, needed.get(op.output.tensor, ()), strict=False):
+            values[ix.loops[0]] = vals  # an output dim is indexed by one loop
+        for acc in op.reads:
+            t = chain.tensor(acc.tensor)
+            dims = [
+                _index_values(ix, values, size) for ix, size in zip(acc.index, t.shape, strict=True)
+            ]
+            if t.role is Role.INTERMEDIATE:
+                seen = needed.setdefault(acc.tensor, [set[int]() for _ in dims])
+                for have, new in zip(seen, dims, strict=True):
+                    have |= new
+            else:
+                read[acc.tensor] = max(read.get(acc.tensor, 0), math.prod(map(len, dims)))
+    inputs = sum(n * chain.tensor(name).dtype.itemsize for name, n in read.items())
+    return inputs + sum(t.nbytes for t in chain.outputs)
+
+
+def _index_values(ix: Affine, values: Mapping[str, Iterable[int]], size: int) -> set[int]:
+    """The values an index takes inside [0, size) when its loops take `values`."""
+    sums = {ix.offset}
+    for loop, c in ix.terms:
+        sums = {s + c * v for s in sums for v in values[loop]}
+    return {v for v in sums if 0 <= v < size}
 
 
 def example_dv(M: int, N: int, K: int, L: int, T_M: int, T_L: int, itemsize: int = 4) -> float:
@@ -697,9 +673,7 @@ def estimate(
         for i in range(n_ops):
             op_time[i].append(per_op[i] / bw * imbalance)
     if not op_flops:
-        op_flops = tuple(
-            _op_flops(nest, o, op, {}) for o, op in zip(nest.ops, nest.chain.ops, strict=True)
-        )
+        op_flops = level_cost(nest, {}).op_flops
     for i, f in enumerate(op_flops):
         op_time[i][0] = f / peak * imbalance
     compute = sum(parts[0] for parts in op_time)

@@ -14,10 +14,16 @@ small because most orders are equivalent. What it does, for a chain on a `Hardwa
    (the closed form `T = sqrt(a^2 + MC) - a` of DESIGN.md's example is that start for a GEMM
    chain) and keeping inner tiles no larger than outer ones. The objective at a level is the
    predicted time of the bytes it moves plus the recompute it causes; the working set must fit
-   `USABLE` of the level (per core; a shared level is split among the cores).
-3. *Rank.* Structures are screened at one level, the best few get tiles at every level, and the
-   lowest `estimate(...).time_s` wins. The unfused execution is costed the same way, and the
-   chain is fused only where that is predicted faster.
+   `USABLE` of the level (per core; a shared level is split among the cores). At the outermost
+   level the tiles also decide how many blocks the parallel loops deal to the cores, so there
+   the objective counts only the busy cores and the imbalance, as `estimate` does.
+3. *Rank.* Every structure gets tiles at every level from the quick search (the grow step) and
+   is ranked by `estimate(...).time_s`, the cost the final choice uses; then the structures are
+   refined (the coordinate rounds): all of them for a plain chain, the best `SCREENED` for a
+   convolution. A structure whose least flops on as many cores as its parallel loops can fill
+   already take as long as the best plan so far is skipped: no tiles can make it win. The
+   unfused execution is costed the same way, and the chain is fused only where that is
+   predicted faster.
 """
 
 from __future__ import annotations
@@ -32,14 +38,22 @@ from typing import Any
 
 from chainfuse.hardware import Hardware, MemoryLevel, resolve
 from chainfuse.ir import Chain, Contraction, Role
-from chainfuse.model import Cost, LoopKind, Nest, estimate, level_cost
+from chainfuse.model import (
+    Cost,
+    LevelCost,
+    LoopKind,
+    Nest,
+    estimate,
+    least_flops,
+    level_cost,
+)
 
 __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
 
 USABLE = (
     0.75  # fraction of a level the working set may fill: caches are not ideal (conflicts, code)
 )
-SCREENED = 3  # structures that get a full multi-level tile search
+SCREENED = 3  # structures refined when costing is slow (affine indices); plain chains: all
 MAX_PREFIX = 4  # longest shared prefix enumerated (beyond it the orders are equivalent in practice)
 
 
@@ -48,6 +62,8 @@ class PlanningError(ValueError):
 
 
 Tiles = tuple[tuple[str, int], ...]
+# a costed candidate: the cost, its nest, tiles per level, the loops split across cores
+_Choice = tuple[Cost, Nest, dict[str, dict[str, int]], tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -266,40 +282,91 @@ class _Search:
     fixed: dict[str, int]  # loops whose tile never changes (batch: 1, taps: whole)
     evaluations: int = 0
     too_small: MemoryLevel | None = None  # the last level no tiles fitted, for the error
-    memo: dict[tuple[Nest, int, tuple[int, ...]], float | None] = field(default_factory=dict)
+    memo: dict[tuple[object, ...], float | None] = field(default_factory=dict)
+    model_memo: dict[tuple[object, ...], Any] = field(default_factory=dict)  # shared by all nests
+    costs: dict[tuple[Nest, tuple[int, ...]], LevelCost] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # per cache level: (usable bytes, bandwidth of the level outside it with all cores busy)
+        self.levels: list[tuple[float, float]] = []
+        for i, lv in enumerate(self.hw.levels[:-1]):
+            cap = (lv.capacity / self.threads if lv.shared else lv.capacity) * USABLE
+            self.levels.append((cap, self._bandwidth(i, self.threads)))
+        self.peak = self.hw.peak(self.chain.dtype)
+        self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
+        self.ext = ext = self.chain.extents  # (a property that builds a dict)
+        self.candidates = {n: _candidates(ext[n], self.quanta[n]) for n in ext}
+
+    def _bandwidth(self, level: int, workers: int) -> float:
+        """Bytes/s that `workers` busy cores read from the level outside `level` (as `estimate`)."""
+        outer = self.hw.levels[level + 1]
+        return outer.aggregate_bandwidth(workers) if outer.shared else outer.bandwidth * workers
 
     def capacity(self, level: int) -> float:
-        lv = self.hw.levels[level]
-        cap = lv.capacity / self.threads if lv.shared else lv.capacity
-        return cap * USABLE
+        return self.levels[level][0]
 
-    def level_objective(self, nest: Nest, level: int, tiles: Mapping[str, int]) -> float | None:
-        key = (nest, level, tuple(tiles[n] for n in nest.order))  # not id(nest): ids get reused
-        if key not in self.memo:
-            self.memo[key] = self._objective(nest, level, tiles)
-        return self.memo[key]
+    def level_objective(
+        self, nest: Nest, level: int, tiles: Mapping[str, int], parallel: tuple[str, ...]
+    ) -> float | None:
+        """Predicted seconds of the bytes this level's tiles move and the flops they execute
+        (recompute included); None when the working set does not fit. At the outermost cache
+        level the tiles also decide how many blocks of the `parallel` loops the cores share,
+        so there the time is per busy core and stretched by the imbalance, as in `estimate`;
+        inner levels assume every core busy."""
+        tkey = tuple([tiles[n] for n in nest.order])
+        outermost = level == len(self.levels) - 1
+        key = (nest, parallel if outermost else (), level, tkey)  # not id(nest): ids get reused
+        if key in self.memo:
+            return self.memo[key]
+        cost = self.costs.get((nest, tkey))
+        if cost is None:  # the same tiles come up at several levels: cost them once
+            cost = self.costs[(nest, tkey)] = level_cost(nest, tiles)
+            self.evaluations += 1
+        cap, bw = self.levels[level]
+        score = None
+        if cost.used <= cap:
+            workers, imbalance = self.threads, 1.0
+            if outermost:
+                ext = self.ext
+                units = math.prod(-(-ext[n] // max(1, min(tiles[n], ext[n]))) for n in parallel)
+                workers = max(1, min(self.threads, units))
+                imbalance = -(-units // workers) * workers / units
+                bw = self._bandwidth(level, workers)
+            score = (cost.total / bw + cost.flops / self.peak / workers) * imbalance
+        self.memo[key] = score
+        return score
 
-    def _objective(self, nest: Nest, level: int, tiles: Mapping[str, int]) -> float | None:
-        cost = level_cost(nest, tiles)
-        self.evaluations += 1
-        if cost.used > self.capacity(level):
-            return None
-        outer = self.hw.levels[level + 1]
-        bw = outer.aggregate_bandwidth(self.threads) if outer.shared else outer.bandwidth
-        peak = self.hw.peak(self.chain.dtype)
-        per_core = 1 if outer.shared else self.threads
-        return cost.total / bw / per_core + cost.flops / peak / self.threads
+    def cannot_beat(self, nest: Nest, parallel: Sequence[str], best: Cost) -> bool:
+        """Whether no tiles can make `nest` faster than `best`: its least flops on as many cores
+        as its parallel loops can occupy, perfectly balanced, already take that long (up to a
+        relative 1e-9, below which a win does not matter)."""
+        units = math.prod(self.ext[n] for n in parallel)
+        workers = max(1, min(self.threads, units))
+        return least_flops(nest) / (self.peak * workers) >= best.time_s * (1 - 1e-9)
 
-    def tiles_for(
-        self, nest: Nest, level: int, upper: Mapping[str, int], rounds: int = 2
-    ) -> dict[str, int] | None:
-        ext = self.chain.extents
+    def _free(self, nest: Nest) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+        """The loops whose tiles are searched (twins follow their leader) and the twins."""
+        ext = self.ext
         blocks = {n for opn in nest.ops for n, k in opn.kinds.items() if k is not LoopKind.DERIVED}
         free = [n for n in nest.order if n not in self.fixed and ext[n] > 1 and n in blocks]
         twins = {u[0]: u[1:] for u in _units(self.chain, free) if len(u) > 1}
         free = [n for n in free if not any(n in rest for rest in twins.values())]
+        return free, twins
+
+    def tiles_for(
+        self,
+        nest: Nest,
+        level: int,
+        upper: Mapping[str, int],
+        parallel: tuple[str, ...],
+        rounds: int = 2,
+    ) -> dict[str, int] | None:
+        ext = self.ext
+        if nest not in self.free:
+            self.free[nest] = self._free(nest)
+        free, twins = self.free[nest]
         cands = {
-            n: [t for t in _candidates(ext[n], self.quanta[n]) if t <= upper.get(n, ext[n])]
+            n: [t for t in self.candidates[n] if t <= upper.get(n, ext[n])]
             or [min(self.quanta[n], upper.get(n, ext[n]))]
             for n in free
         }
@@ -313,7 +380,7 @@ class _Search:
         for n in free:
             tiles[n] = cands[n][0]
         tiles = tied(tiles)
-        best = self.level_objective(nest, level, tiles)
+        best = self.level_objective(nest, level, tiles, parallel)
         if best is None:
             return None
         # grow every free tile together while the level still holds the working set
@@ -322,7 +389,7 @@ class _Search:
             trial = tied({**tiles, **{n: cands[n][min(step, len(cands[n]) - 1)] for n in free}})
             if trial == tiles:
                 break
-            score = self.level_objective(nest, level, trial)
+            score = self.level_objective(nest, level, trial, parallel)
             if score is None:
                 break
             if score <= best:
@@ -335,19 +402,23 @@ class _Search:
                     if t == tiles[n]:
                         continue
                     trial = tied({**tiles, n: t})
-                    score = self.level_objective(nest, level, trial)
-                    if score is not None and score < best * (1 - 1e-9):
+                    score = self.level_objective(nest, level, trial, parallel)
+                    if score is None:
+                        break  # a larger tile holds more: none of the rest fits either
+                    if score < best * (1 - 1e-9):
                         tiles, best, improved = trial, score, True
             if not improved:
                 break
         return tiles
 
-    def all_levels(self, nest: Nest, rounds: int = 2) -> dict[str, dict[str, int]] | None:
+    def all_levels(
+        self, nest: Nest, parallel: tuple[str, ...], rounds: int = 2
+    ) -> dict[str, dict[str, int]] | None:
         """Tiles for every cache level, outermost first, each within the one outside it."""
         out: dict[str, dict[str, int]] = {}
         upper: Mapping[str, int] = {}
         for level in range(len(self.hw.levels) - 2, -1, -1):
-            tiles = self.tiles_for(nest, level, upper, rounds)
+            tiles = self.tiles_for(nest, level, upper, parallel, rounds)
             if tiles is None:
                 self.too_small = self.hw.levels[level]
                 return None
@@ -445,43 +516,50 @@ def plan(
     search = _Search(chain, hw, nthreads, {**_quanta(chain, mr, nr), **(quanta or {})}, fixed)
     if len(hw.levels) < 2:
         raise PlanningError(f"hardware {hw.name!r} needs at least one cache level and memory")
-    screen_level = _screen_level(hw)
 
+    # every distinct structure gets tiles at every level from the quick search and is ranked by
+    # the cost the final choice uses (parallel split included); the best few are then refined.
+    # A structure whose least compute time already reaches the best time so far cannot win.
     seen: set[object] = set()
-    scored: list[tuple[float, Nest]] = []
+    scored: list[_Choice] = []
+    best: _Choice | None = None
     if fuse is not False:
         candidates = _structures(chain, batch, taps) if structures is None else structures
-        memos: dict[frozenset[str], dict[tuple[object, ...], int]] = {}
         for order, depth in candidates:
-            memo = memos.setdefault(frozenset(order[:depth]), {})
             try:
-                nest = Nest(chain, order, depth, memo=memo)
+                nest = Nest(chain, order, depth, memo=search.model_memo)
             except ValueError:
                 continue  # illegal prefix (a producer's reduction or a windowed loop)
             sig = nest.signature()
             if sig in seen:
                 continue
             seen.add(sig)
-            tiles = search.tiles_for(nest, screen_level, {}, rounds=0)
-            if tiles is None:
+            parallel = _parallel(nest, batch)
+            if best is not None and search.cannot_beat(nest, parallel, best[0]):
                 continue
-            score = search.level_objective(nest, screen_level, tiles)
-            assert score is not None
-            scored.append((score, nest))
-    scored.sort(key=lambda sn: sn[0])
+            tiles_all = search.all_levels(nest, parallel, rounds=0)
+            if tiles_all is None:
+                continue
+            cost = estimate(nest, tiles_all, hw, parallel, nthreads)
+            scored.append((cost, nest, tiles_all, parallel))
+            if best is None or cost.time_s < best[0].time_s:
+                best = scored[-1]
+    scored.sort(key=lambda c: c[0].time_s)  # stable: ties keep the enumeration order
 
-    best: tuple[Cost, Nest, dict[str, dict[str, int]]] | None = None
-    tried = 0
-    for _, nest in scored:
-        if tried == SCREENED:
-            break
-        tiles_all = search.all_levels(nest, rounds=2 if nest.plain else 1)
+    # refining every structure keeps a larger cache from ever losing the optimum in practice
+    # (the quick search can rank a structure last that refining makes best); a plain chain
+    # costs ~10 us per evaluation and affords it, a convolution costs several times more
+    plain = all(nest.plain for _, nest, _, _ in scored)
+    for _, nest, _, parallel in scored if plain else scored[:SCREENED]:
+        assert best is not None
+        if search.cannot_beat(nest, parallel, best[0]):
+            continue
+        tiles_all = search.all_levels(nest, parallel, rounds=2 if plain else 1)
         if tiles_all is None:
             continue
-        tried += 1
-        cost = estimate(nest, tiles_all, hw, _parallel(nest, batch), nthreads)
-        if best is None or cost.time_s < best[0].time_s:
-            best = (cost, nest, tiles_all)
+        cost = estimate(nest, tiles_all, hw, parallel, nthreads)
+        if cost.time_s < best[0].time_s:
+            best = (cost, nest, tiles_all, parallel)
 
     unfused = _unfused(chain, search, batch, taps, hw, nthreads)
     considered = len(seen) + 1
@@ -498,7 +576,7 @@ def plan(
         raise PlanningError(f"no fused plan of {chain.name} fits {hw.name}")
     chosen = best if use_fused else unfused
     assert chosen is not None
-    cost, nest, tiles_all = chosen
+    cost, nest, tiles_all, parallel = chosen
     return Plan(
         chain=chain.name,
         hardware=hw.name,
@@ -506,7 +584,7 @@ def plan(
         order=nest.order,
         depth=nest.depth,
         tiles=tuple((lvl, tuple((n, t[n]) for n in nest.order)) for lvl, t in tiles_all.items()),
-        parallel=_parallel(nest, batch),
+        parallel=parallel,
         threads=nthreads,
         register_block=(mr, nr),
         bytes_per_level=cost.bytes_per_level,
@@ -518,12 +596,6 @@ def plan(
         bound=cost.bound,
         considered=considered,
     )
-
-
-def _screen_level(hw: Hardware) -> int:
-    """The level structures are screened at: the largest per-core cache (L2 on most CPUs)."""
-    private = [i for i, lv in enumerate(hw.levels[:-1]) if not lv.shared]
-    return private[-1] if private else 0
 
 
 def _parallel(nest: Nest, batch: Sequence[str]) -> tuple[str, ...]:
@@ -541,23 +613,28 @@ def _unfused(
     taps: Sequence[str],
     hw: Hardware,
     threads: int,
-) -> tuple[Cost, Nest, dict[str, dict[str, int]]] | None:
+) -> _Choice | None:
     """Each op on its own (intermediates through memory), in the best of a few orders."""
     others = [n for n in chain.extents if n not in batch and n not in taps]
-    best: tuple[Cost, Nest, dict[str, dict[str, int]]] | None = None
+    best: _Choice | None = None
     reductions = {n for op in chain.ops for n in op.reduction}
     spatial = [n for n in others if n not in reductions]
     red = [n for n in others if n in reductions]
+    # the orders differ in the lead loop only; those whose nests have equal signatures move the
+    # same bytes for every tile choice, so they are costed on one nest (its costs are cached)
+    # and differ in the parallel split alone
+    costed: dict[object, Nest] = {}
     for head in itertools.permutations(spatial, min(1, len(spatial))):
         order = (*batch, *head, *[n for n in spatial if n not in head], *red, *taps)
-        nest = Nest(chain, order, 0, fused=False)
-        tiles = search.all_levels(nest, rounds=0)
+        nest = Nest(chain, order, 0, fused=False, memo=search.model_memo)
+        same = costed.setdefault(nest.signature()[:2], nest)
+        lead = tuple(n for n in (*batch, *head) if n not in reductions)
+        tiles = search.all_levels(same, lead, rounds=0)
         if tiles is None:
             continue
-        lead = tuple(n for n in (*batch, *head) if n not in reductions)
-        cost = estimate(nest, tiles, hw, lead, threads)
+        cost = estimate(same, tiles, hw, lead, threads)
         if best is None or cost.time_s < best[0].time_s:
-            best = (cost, nest, tiles)
+            best = (cost, nest, tiles, lead)
     return best
 
 

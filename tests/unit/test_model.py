@@ -10,7 +10,14 @@ import pytest
 
 from chainfuse.hardware import Hardware
 from chainfuse.ir import attention_chain, conv_chain_spec, gemm_chain
-from chainfuse.model import Nest, compulsory_bytes, estimate, example_dv, level_cost
+from chainfuse.model import (
+    Nest,
+    compulsory_bytes,
+    estimate,
+    example_dv,
+    least_flops,
+    level_cost,
+)
 from chainfuse.simulate import simulate_level
 
 EXAMPLE = ("b", "m", "l", "k", "n")  # DESIGN.md: m > l > {k (op1) | n (op2)}, b outermost
@@ -185,6 +192,19 @@ def test_conv_strided_halo() -> None:
     sim = simulate_level(chain, CONV_ORDER, 4, tiles)
     assert (sim.bytes, sim.flops) == (cost.total, cost.flops)
     assert cost.flops > chain.flops()  # halo rows of Y1 are computed twice
+
+
+def test_least_flops_of_a_strided_second_conv() -> None:
+    """A 1x1 stride-2 second conv reads rows 0, 2, 4, 6, 8 of Y1: one output row per block makes
+    the producer compute just those; a whole-extent block computes their hull, rows 0..8."""
+    chain = conv_chain_spec(1, 2, 9, 9, 3, 1, 1, 2, 1, 1, stride=(1, 2))
+    nest = Nest(chain, CONV_ORDER, 4)  # prefix n, k2, p2, q2
+    op2 = 2 * 2 * 3 * 5 * 5
+    assert level_cost(nest, chain.extents).flops == 2 * 3 * 2 * 9 * 9 + op2
+    rows = level_cost(nest, {**chain.extents, "p2": 1, "q2": 1})
+    assert rows.flops == 2 * 3 * 2 * 5 * 5 + op2 == least_flops(nest)
+    sim = simulate_level(chain, CONV_ORDER, 4, {**chain.extents, "p2": 1, "q2": 1})
+    assert sim.flops == rows.flops
 
 
 # -- compulsory bytes ---------------------------------------------------------------------------

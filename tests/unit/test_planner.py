@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from chainfuse.bench.workloads import CONV, GEMM
 from chainfuse.hardware import Hardware
 from chainfuse.ir import Chain, attention_chain, gemm_chain
-from chainfuse.model import Nest, compulsory_bytes, level_cost
+from chainfuse.model import Nest, compulsory_bytes, estimate, level_cost
 from chainfuse.planner import USABLE, Plan, PlanningError, plan
 
 XEON = "xeon-gold-6240"
@@ -67,8 +67,7 @@ def _check_plan(p: Plan, chain: Chain, hw: Hardware) -> None:
     assert list(moved) == [lv.name for lv in hw.levels[1:]]
     if p.fused:
         assert p.predicted_time_s <= p.unfused_time_s
-    if "r1" not in p.order:  # see test_simulate: compulsory_bytes of strided convs
-        assert moved[hw.levels[-1].name] >= compulsory_bytes(chain)
+    assert moved[hw.levels[-1].name] >= compulsory_bytes(chain)
     if p.fused:  # a fused producer may recompute (halo, loops it does not use)
         assert p.flops >= chain.flops()
     else:
@@ -79,6 +78,9 @@ def _check_plan(p: Plan, chain: Chain, hw: Hardware) -> None:
     outer_tiles = p.tiles_at(caches[-1])
     assert outer_tiles is not None
     assert moved[hw.levels[-1].name] == level_cost(nest, outer_tiles).total
+    tiles = {lvl: dict(t) for lvl, t in p.tiles}
+    again_cost = estimate(nest, tiles, hw, p.parallel, p.threads)  # the split is the one costed
+    assert again_cost.time_s == p.predicted_time_s
     # JSON round trip and text
     again = Plan.from_json(p.to_json())
     assert again == p and hash(again) == hash(p)
@@ -152,18 +154,17 @@ def small_chains(draw: st.DrawFn) -> Chain:
                            causal=draw(st.booleans()))  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the search is not exhaustive: structures are screened at L2 without the parallel "
-    "split, so a larger L2 can screen out the best one (attention 1x1x334x405x1x65, L2 48 KiB: "
-    "0.054 ms; L2 96 KiB: 0.108 ms)",
-)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chain=small_chains(), l2=st.sampled_from([48 * 1024, 96 * 1024, 256 * 1024, None]))
-@example(chain=attention_chain(1, 1, 334, 405, 1, 65), l2=48 * 1024)  # the smallest found
+# once screened out at L2 without the parallel split, or without refining every structure:
+@example(chain=attention_chain(1, 1, 334, 405, 1, 65), l2=48 * 1024)
+@example(chain=gemm_chain(3, 145, 79, 1, 91), l2=48 * 1024)
+@example(chain=gemm_chain(2, 27, 96, 1, 120, "relu"), l2=48 * 1024)
 def test_larger_cache_never_increases_optimum(chain: Chain, l2: int | None) -> None:
     """Doubling L2 only adds feasible tiles. `l2` first shrinks the preset's L2 (None: as is) so
-    that the small chains drawn here actually press on the level."""
+    that the small chains drawn here actually press on the level. The tile search is not
+    exhaustive, so this holds because every structure is ranked by the final cost and, for
+    these plain chains, refined (a 3000-example run found no counterexample)."""
     hw = Hardware.preset(XEON)
     if l2 is not None:
         hw = hw.scaled("L2", l2)

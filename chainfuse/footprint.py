@@ -1,0 +1,172 @@
+"""Regions of tensors that the blocks of a nest touch, as small expressions built once per nest.
+
+Why: while planning, the model asks the same questions thousands of times ("how many elements of
+X does one block touch with these tiles?", "how many summed over every block?"), and the answers
+depend on the tiles only through a few integers. So the nest's structure (which loop is derived
+from which consumer index, through which strides, offsets and clips) is turned once into a nested
+tuple, and answering is integer arithmetic on it. Equal expressions with equal tiles give equal
+answers, so one memo keyed by (expression, the tiles it reads) serves every nest of a chain.
+
+An *interval expression* is the inclusive range [lo, hi] a loop covers in one block::
+
+    ("t", loop, N)      the loop at its block's tile index i: [i*T, min(N, (i+1)*T) - 1]
+    ("w", N)            the whole extent [0, N - 1] (the loop is not a block loop here)
+    ("d", N, uses)      a derived loop: the hull of what its consumers read, clipped to
+                        [0, N - 1]; each use is an affine index (offset, ((coeff, expr), ...))
+
+A *dim* is `(size, affine)`: the elements of a tensor dimension of `size` that the affine index
+covers, `max(0, min(hi, size - 1) - max(lo, 0) + 1)`. A conv input's row dim of a tile of output
+rows is `(H, (-pad, ((stride, ("t", "p", P)), (1, ("w", R)))))`: its span is the halo'd
+`(T_P - 1) * stride + R`, clipped at the borders, without anyone writing that formula.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Dim",
+    "Expr",
+    "dim_leaves",
+    "distinct",
+    "grid_sum",
+    "leaves",
+    "plain_loop",
+    "point_span",
+]
+
+Expr = tuple[Any, ...]  # ("t", loop, N) | ("w", N) | ("d", N, uses)
+Affine = tuple[int, tuple[tuple[int, Expr], ...]]  # (offset, ((coeff, expr), ...))
+Dim = tuple[int, Affine]  # (size of the tensor dimension, its index)
+
+
+def leaves(exprs: Iterable[Expr]) -> frozenset[str]:
+    """The loops whose tile index moves these intervals (the `"t"` leaves)."""
+    out: set[str] = set()
+    stack = list(exprs)
+    while stack:
+        e = stack.pop()
+        if e[0] == "t":
+            out.add(e[1])
+        elif e[0] == "d":
+            stack.extend(sub for _, terms in e[2] for _, sub in terms)
+    return frozenset(out)
+
+
+def dim_leaves(dim: Dim) -> frozenset[str]:
+    return leaves(sub for _, sub in dim[1][1])
+
+
+def plain_loop(dim: Dim) -> tuple[str, int] | None:
+    """(loop, N) when the dim is indexed by one tiled loop, unscaled and unshifted: its tiles then
+    partition the loop, so summed over them they cover `min(N, size)` elements (no grid needed)."""
+    _, (offset, terms) = dim
+    if offset == 0 and len(terms) == 1 and terms[0][0] == 1 and terms[0][1][0] == "t":
+        return terms[0][1][1], terms[0][1][2]
+    return None
+
+
+def _interval(
+    e: Expr, tiles: Mapping[str, int], at: Mapping[str, Any], mn: Any, mx: Any
+) -> tuple[Any, Any]:
+    """[lo, hi] of an interval expression with the `"t"` loops at the tile indices `at`:
+    integers (`mn`, `mx` = the builtins min, max) or numpy arrays holding one index per block
+    of a grid (`np.minimum`, `np.maximum`)."""
+    tag = e[0]
+    if tag == "t":
+        n = e[2]
+        t = max(1, min(tiles.get(e[1], n), n))
+        i = at[e[1]]
+        return i * t, mn(n, (i + 1) * t) - 1
+    if tag == "w":
+        return 0, e[1] - 1
+    n = e[1]
+    lo: Any = n
+    hi: Any = -1
+    for offset, terms in e[2]:
+        clo, chi = _bounds(offset, terms, tiles, at, mn, mx)
+        lo = mn(lo, mx(clo, 0))
+        hi = mx(hi, mn(chi, n - 1))
+    return lo, hi
+
+
+def _bounds(
+    offset: int,
+    terms: tuple[tuple[int, Expr], ...],
+    tiles: Mapping[str, int],
+    at: Mapping[str, Any],
+    mn: Any,
+    mx: Any,
+) -> tuple[Any, Any]:
+    lo: Any = offset
+    hi: Any = offset
+    for c, sub in terms:
+        a, b = _interval(sub, tiles, at, mn, mx)
+        lo = lo + (c * a if c > 0 else c * b)  # not min/max: an empty [a, b] (a > b) stays empty
+        hi = hi + (c * b if c > 0 else c * a)
+    return lo, hi
+
+
+def _span(dim: Dim, tiles: Mapping[str, int], at: Mapping[str, Any], mn: Any, mx: Any) -> Any:
+    size, (offset, terms) = dim
+    lo, hi = _bounds(offset, terms, tiles, at, mn, mx)
+    return mx(0, mn(hi, size - 1) - mx(lo, 0) + 1)
+
+
+def point_span(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
+    """Elements one block touches: every tiled loop at its first tile (a full, non-edge tile
+    unless the loop has a single, clipped one)."""
+    dims = tuple(dims)
+    at = dict.fromkeys(leaves(sub for _, (_, terms) in dims for _, sub in terms), 0)
+    return math.prod(_span(d, tiles, at, min, max) for d in dims)
+
+
+def grid_sum(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
+    """Elements touched summed over every block: the sum over all tile indices of the dims'
+    tiled loops of the product of their spans (a block on the edge counts at its clipped size)."""
+    dims = tuple(dims)
+    names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
+    ext: dict[str, int] = {}
+    for _, (_, terms) in dims:
+        _collect_extents(terms, ext)
+    trips = [-(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n]))) for n in names]
+    if math.prod(trips) == 1:
+        return point_span(dims, tiles)
+    grid = np.indices(trips).reshape(len(names), -1)
+    at = dict(zip(names, grid, strict=True))
+    total: Any = 1
+    for d in dims:
+        total = total * _span(d, tiles, at, np.minimum, np.maximum)
+    return int(np.sum(total))
+
+
+def _collect_extents(terms: tuple[tuple[int, Expr], ...], out: dict[str, int]) -> None:
+    for _, e in terms:
+        if e[0] == "t":
+            out[e[1]] = e[2]
+        elif e[0] == "d":
+            for _, sub in e[2]:
+                _collect_extents(sub, out)
+
+
+def distinct(e: Expr, limit: int = 1 << 16) -> frozenset[int] | None:
+    """The values an interval expression's loop takes over all blocks: every value, except for a
+    derived loop, which takes only those its consumers read (a strided consumer skips some).
+    None when enumerating them would pass `limit` combinations."""
+    if e[0] != "d":
+        return frozenset(range(e[-1]))
+    n = e[1]
+    out: set[int] = set()
+    for offset, terms in e[2]:
+        sums = {offset}
+        for c, sub in terms:
+            values = distinct(sub, limit)
+            if values is None or len(sums) * len(values) > limit:
+                return None
+            sums = {s + c * v for s in sums for v in values}
+        out.update(v for v in sums if 0 <= v < n)
+    return frozenset(out)
