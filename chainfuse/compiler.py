@@ -274,7 +274,9 @@ def compile(
 ) -> Kernel:
     """Plan `chain` for this machine, generate and build its fused kernel, and load it.
 
-    `tiles` overrides the planner's tiles of the code level (loop name -> tile; tests and
+    `threads` is the thread count the plan is made for (default: `get_num_threads()`, what a
+    call will use unless told otherwise); any count still runs it. `tiles` overrides the
+    planner's tiles of the code level (loop name -> tile; tests and
     tuning use it to reach every path of the generated loops). A convolution chain
     (`conv_chain_spec`) gives a `ConvKernel`: the same as `compile_conv(chain, ...)`, which is
     the typed entry point (and the one with the conv-only options).
@@ -301,7 +303,9 @@ def compile(
     # the generated code computes the transposed chain: m runs along the micro-kernel's nr
     # columns, l and n along its mr rows
     quanta = {m: kernel.nr, l_: kernel.mr, n: kernel.mr}
-    chosen = plan(chain, hw, threads=threads, fuse=True, structures=[(order, depth)], quanta=quanta)
+    planned_for = threads if threads is not None else get_num_threads()
+    chosen = plan(chain, hw, threads=planned_for, fuse=True, structures=[(order, depth)],
+                  quanta=quanta)  # fmt: skip
     planned = chosen.tiles_at(_code_level(hw))
     assert planned is not None
     tiles = {**planned, **(tiles or {})}

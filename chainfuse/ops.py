@@ -16,6 +16,7 @@ from typing import Any
 from chainfuse import ir
 from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
 from chainfuse.ir import Activation, Chain
+from chainfuse.runtime import get_num_threads
 
 __all__ = ["attention", "conv_chain", "gemm_chain"]
 
@@ -44,9 +45,14 @@ def _dtype(names: str, *xs: Any) -> str:
     return str(found[0])
 
 
-@functools.lru_cache(maxsize=256)
 def _kernel(chain: Chain) -> Kernel:
-    return compile(chain)
+    """The compiled kernel of `chain`, planned for the thread count calls use now."""
+    return _compiled(chain, get_num_threads())
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(chain: Chain, threads: int) -> Kernel:
+    return compile(chain, threads=threads)
 
 
 def gemm_chain(

@@ -77,18 +77,20 @@ def run(
     results: list[Result] = []
     for name in names:
         chain = chain_of(name)
-        kernel = compile(chain)
         inputs = reference.random_inputs(chain, seed=5)
         qkv = [inputs[n] for n in ("Q", "K", "V")]
-        out = np.empty(chain.outputs[0].shape, dtype=np.float32)
-        kernel(*qkv, out=out)
-        reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
-        fns: dict[str, Callable[[], object]] = {"chainfuse": _call(kernel, qkv, out)}
-        fns.update(_torch_fns(qkv))
-        facts = model_facts(chain, kernel)
-        spec = kernel.spec
+        want = reference.run(chain, inputs)["O"]
+        baselines = _torch_fns(qkv)
         for n in threads:
             set_threads(n)
+            kernel = compile(chain, threads=n)  # planned for the threads it runs on
+            out = np.empty(chain.outputs[0].shape, dtype=np.float32)
+            kernel(*qkv, out=out)
+            reference.assert_close(out, want, chain)
+            fns: dict[str, Callable[[], object]] = {"chainfuse": _call(kernel, qkv, out)}
+            fns.update(baselines)
+            facts = model_facts(chain, kernel)
+            spec = kernel.spec
             timing = interleave(fns, rounds, best=n > 1)
             results.append(Result(
                 SUITE, name, "softmax", n, chain.flops() / 1e9,

@@ -162,7 +162,7 @@ def model_facts(chain: Any, kernel: Any, hw: Hardware | None = None) -> dict[str
     """What the model said about a compiled kernel, for `Result`: bytes per level, the
     simulator's bytes for the same plan, and the time a full planning run takes."""
     hw = hw or resolve(None)
-    _, seconds = timed_plan(chain, hw)
+    _, seconds = timed_plan(chain, hw, threads=kernel.plan.threads)
     try:
         simulated = simulate(chain, kernel.plan, hw)
     except ValueError:  # too many blocks to walk
@@ -200,20 +200,21 @@ def run(
     for name in names:
         for between in betweens:
             chain = workloads.chain_of(name, between)
-            kernel = compile(chain)
             inputs = reference.random_inputs(chain, seed=7)
             args = [inputs[t.name] for t in chain.inputs]
-            out = np.empty(chain.outputs[0].shape, dtype=np.float32)
-            kernel(*args, out=out)
-            reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
-            fns: dict[str, Callable[[], object]] = {"chainfuse": _call(kernel, args, out)}
-            fns.update(torch_baselines(between, args))
+            want = reference.run(chain, inputs)["E"]
+            baselines = dict(torch_baselines(between, args))
             np_fn = numpy_baseline(between, args)
             if np_fn is not None:
-                fns["numpy"] = np_fn
-            facts = model_facts(chain, kernel)
+                baselines["numpy"] = np_fn
             for n in threads:
                 set_threads(n)
+                kernel = compile(chain, threads=n)  # planned for the threads it runs on
+                out = np.empty(chain.outputs[0].shape, dtype=np.float32)
+                kernel(*args, out=out)
+                reference.assert_close(out, want, chain)
+                fns = {"chainfuse": _call(kernel, args, out), **baselines}
+                facts = model_facts(chain, kernel)
                 timing = interleave(fns, rounds, best=n > 1)
                 results.append(Result(
                     SUITE, name, between or "none", n, chain.flops() / 1e9,
