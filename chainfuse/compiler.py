@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -340,12 +341,10 @@ def _remembered_plan(
     """`plan(...)` for the backend's structure, kept on disk next to the compiled kernels.
 
     Planning costs tens of milliseconds; a process that reuses a compiled kernel should not pay
-    it again. The key holds everything the plan depends on, chainfuse's version included.
+    it again. The key holds everything the plan depends on, the planner's own source included.
     """
-    import chainfuse
-
     parts = [chain.to_json(), hw.to_json(), threads, structure, sorted(quanta.items())]
-    parts.append(chainfuse.__version__)
+    parts.append(_planner_fingerprint())
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     path = config.cache_dir() / "plans" / key[:2] / f"{key[:32]}.json"
     try:
@@ -359,6 +358,20 @@ def _remembered_plan(
     except OSError:
         pass  # an unwritable cache only costs planning again next time
     return chosen
+
+
+@functools.cache
+def _planner_fingerprint() -> str:
+    """chainfuse's version and a hash of the modules a plan comes from: a changed model must not
+    be answered with plans remembered from the old one (the version alone does not move
+    between releases)."""
+    import chainfuse
+    from chainfuse import footprint, model, planner
+
+    digest = hashlib.sha256(chainfuse.__version__.encode())
+    for module in (footprint, model, planner):
+        digest.update(Path(str(module.__file__)).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _code_level(hw: Hardware) -> str:
