@@ -14,8 +14,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from chainfuse import reference
 from chainfuse.bench import workloads
 from chainfuse.bench.gemm_chain import _call, model_facts, predicted_ms, set_threads
@@ -43,22 +41,22 @@ def cases(quick: bool = False) -> list[tuple[str, int, int, int]]:
     return out + [(f"seq-{s}", 12, s, 64) for s in SHORT]
 
 
-def chain_of(name: str) -> Chain:
+def chain_of(name: str, dtype: str = "float32") -> Chain:
     """The attention chain of a case name of `cases()`."""
     for case, heads, seq, dim in cases():
         if case == name:
-            return attention_chain(1, heads, seq, seq, dim, dim)
+            return attention_chain(1, heads, seq, seq, dim, dim, dtype=dtype)
     raise ValueError(f"unknown attention case {name!r}; known: {[c[0] for c in cases()]}")
 
 
-def _torch_fns(args: Sequence[np.ndarray[Any, Any]]) -> dict[str, Callable[[], object]]:
+def _torch_fns(args: Sequence[Any]) -> dict[str, Callable[[], object]]:
     try:
         import torch
         import torch.nn.functional as F
     except ImportError:
         return {}
 
-    q, k, v = (torch.from_numpy(a) for a in args)
+    q, k, v = (a if isinstance(a, torch.Tensor) else torch.from_numpy(a) for a in args)
     scale = 1.0 / math.sqrt(q.shape[-1])
 
     def unfused() -> object:
@@ -72,35 +70,41 @@ def run(
     threads: Sequence[int],
     rounds: int,
     progress: Callable[[str], None] | None = None,
+    dtype: str = "float32",
 ) -> list[Result]:
-    """Compile, check and time every case at every thread count."""
+    """Compile, check and time every case at every thread count (bf16: suite "attention-bf16",
+    bf16 tensors for chainfuse, SDPA and the unfused PyTorch alike)."""
+    bf16 = dtype == "bfloat16"
     results: list[Result] = []
     for name in names:
-        chain = chain_of(name)
+        chain = chain_of(name, dtype)
         inputs = reference.random_inputs(chain, seed=5)
-        qkv = [inputs[n] for n in ("Q", "K", "V")]
+        qkv: list[Any] = [inputs[n] for n in ("Q", "K", "V")]
+        if bf16:
+            import torch
+
+            qkv = [torch.from_numpy(a).to(torch.bfloat16) for a in qkv]
         want = reference.run(chain, inputs)["O"]
         baselines = _torch_fns(qkv)
         for n in threads:
             set_threads(n)
             kernel = compile(chain, threads=n)  # planned for the threads it runs on
-            out = np.empty(chain.outputs[0].shape, dtype=np.float32)
-            kernel(*qkv, out=out)
-            reference.assert_close(out, want, chain)
+            out = kernel(*qkv)
+            reference.assert_close(out.float().numpy() if bf16 else out, want, chain)
             fns: dict[str, Callable[[], object]] = {"chainfuse": _call(kernel, qkv, out)}
             fns.update(baselines)
             facts = model_facts(chain, kernel)
             spec = kernel.spec
             timing = interleave(fns, rounds, best=n > 1)
             results.append(Result(
-                SUITE, name, "softmax", n, chain.flops() / 1e9,
+                SUITE + ("-bf16" if bf16 else ""), name, "softmax", n, chain.flops() / 1e9,
                 ms={k: t.ms for k, t in timing.items()}, baselines=BASELINES,
-                spread={k: t.spread for k, t in timing.items()},
+                spread={k: t.spread for k, t in timing.items()}, dtype=dtype,
                 tiles=f"T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}",
                 predicted_ms=predicted_ms(chain, kernel.plan, n), **facts,
             ))  # fmt: skip
             if progress is not None:
-                progress(f"{name} {n}t")
+                progress(f"{name} {n}t {dtype}")
     return results
 
 

@@ -28,13 +28,13 @@ import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench.timing import interleave
-from chainfuse.compiler import Kernel, compile
+from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain
 from chainfuse.model import Nest, estimate
 from chainfuse.planner import USABLE
 
-__all__ = ["Fidelity", "measure", "spearman"]
+__all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman"]
 
 _FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
 
@@ -218,3 +218,91 @@ def measure(
 
 def _bind(kernel: Kernel, args: Sequence[Any], out: Any) -> Callable[[], object]:
     return lambda: kernel(*args, out=out)
+
+
+# -- convolution chains ---------------------------------------------------------------------------
+
+
+def conv_candidates(
+    kernel: ConvKernel, hw: Hardware, threads: int, top: int
+) -> list[tuple[Key, int]]:
+    """(model's key, rows per band) of the chosen conv plan and of the `top - 1` best others.
+
+    A conv kernel's schedule is its band of conv2 output rows (`T_P2`, whole rows: the plan's
+    p2 x q2 pixel tile), its channel blocks follow from L1. The alternatives are other band
+    heights, costed by `estimate` with the code level's tiles set to that band of whole rows.
+    """
+    chain, chosen = kernel.chain, kernel.plan
+    level = _level_of(chosen, hw)
+    P2, Q2 = kernel.shape.P2, kernel.shape.Q2
+    nest = Nest(chain, chosen.order, chosen.depth, fused=chosen.fused)
+    base = {lv: dict(t) for lv, t in chosen.tiles}
+    capacity = next(lv.capacity for lv in hw.levels if lv.name == level) * USABLE
+
+    def cost(band: int) -> Key | None:
+        levels = {lv: dict(t) for lv, t in base.items()}
+        levels[level] = {**levels[level], "p2": band, "q2": Q2}
+        for lv, t in levels.items():
+            if lv != level and _inner(hw, lv, level):
+                levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
+        c = estimate(nest, levels, hw, chosen.parallel, threads)
+        used = dict(c.used_per_level).get(level, 0)
+        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s))
+
+    picked = kernel.tiles.band_rows
+    first = cost(picked) or (math.inf, math.inf)
+    others = {min(P2, max(1, round(picked * f))) for f in (*_FACTORS, 0.25, 4.0)} | {1, P2}
+    scored = [(k, b) for b in sorted(others - {picked}) if (k := cost(b)) is not None]
+    scored.sort(key=lambda kb: kb[0])
+    return [(first, picked), *scored[: top - 1]]
+
+
+def measure_conv(
+    chain: Chain,
+    suite: str,
+    workload: str,
+    variant: str,
+    top: int = 10,
+    rounds: int = 9,
+    hardware: Hardware | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Fidelity:
+    """`measure` for a conv chain: the top band heights, compiled and timed (1 thread)."""
+    import torch
+
+    hw = hardware or resolve(None)
+    chosen = compile_conv(chain, hw, threads=1)
+    ranked = conv_candidates(chosen, hw, 1, top)
+
+    def build(band: int) -> ConvKernel:
+        return compile_conv(chain, hw, threads=1, tiles={"p2": band})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        kernels = [chosen, *pool.map(build, [b for _, b in ranked[1:]])]
+    inputs = reference.random_inputs(chain, seed=11)
+    cl = torch.channels_last
+    x = torch.from_numpy(inputs["X"]).contiguous(memory_format=cl)
+    w1, w2 = torch.from_numpy(inputs["W1"]), torch.from_numpy(inputs["W2"])
+    want = reference.run(chain, inputs)[chain.outputs[0].name]
+    fns: dict[str, Callable[[], object]] = {}
+    for i, kernel in enumerate(kernels):
+        out = torch.empty(chain.outputs[0].shape, dtype=torch.float32, memory_format=cl)
+        kernel(x, w1, w2, out=out)
+        reference.assert_close(out.numpy(), want, chain)
+        fns[str(i)] = _bind_conv(kernel, x, w1, w2, out)
+    timing = interleave(fns, rounds)
+    if progress is not None:
+        progress(f"fidelity {workload} {variant}")
+    return Fidelity(
+        suite,
+        workload,
+        variant,
+        tiles=[f"T_P2={b}" for _, b in ranked],
+        predicted_ms=[p[0] * 1e3 for p, _ in ranked],
+        predicted_memory_ms=[p[1] * 1e3 for p, _ in ranked],
+        measured_ms=[timing[str(i)].ms for i in range(len(kernels))],
+    )
+
+
+def _bind_conv(kernel: ConvKernel, x: Any, w1: Any, w2: Any, out: Any) -> Callable[[], object]:
+    return lambda: kernel(x, w1, w2, out=out)

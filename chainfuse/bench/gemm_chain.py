@@ -47,17 +47,17 @@ QUICK = ("bert-base", "vit-huge-14", "mixer-l-32-s", "mixer-b-32-c")
 BASELINES = ("torch_prealloc", "torch", "numpy")
 
 
-def torch_baselines(
-    between: str | None, args: Sequence[np.ndarray[Any, Any]]
-) -> dict[str, Callable[[], object]]:
+def torch_baselines(between: str | None, args: Sequence[Any]) -> dict[str, Callable[[], object]]:
+    """PyTorch's two `bmm`s (into preallocated outputs, and fresh), in the arguments' dtype:
+    numpy arrays are float32, torch tensors keep theirs (bf16 runs PyTorch's bf16 path)."""
     try:
         import torch
     except ImportError:
         return {}
-    A, B, D = (torch.from_numpy(a) for a in args)
+    A, B, D = (a if isinstance(a, torch.Tensor) else torch.from_numpy(a) for a in args)
     b, M, _ = A.shape
-    C = torch.empty(b, M, B.shape[2])
-    E = torch.empty(b, M, D.shape[2])
+    C = torch.empty(b, M, B.shape[2], dtype=A.dtype)
+    E = torch.empty(b, M, D.shape[2], dtype=A.dtype)
 
     def act(x: Any) -> Any:
         if between == "relu":
@@ -194,38 +194,48 @@ def run(
     threads: Sequence[int],
     rounds: int,
     progress: Callable[[str], None] | None = None,
+    dtype: str = "float32",
 ) -> list[Result]:
-    """Compile, check and time every (workload, between) at every thread count."""
+    """Compile, check and time every (workload, between) at every thread count.
+
+    `dtype="bfloat16"`: bf16 tensors in and out for chainfuse and PyTorch alike (no numpy
+    baseline: numpy has no bf16); the results' suite is "gemm-chain-bf16".
+    """
+    bf16 = dtype == "bfloat16"
     results: list[Result] = []
     for name in names:
         for between in betweens:
-            chain = workloads.chain_of(name, between)
+            chain = workloads.chain_of(name, between, dtype)
             inputs = reference.random_inputs(chain, seed=7)
-            args = [inputs[t.name] for t in chain.inputs]
+            args: list[Any] = [inputs[t.name] for t in chain.inputs]
+            if bf16:
+                import torch
+
+                args = [torch.from_numpy(a).to(torch.bfloat16) for a in args]
             want = reference.run(chain, inputs)["E"]
             baselines = dict(torch_baselines(between, args))
-            np_fn = numpy_baseline(between, args)
+            np_fn = None if bf16 else numpy_baseline(between, args)
             if np_fn is not None:
                 baselines["numpy"] = np_fn
             for n in threads:
                 set_threads(n)
                 kernel = compile(chain, threads=n)  # planned for the threads it runs on
-                out = np.empty(chain.outputs[0].shape, dtype=np.float32)
-                kernel(*args, out=out)
-                reference.assert_close(out, want, chain)
+                out = kernel(*args)
+                got = out.float().numpy() if bf16 else out
+                reference.assert_close(got, want, chain)
                 fns = {"chainfuse": _call(kernel, args, out), **baselines}
                 facts = model_facts(chain, kernel)
                 timing = interleave(fns, rounds, best=n > 1)
                 results.append(Result(
-                    SUITE, name, between or "none", n, chain.flops() / 1e9,
-                    ms={k: t.ms for k, t in timing.items()},
+                    SUITE + ("-bf16" if bf16 else ""), name, between or "none", n,
+                    chain.flops() / 1e9, ms={k: t.ms for k, t in timing.items()},
                     baselines=BASELINES,
-                    spread={k: t.spread for k, t in timing.items()},
+                    spread={k: t.spread for k, t in timing.items()}, dtype=dtype,
                     tiles=tiles_text(kernel), predicted_ms=predicted_ms(chain, kernel.plan, n),
                     **facts,
                 ))  # fmt: skip
                 if progress is not None:
-                    progress(f"{name} {between or 'none'} {n}t")
+                    progress(f"{name} {between or 'none'} {n}t {dtype}")
     return results
 
 

@@ -172,7 +172,8 @@ def write(
         md += _suite_table([r for r in results if r.suite == suite], peak)
     md += ["", "## Model fidelity", "",
            "For each workload the planner's first choice and the plans the model ranks next "
-           "(same block order, other code-level tiles) were compiled and timed on one thread. "
+           "(same block order, other code-level tiles; for a conv chain, other heights of its "
+           "band of output rows) were compiled and timed on one thread. "
            "rho: Spearman's rank correlation between the model's ranking (predicted time, ties "
            "broken by predicted memory time) and the measured times. Tuning gap: how much "
            "slower the first choice ran than the best of those plans.", ""]  # fmt: skip

@@ -30,10 +30,9 @@ __all__ = ["Progress", "main"]
 
 SUITES = ("gemm-chain", "attention", "conv-chain")
 CONV_QUICK = ("resnet50-1x1-3x3", "1x1-1x1-a")
-# fidelity: the workloads whose top plans are compiled and timed (quick: the first of each)
-FIDELITY_GEMM = (("bert-base", "relu"), ("vit-huge-14", "none"), ("mixer-l-32-s", "relu"),
-                 ("mixer-b-32-c", "none"))  # fmt: skip
-FIDELITY_ATTENTION = ("bert-base", "vit-large-16", "seq-128")
+# fidelity (the top plans compiled and timed): every workload of a suite, one variant each;
+# --quick: one workload per suite
+FIDELITY_VARIANT = "relu"
 
 
 class Progress:
@@ -72,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("suite", nargs="?", default="all", choices=[*SUITES, "all"])
     p.add_argument("--quick", action="store_true", help="a representative subset (~2 minutes)")
     p.add_argument("--threads", default="1,2", help="thread counts, e.g. 1,2")
-    p.add_argument("--dtype", default="fp32", help="fp32 (bf16 needs AMX kernels: not built yet)")
+    p.add_argument("--dtype", default="fp32",
+                   help="fp32, bf16 or fp32,bf16 (bf16: GEMM chains and attention; conv is fp32)")  # fmt: skip
     p.add_argument("--between", default="none,relu", help="gemm-chain/conv-chain variants")
     p.add_argument("--rounds", type=int, default=15, help="timing rounds per case")
     p.add_argument("--top", type=int, default=10, help="plans per fidelity run (0: no fidelity)")
@@ -94,17 +94,20 @@ def _parse_threads(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    dtypes = args.dtype.split(",")
-    bad = [d for d in dtypes if d != "fp32"]
-    if bad:
-        print(f"chainfuse bench: --dtype {','.join(bad)}: only fp32 kernels exist in this build "
-              "(bf16 needs the AMX / AVX512-BF16 micro-kernels, not written yet)",
-              file=sys.stderr)  # fmt: skip
+    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+    try:
+        dtypes = list(dict.fromkeys(names[d] for d in args.dtype.split(",")))
+    except KeyError as exc:
+        print(f"chainfuse bench: --dtype: unknown {exc.args[0]!r}; expected fp32, bf16 or both "
+              "(fp32,bf16)", file=sys.stderr)  # fmt: skip
         return 2
     threads = _parse_threads(args.threads)
     betweens = [None if b == "none" else b for b in args.between.split(",")]
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     conv = _conv_module()
+    if "bfloat16" in dtypes and args.suite == "conv-chain":
+        print("chainfuse bench: --dtype bf16: conv chains compile in fp32 only", file=sys.stderr)
+        return 2
     if "conv-chain" in suites and conv is None:
         if args.suite == "conv-chain":
             print("chainfuse bench: the conv-chain suite is not available in this build",
@@ -117,16 +120,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     gemm_names = gemm_chain.QUICK if args.quick else tuple(w.name for w in workloads.GEMM)
     att_names = [c[0] for c in attention.cases(args.quick)]
     conv_names = CONV_QUICK if args.quick else tuple(w.name for w in workloads.CONV)
-    fid_gemm = FIDELITY_GEMM[:1] if args.quick else FIDELITY_GEMM
-    fid_att = FIDELITY_ATTENTION[:1] if args.quick else FIDELITY_ATTENTION
+    fid_gemm = gemm_names[:1] if args.quick else gemm_names
+    fid_att = att_names[:1] if args.quick else att_names
+    fid_conv = conv_names[:1] if args.quick else conv_names
     steps = {
-        "gemm-chain": len(gemm_names) * len(betweens) * len(threads),
-        "attention": len(att_names) * len(threads),
+        "gemm-chain": len(gemm_names) * len(betweens) * len(threads) * len(dtypes),
+        "attention": len(att_names) * len(threads) * len(dtypes),
         "conv-chain": len(conv_names) * len(betweens) * len(threads),
     }
     total = sum(steps[s] for s in suites)
     if args.top > 0:
         total += len(fid_gemm) * ("gemm-chain" in suites) + len(fid_att) * ("attention" in suites)
+        total += len(fid_conv) * ("conv-chain" in suites)
 
     gemm_chain.set_threads(1)
     machine = measure_machine()
@@ -141,8 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = Progress(total)
     results: list[Result] = []
     runs: dict[str, Callable[[], list[Result]]] = {
-        "gemm-chain": lambda: gemm_chain.run(gemm_names, betweens, threads, args.rounds, progress),
-        "attention": lambda: attention.run(att_names, threads, args.rounds, progress),
+        "gemm-chain": lambda: [
+            r
+            for d in dtypes
+            for r in gemm_chain.run(gemm_names, betweens, threads, args.rounds, progress, d)
+        ],
+        "attention": lambda: [
+            r for d in dtypes for r in attention.run(att_names, threads, args.rounds, progress, d)
+        ],
         "conv-chain": lambda: _run_conv(conv, conv_names, betweens, threads, args.rounds, progress),
     }
     for suite in suites:
@@ -152,23 +163,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra["gemm_chain_issue_figures"] = gemm_chain.summarise(
             [r for r in results if r.suite == "gemm-chain"], peak
         )
+        if "bfloat16" in dtypes:
+            extra["gemm_chain_bf16_issue_figures"] = gemm_chain.summarise(
+                [r for r in results if r.suite == "gemm-chain-bf16"], peak
+            )
     if "attention" in suites:
         extra["attention_issue_figures"] = attention.summarise(
             [r for r in results if r.suite == "attention"], peak
         )
+        if "bfloat16" in dtypes:
+            extra["attention_bf16_issue_figures"] = attention.summarise(
+                [r for r in results if r.suite == "attention-bf16"], peak
+            )
 
     fids: list[Fidelity] = []
     if args.top > 0:
         gemm_chain.set_threads(1)
         if "gemm-chain" in suites:
-            for name, between in fid_gemm:
-                chain = workloads.chain_of(name, None if between == "none" else between)
-                fids.append(fidelity.measure(chain, "gemm-chain", name, between, args.top,
-                                             progress=progress))  # fmt: skip
+            for name in fid_gemm:
+                chain = workloads.chain_of(name, FIDELITY_VARIANT)
+                fids.append(fidelity.measure(chain, "gemm-chain", name, FIDELITY_VARIANT,
+                                             args.top, progress=progress))  # fmt: skip
         if "attention" in suites:
             for name in fid_att:
                 fids.append(fidelity.measure(attention.chain_of(name), "attention", name,
                                              "softmax", args.top, progress=progress))  # fmt: skip
+        if "conv-chain" in suites:
+            for name in fid_conv:
+                chain = workloads.chain_of(name, FIDELITY_VARIANT)
+                fids.append(fidelity.measure_conv(chain, "conv-chain", name, FIDELITY_VARIANT,
+                                                  args.top, progress=progress))  # fmt: skip
 
     command = "chainfuse bench " + " ".join(argv if argv is not None else sys.argv[1:])
     files = report.write(Path(args.out), results, fids, machine, extra, command.strip())
