@@ -93,6 +93,31 @@ def _parse_threads(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suites; the thread settings it changes are put back when it returns (the
+    process may go on: tests, notebooks)."""
+    from chainfuse.runtime import cc
+
+    before = cc._num_threads
+    torch_before = _torch_threads()
+    try:
+        return _main(argv)
+    finally:
+        cc.set_num_threads(before)
+        if torch_before is not None:
+            import torch
+
+            torch.set_num_threads(torch_before)
+
+
+def _torch_threads() -> int | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return int(torch.get_num_threads())
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
     try:
