@@ -185,39 +185,59 @@ def measure(
     hw = hardware or resolve(None)
     chosen = compile(chain, hw, threads=1)
     ranked = candidates(chosen, hw, 1, top)
-    loops = _code_loops(chosen)
-    by_loop = {v: k for k, v in loops.items()}
+    by_loop = {v: k for k, v in _code_loops(chosen).items()}
 
     def build(tiles: dict[str, int]) -> Kernel:
         return compile(chain, hw, threads=1, tiles=tiles)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:  # gcc runs outside the GIL
-        kernels = [chosen, *pool.map(build, [t for _, t in ranked[1:]])]
     inputs = reference.random_inputs(chain, seed=11)
     args = [inputs[t.name] for t in chain.inputs]
+
+    def bind(kernel: Kernel) -> tuple[Callable[[], object], Callable[[], Any]]:
+        out = np.empty(chain.outputs[0].shape, dtype=np.float32)
+        return (lambda: kernel(*args, out=out)), (lambda: out)
+
+    labels = [" ".join(f"{by_loop[k]}={v}" for k, v in t.items()) for _, t in ranked]
+    kernels = _build_all(chosen, build, [t for _, t in ranked[1:]])
+    return _time_ranked(chain, inputs, (suite, workload, variant), ranked, labels, kernels,
+                        bind, rounds, progress)  # fmt: skip
+
+
+def _build_all(chosen: Any, build: Callable[[Any], Any], rest: Sequence[Any]) -> list[Any]:
+    """The chosen kernel and the others, compiled two at a time (gcc runs outside the GIL)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return [chosen, *pool.map(build, rest)]
+
+
+def _time_ranked(
+    chain: Chain,
+    inputs: Mapping[str, Any],
+    names: tuple[str, str, str],
+    ranked: Sequence[tuple[Key, Any]],
+    labels: list[str],
+    kernels: Sequence[Any],
+    bind: Callable[[Any], tuple[Callable[[], object], Callable[[], Any]]],
+    rounds: int,
+    progress: Callable[[str], None] | None,
+) -> Fidelity:
+    """Check every kernel against the reference, time them interleaved, make the record."""
     want = reference.run(chain, inputs)[chain.outputs[0].name]
     fns: dict[str, Callable[[], object]] = {}
     for i, kernel in enumerate(kernels):
-        out = np.empty(chain.outputs[0].shape, dtype=np.float32)
-        kernel(*args, out=out)
-        reference.assert_close(out, want, chain)
-        fns[str(i)] = _bind(kernel, args, out)
+        call, result = bind(kernel)
+        call()
+        reference.assert_close(np.asarray(result()), want, chain)
+        fns[str(i)] = call
     timing = interleave(fns, rounds)
     if progress is not None:
-        progress(f"fidelity {workload} {variant}")
+        progress(f"fidelity {names[1]} {names[2]}")
     return Fidelity(
-        suite,
-        workload,
-        variant,
-        tiles=[" ".join(f"{by_loop[k]}={v}" for k, v in t.items()) for _, t in ranked],
+        *names,
+        tiles=labels,
         predicted_ms=[p[0] * 1e3 for p, _ in ranked],
         predicted_memory_ms=[p[1] * 1e3 for p, _ in ranked],
         measured_ms=[timing[str(i)].ms for i in range(len(kernels))],
     )
-
-
-def _bind(kernel: Kernel, args: Sequence[Any], out: Any) -> Callable[[], object]:
-    return lambda: kernel(*args, out=out)
 
 
 # -- convolution chains ---------------------------------------------------------------------------
@@ -277,32 +297,16 @@ def measure_conv(
     def build(band: int) -> ConvKernel:
         return compile_conv(chain, hw, threads=1, tiles={"p2": band})
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        kernels = [chosen, *pool.map(build, [b for _, b in ranked[1:]])]
     inputs = reference.random_inputs(chain, seed=11)
     cl = torch.channels_last
     x = torch.from_numpy(inputs["X"]).contiguous(memory_format=cl)
     w1, w2 = torch.from_numpy(inputs["W1"]), torch.from_numpy(inputs["W2"])
-    want = reference.run(chain, inputs)[chain.outputs[0].name]
-    fns: dict[str, Callable[[], object]] = {}
-    for i, kernel in enumerate(kernels):
+
+    def bind(kernel: ConvKernel) -> tuple[Callable[[], object], Callable[[], Any]]:
         out = torch.empty(chain.outputs[0].shape, dtype=torch.float32, memory_format=cl)
-        kernel(x, w1, w2, out=out)
-        reference.assert_close(out.numpy(), want, chain)
-        fns[str(i)] = _bind_conv(kernel, x, w1, w2, out)
-    timing = interleave(fns, rounds)
-    if progress is not None:
-        progress(f"fidelity {workload} {variant}")
-    return Fidelity(
-        suite,
-        workload,
-        variant,
-        tiles=[f"T_P2={b}" for _, b in ranked],
-        predicted_ms=[p[0] * 1e3 for p, _ in ranked],
-        predicted_memory_ms=[p[1] * 1e3 for p, _ in ranked],
-        measured_ms=[timing[str(i)].ms for i in range(len(kernels))],
-    )
+        return (lambda: kernel(x, w1, w2, out=out)), (lambda: out.numpy())
 
-
-def _bind_conv(kernel: ConvKernel, x: Any, w1: Any, w2: Any, out: Any) -> Callable[[], object]:
-    return lambda: kernel(x, w1, w2, out=out)
+    kernels = _build_all(chosen, build, [b for _, b in ranked[1:]])
+    labels = [f"T_P2={b}" for _, b in ranked]
+    return _time_ranked(chain, inputs, (suite, workload, variant), ranked, labels, kernels,
+                        bind, rounds, progress)  # fmt: skip

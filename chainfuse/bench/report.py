@@ -175,8 +175,9 @@ def write(
            "(same block order, other code-level tiles; for a conv chain, other heights of its "
            "band of output rows) were compiled and timed on one thread. "
            "rho: Spearman's rank correlation between the model's ranking (predicted time, ties "
-           "broken by predicted memory time) and the measured times. Tuning gap: how much "
-           "slower the first choice ran than the best of those plans.", ""]  # fmt: skip
+           "broken by predicted memory time) and the measured times (nan: the model ranks all "
+           "of them equal). Tuning gap: how much slower the first choice ran than the best of "
+           "those plans.", ""]  # fmt: skip
     md += _fidelity_lines(fidelity)
     md += ["", "## Plots", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
