@@ -27,6 +27,7 @@ import numpy as np
 from chainfuse import config
 from chainfuse.codegen.c import GemmChainShape, GemmChainSpec, emit_gemm_chain, match_gemm_chain
 from chainfuse.codegen.conv import (
+    GEOMETRY,
     ConvChainShape,
     ConvChainSpec,
     ConvTiles,
@@ -424,47 +425,69 @@ def _is_conv(chain: Chain) -> bool:
 _CONV_ORDER = ("n", "p2", "q2", "k2", "k1", "p1", "q1", "c", "r1", "s1", "r2", "s2")
 
 
-def _dense_strides(name: str, x: Any, shape: tuple[int, ...]) -> _Arg:
+def _dense_strides(name: str, x: Any, shape: tuple[int, ...], writable: bool = False) -> _Arg:
     """A float32 CPU array in NCHW or channels-last (NHWC) memory order, or a contiguous 1-D one.
 
     The kernel reads and writes through strides, so both orders are zero-copy; any other layout
-    (a strided view) is refused rather than silently copied. Called four to six times per call:
-    kept lean (a few attribute reads per tensor).
+    (a strided view) is refused rather than silently copied. Called four to six times per call,
+    so the common cases take few attribute reads, and a (shape, strides) pair found dense once
+    is remembered (`_DENSE`: layouts only, never data or addresses).
     """
-    if isinstance(x, np.ndarray):
-        if x.dtype != np.float32:
+    if type(x) is np.ndarray:
+        if x.dtype != _F32:
             raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
         got = x.shape
-        strides = tuple(s >> 2 for s in x.strides)
-        if any(s & 3 for s in x.strides):
-            raise ValueError(f"{name}: strides {x.strides} are not whole elements")
-        ptr = int(x.ctypes.data)
+        flags = x.flags
+        if writable and not flags.writeable:
+            raise ValueError(f"{name}: the output array is read-only")
+        if flags.c_contiguous:
+            strides = _contiguous(shape)
+        else:
+            if any(s & 3 for s in x.strides):
+                raise ValueError(f"{name}: strides {x.strides} are not whole elements")
+            strides = tuple(s >> 2 for s in x.strides)
+        # from_buffer is 3x cheaper than .ctypes.data, but takes only whole writable buffers
+        fast = flags.writeable and flags.c_contiguous
+        ptr = ctypes.addressof(_BYTE.from_buffer(cast(Any, x))) if fast else int(x.ctypes.data)
     elif _is_torch(x):
         t: Any = x
         if t.device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
         if t.dtype is not _torch_float32():
             raise TypeError(f"{name}: expected dtype float32, got {t.dtype}")
+        if writable and t.requires_grad:
+            raise ValueError(f"{name}: the output must not require grad")
         got = tuple(t.shape)
         strides = t.stride()
         ptr = t.data_ptr()
+    elif isinstance(x, np.ndarray):  # a subclass: the same checks, the slow way
+        return _dense_strides(name, np.asarray(x), shape, writable)
     else:
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
     if got != shape:
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(got)}")
-    orders = _ORDERS if len(shape) == 4 else ((0,),)
-    if not any(_dense_in(order, shape, strides) for order in orders):
-        kinds = "NCHW or channels_last" if len(shape) == 4 else "contiguous"
-        raise ValueError(
-            f"{name}: expected a {kinds} array, got strides {strides} for shape {shape}; "
-            "pass a contiguous copy (x.contiguous() / np.ascontiguousarray(x))"
-        )
+    if (shape, strides) not in _DENSE:
+        orders = _ORDERS if len(shape) == 4 else ((0,),)
+        if not any(_dense_in(order, shape, strides) for order in orders):
+            kinds = "NCHW or channels_last" if len(shape) == 4 else "contiguous"
+            raise ValueError(
+                f"{name}: expected a {kinds} array, got strides {strides} for shape {shape}; "
+                "pass a contiguous copy (x.contiguous() / np.ascontiguousarray(x))"
+            )
+        if len(_DENSE) < 4096:
+            _DENSE.add((shape, strides))
     return _Arg(ptr, strides)
+
+
+#: (shape, element strides) pairs already found dense (NCHW, channels-last or 1-D contiguous)
+_DENSE: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+_F32 = np.dtype(np.float32)
 
 
 _ORDERS = ((0, 1, 2, 3), (0, 2, 3, 1))
 
 
+@functools.lru_cache(maxsize=1)
 def _torch_float32() -> Any:
     import torch
 
@@ -533,7 +556,7 @@ class ConvKernel:
         workspace = getattr(lib, f"{spec.name}_workspace")
         workspace.restype = ctypes.c_long
         workspace.argtypes = [longs, longs]
-        self._geometry = (ctypes.c_long * 21)(*geometry(shape, tiles))
+        self._geometry = (ctypes.c_long * len(GEOMETRY))(*geometry(shape, tiles))
         per = ctypes.c_long(0)
         self._shared = int(workspace(self._geometry, ctypes.byref(per)))
         self._per = int(per.value)
@@ -551,13 +574,17 @@ class ConvKernel:
     def __repr__(self) -> str:
         return f"ConvKernel({self.name}, halo={self.halo.value}, {self.tiles}, {self.path})"
 
-    def _workspace(self, threads: int) -> np.ndarray[Any, np.dtype[np.float32]]:
-        size = self._shared + threads * self._per + 32
-        buf: np.ndarray[Any, np.dtype[np.float32]] | None = getattr(self._local, "buf", None)
-        if buf is None or buf.size < size:
-            buf = np.empty(size, dtype=np.float32)
-            self._local.buf = buf
-        return buf
+    def _workspace(self, threads: int) -> tuple[int, Any]:
+        """This thread's (64-byte aligned workspace address, strides array) for `threads`
+        threads: kept between calls, so a call allocates nothing."""
+        local = self._local
+        if getattr(local, "threads", None) != threads:
+            local.buf = np.empty(self._shared + threads * self._per + 32, dtype=np.float32)
+            address = int(local.buf.ctypes.data)
+            local.address = address + 4 * ((-address % 64) // 4)
+            local.strides = (ctypes.c_long * 16)()
+            local.threads = threads
+        return local.address, local.strides
 
     def __call__(
         self, x: Any, w1: Any, w2: Any, b1: Any = None, b2: Any = None, out: Any = None
@@ -568,19 +595,15 @@ class ConvKernel:
         a2 = _dense_strides("w2", w2, shapes["w2"])
         bias1 = None if b1 is None else _dense_strides("b1", b1, shapes["b1"]).ptr
         bias2 = None if b2 is None else _dense_strides("b2", b2, shapes["b2"]).ptr
-        # channels-last: C innermost (with C = 1 both orders are dense; the stride tells them apart)
-        channels_last = ax.strides[1] == 1 and _dense_in((0, 2, 3, 1), shapes["x"], ax.strides)
         if out is None:
+            # channels-last: C innermost (with C = 1 both orders are dense; strides decide)
+            xs = ax.strides
+            channels_last = xs[1] == 1 and _dense_in((0, 2, 3, 1), shapes["x"], xs)
             out = _empty_like_input(x, shapes["out"], channels_last)
-        elif _is_torch(out) and out.requires_grad:
-            raise ValueError("out: the output must not require grad")
-        elif isinstance(out, np.ndarray) and not out.flags.writeable:
-            raise ValueError("out: the output array is read-only")
-        ao = _dense_strides("out", out, shapes["out"])
+        ao = _dense_strides("out", out, shapes["out"], writable=True)
         threads = get_num_threads()
-        work = self._workspace(threads)
-        base = work.ctypes.data + 4 * ((-work.ctypes.data % 64) // 4)  # 64-byte aligned start
-        strides = (ctypes.c_long * 16)(*ax.strides, *a1.strides, *a2.strides, *ao.strides)
+        base, strides = self._workspace(threads)
+        strides[:] = (*ax.strides, *a1.strides, *a2.strides, *ao.strides)
         at = ctypes.addressof(strides)
         self._fn(
             ax.ptr, a1.ptr, a2.ptr, bias1, bias2, ao.ptr,
@@ -641,7 +664,7 @@ def compile_conv(
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
         picks[loop] = t
-    code = ConvTiles(picks["p2"], picks["c"], picks["k1"])
+    code = ConvTiles(picks["p2"], picks["c"], picks["k1"], code.k_steps)
     decided, reason = choose_halo(shape, code.band_rows, chosen.threads)
     if halo is not None:
         forced = Halo(halo)
@@ -671,7 +694,9 @@ def _conv_header(spec: ConvChainSpec, after: str | None) -> str:
         f"plan structure {' > '.join(_CONV_ORDER)} (n last when N = 1), shared n > p2 > q2: "
         "conv1 runs per block of conv2's output pixels; parallel over n x row bands of conv2\n"
         "code tiles (run-time arguments): T_P2 = whole rows holding the plan's p2 x q2 pixels\n"
-        "  at its code level, T_C / T_K1 = channel blocks whose gathered windows fit half of L1\n"
+        "  at its code level; KC = most k steps a call reads (its weight panel fills half of L1),\n"
+        "  T_C / T_K1 = channel blocks of one tap when a row of taps exceeds KC or the input is\n"
+        "  not channels-last\n"
         f"halo: {spec.halo.value} ("
         + (
             "overlapping rows of Z stay in each thread's rolling row buffer"
@@ -679,6 +704,6 @@ def _conv_header(spec: ConvChainSpec, after: str | None) -> str:
             else "every band recomputes the rows of Z it reads"
         )
         + "), chosen by choose_halo's cost comparison (ConvKernel.halo_reason)\n"
-        f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}): output channels x "
-        "pixels; layouts: any NCHW / channels-last strides"
+        f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}): pixels x output "
+        "channels, input slivers read in place; layouts: any NCHW / channels-last strides"
     )

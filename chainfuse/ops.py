@@ -138,7 +138,20 @@ def attention(
 
 
 @functools.lru_cache(maxsize=256)
-def _conv_kernel(chain: Chain, after: str | None) -> ConvKernel:
+def _conv_kernel(sizes: tuple[int, ...], between: str | None, after: str | None) -> ConvKernel:
+    """The compiled kernel of one conv chain, by its plain sizes: building and verifying the
+    chain costs ~300 us, which a call with known sizes should not pay again."""
+    N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
+    try:
+        chain = ir.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
+                                   padding=(pad1, pad2), between=between)  # fmt: skip
+    except ValueError as err:
+        if "never hits" not in str(err):
+            raise
+        raise ValueError(
+            f"padding: every window of the second convolution along a dim reads only its "
+            f"padding ({err}); not supported"
+        ) from None
     return compile_conv(chain, after=after)
 
 
@@ -181,9 +194,10 @@ def conv_chain(
 
     `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
     float32 numpy arrays or torch CPU tensors, in NCHW or channels-last memory order: both are
-    read in place through their strides, never copied (the kernel's gathers transpose
-    channels-last pixels into its packed operand; NCHW rows are copied into it whole). The result
-    has `x`'s kind and memory order (numpy: NCHW), or is written into `out`.
+    read in place through their strides, never copied (the micro-kernel reads slivers of pixels
+    where they are, a whole row of taps per call on channels-last input; only windows touching
+    the padding are packed). The result has `x`'s kind and memory order (numpy: NCHW), or is
+    written into `out` (channels-last: in place; NCHW: through a row buffer per output row).
     """
     N, C, H, W = _conv_operand("x", x, 4)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
@@ -213,14 +227,5 @@ def conv_chain(
             f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
             f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
         )
-    try:
-        chain = ir.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
-                                   padding=(pad1, pad2), between=between)  # fmt: skip
-    except ValueError as err:
-        if "never hits" not in str(err):
-            raise
-        raise ValueError(
-            f"padding: every window of the second convolution along a dim reads only its "
-            f"padding ({err}); not supported"
-        ) from None
-    return _conv_kernel(chain, after)(x, w1, w2, b1, b2, out=out)
+    sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
+    return _conv_kernel(sizes, between, after)(x, w1, w2, b1, b2, out=out)

@@ -6,36 +6,48 @@ the call supplies)::
     Y1 = conv(X, W1, stride st1, padding pad1) [+ b1]   Z = relu(Y1) or Y1
     Y2 = conv(Z, W2, stride st2, padding pad2) [+ b2]   [relu]
 
-Both convolutions run as implicit GEMMs on the micro-kernel of the registry, computed transposed
-(output channels on the micro-kernel's `mr` rows, output pixels on its `nr` columns)::
+Both convolutions run as implicit GEMMs on the micro-kernel of the registry, output pixels on
+its `mr` rows and output channels on its `nr` columns::
 
-    Y1ᵀ[k1, pix] = W1p[k1, (r1, s1, c)] . im2colᵀ(X)[(r1, s1, c), pix]
+    Y1[pix, k1] = im2col(X)[pix, (r1, s1, c)] . W1p[(r1, s1, c), k1]
 
-so the packed weights (the broadcast operand) are packed once per call and shared by the
-threads, and each `nr`-pixel strip of the window is gathered per block into the vector operand.
-Pixels of a block are flattened over its rows, so a strip crosses row ends (no tail strip per
-row). The block order, per thread, over a contiguous range of (n, band) blocks::
+The weights (the vector operand) are packed once per call into `nr`-channel panels shared by
+the threads. The pixel operand is never gathered: a sliver of `mr` pixels of one output row
+whose windows lie inside the input is read in place by the strided micro-kernel,
+`A(i, p) = X[first pixel's tap + i*st*ws + p*ks]`; on channels-last data a whole row of taps
+(`S*C` consecutive floats per pixel) is one call. Only the slivers that touch the padding (and
+the pixels left over at the end of a row) are packed, several rows' worth together into full
+slivers. Results are channels-last rows, so Z is `[pixel][k1]` and a channels-last Y2 is
+written in place (NCHW goes through a row buffer and a transposing copy). Per thread, over a
+contiguous range of (n, band) blocks::
 
     for (n, band of T_P2 output rows of conv2) in this thread's range:    # parallel
         Z rows the band needs: [p2a*st2 - pad2, (p2b-1)*st2 - pad2 + R2)   # clipped to [0, P1)
         keep:      slide the rows the previous band already made to the front of Z
         recompute: forget them
-        for nr-pixel strip of the rows still missing:                     # conv1
-            for c block: gather X windows (zeros outside: no padded copy)
-                         for mr rows of k1: Z[k1, strip] (+)= W1p . window   (micro-kernel)
-            Z[:, strip] = relu(Z + b1)                                     # while in cache
-        for nr-pixel strip of the band's output:                          # conv2
-            for k1 block: gather Z windows;  for mr rows of k2: T (+)= W2p . window
-            Y2[n, :, strip] = [relu](T + b2)        (any strides: NCHW or channels-last)
+        conv1 rows still missing -> Z, then Z = relu(Z + b1) while in cache   (cf_conv_rows)
+        conv2 of the band from Z  -> Y2, then [relu](Y2 + b2)                 (cf_conv_rows)
 
-`Z` ([k1][rows x Q1], flat) lives in the thread's workspace: the intermediate never reaches
-memory. Every size, stride, padding and tile is a run-time argument, so one compiled object
-serves every shape; what is compiled in is the micro-kernel, the relus and the halo policy.
+    cf_conv_rows, per chunk of whole output rows (FLAT_PIXELS pixels; a 1x1 stride-1 conv
+    without padding runs its pixels across rows):
+        pack the chunk's edge slivers (all taps, zeros for the padding)
+        for blocks of nr output channels (as many as fit L1 with one group of taps):
+            for row of taps r, group of taps (all s and c if channels-last, else s x T_C):
+                for sliver of the chunk: C[sliver, block] (+)= A . W1p   (micro-kernel)
+
+`Z` lives in the thread's workspace: the intermediate never reaches memory. Every size, stride,
+padding and tile is a run-time argument, so one compiled object serves every shape; what is
+compiled in is the micro-kernel, the relus and the halo policy.
 
 Halo: when R2 > st2 consecutive bands share R2 - st2 rows of Z. `keep` carries them over inside a
 thread's range (each thread recomputes them once, at its first band); `recompute` makes every
 band from scratch (independent blocks, redundant conv1 rows). `choose_halo` compares the two with
 the cost of the busiest thread; the choice is a compile-time constant, so it is in the header.
+
+Measured (1 thread, this repo's AMD EPYC, AVX2 6x16, min of interleaved runs against oneDNN
+channels-last): the in-place slivers took the paper chains from 0.81x to ~1.0x (conv1's gathers
+and 8x8 transposes were 15-45% of the time); packing the edge pixels of several rows into full
+slivers +6%; chunks of 64 slivers instead of 16 +5%.
 """
 
 from __future__ import annotations
@@ -65,19 +77,19 @@ __all__ = [
 #: The run-time geometry the generated function takes, in this order (one `long` each).
 GEOMETRY = (
     "N", "C", "H", "W", "K1", "R1", "S1", "P1", "Q1", "st1", "pad1",
-    "K2", "R2", "S2", "P2", "Q2", "st2", "pad2", "TP2", "CB1", "CB2",
+    "K2", "R2", "S2", "P2", "Q2", "st2", "pad2", "TP2", "CB1", "CB2", "KC",
 )  # fmt: skip
 
-#: Most k steps per gathered window block: `nr` floats each, a block of 256 x 16 floats is 16 KiB,
-#: half of a 32 KiB L1, next to the micro-kernel's weight panel.
+#: Most k steps per micro-kernel call: its weight panel (`nr` floats a step, 256 x 16 floats =
+#: 16 KiB) takes half of a 32 KiB L1, next to the slivers of input it is applied to.
 _L1_SHARE = 2
 
-#: Pixel strips gathered per chunk (8 x 16 pixels on AVX2): the weight panel each micro-kernel
-#: call reads is loaded once per chunk instead of once per strip, and the chunk's windows
-#: (JB x 16 KiB at most) stay in L2.
-_CHUNK = 8
+#: `MR`-pixel slivers per chunk of a plain 1x1 convolution (its pixels run across rows): the
+#: weight panel of each call is loaded once per chunk and serves all of them.
+_FLAT_SLIVERS = 64
 
-#: Fewest `nr`-pixel strips of conv2's output per band (see `code_tiles`).
+#: Fewest pixels of conv2's output per band, in `nr` multiples (see `code_tiles`); 24 measured
+#: +1% (noise) against 6, for four times the row buffer: kept at 6.
 _MIN_STRIPS = 6
 
 
@@ -127,11 +139,12 @@ class ConvTiles:
     """Code-level tiles (run-time arguments): output rows per band, channel blocks."""
 
     band_rows: int  # T_P2: rows of conv2's output per block
-    c_block: int  # channels of X per gathered window block (conv1's reduction block)
-    k1_block: int  # channels of Z per gathered window block (conv2's reduction block)
+    c_block: int  # channels of X per micro-kernel call, one tap at a time (conv1's reduction)
+    k1_block: int  # channels of Z per micro-kernel call, one tap at a time (conv2's reduction)
+    k_steps: int = 256  # most k steps of a call over a whole row of taps (channels-last input)
 
     def __str__(self) -> str:
-        return f"T_P2={self.band_rows} T_C={self.c_block} T_K1={self.k1_block}"
+        return f"T_P2={self.band_rows} T_C={self.c_block} T_K1={self.k1_block} KC={self.k_steps}"
 
 
 @dataclass(frozen=True)
@@ -198,25 +211,21 @@ def code_tiles(shape: ConvChainShape, planned: dict[str, int], l1_bytes: int, nr
 
     The plan tiles conv2's output pixels as T_p2 x T_q2; the code keeps whole rows (so the row
     buffer is a plain sliding window), with as many pixels per band as the plan's tile:
-    `T_P2 = round(T_p2 * T_q2 / Q2)`, at least 1 (and 6 strips). The channel blocks of the two reductions are
-    the largest that keep one gathered window block (`R*S*T_C` k steps of `nr` floats) within
-    half of L1, split evenly (no small last block).
+    `T_P2 = round(T_p2 * T_q2 / Q2)`, at least 1 (and 6 x nr pixels). A micro-kernel call reads
+    at most `KC` k steps, the most whose weight panel (`nr` floats each) fills half of L1: a
+    whole row of taps (S x C steps) when it fits and the input is channels-last, else one tap
+    with the channels split evenly into blocks of at most `KC` (no small last block).
     """
     pixels = planned.get("p2", 1) * planned.get("q2", 1)
-    # and at least _MIN_STRIPS strips of pixels: a band ends in one partial strip, whose padding
-    # lanes are computed for nothing (a 56-pixel band would waste 8 of 64)
     pixels = max(pixels, _MIN_STRIPS * nr)
     band = max(1, min(shape.P2, round(pixels / shape.Q2)))
     steps = max(1, l1_bytes // _L1_SHARE // (4 * nr))
 
-    def block(channels: int, taps: int) -> int:
-        most = max(1, steps // taps)
-        parts = -(-channels // most)
+    def block(channels: int) -> int:
+        parts = -(-channels // steps)
         return -(-channels // parts)
 
-    return ConvTiles(
-        band, block(shape.C, shape.R1 * shape.S1), block(shape.K1, shape.R2 * shape.S2)
-    )
+    return ConvTiles(band, block(shape.C), block(shape.K1), steps)
 
 
 def choose_halo(shape: ConvChainShape, band_rows: int, threads: int) -> tuple[Halo, str]:
@@ -252,200 +261,207 @@ def choose_halo(shape: ConvChainShape, band_rows: int, threads: int) -> tuple[Ha
 _RUNTIME = r"""
 #include <stddef.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 #define ALIGN16(x) (((x) + 15) & ~15L)
 #define CF_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define CF_MAX(a, b) ((a) > (b) ? (a) : (b))
 
-/* the run-time geometry (GEOMETRY in chainfuse/codegen/conv.py), strides and derived sizes */
+/* the run-time geometry (GEOMETRY in chainfuse/codegen/conv.py) and derived sizes */
 typedef struct {
     long N, C, H, W, K1, R1, S1, P1, Q1, st1, pad1, K2, R2, S2, P2, Q2, st2, pad2, TP2, CB1, CB2;
-    long K1p, K2p;       /* output channels rounded up to whole MR rows */
-    long KC1, KC2;       /* reduction lengths R1*S1*C and R2*S2*K1 */
-    long ZROWS, LDZ;     /* rows of Z a band holds at most; floats between two k1 rows of Z */
-    long CBM;            /* the larger channel block (the zero row of the gathers) */
+    long KC;             /* most k steps of one micro-kernel call on a whole row of taps */
+    long LDK1, LDK2;     /* floats per pixel of Z and of the result rows T: K rounded up to NR */
+    long ZROWS;          /* rows of Z a band holds at most */
+    long TMP;            /* floats of a chunk's packed edge slivers and their results */
 } cf_geo;
+
+/* The clean slivers of an output row of Q pixels, [*lo, *hi) in steps of MR from the first
+   pixel whose window (S taps, stride st, padding pad) lies inside the W columns of the input */
+static void cf_clean(long Q, long S, long st, long pad, long W, long* lo, long* hi)
+{
+    long first = (pad + st - 1) / st, end = Q; /* clean pixels: [first, end) */
+    while (end > first && (end - 1) * st + S - 1 - pad >= W) --end;
+    first = CF_MIN(first, end);
+    *lo = first;
+    *hi = first + (end - first) / MR * MR;
+}
+
+/* most edge pixels (the others) of a chunk of cf_conv_rows: its rows times a row's (a flat
+   chunk has fewer than MR) */
+static long cf_edge_pixels(long Q, long S, long st, long pad, long W)
+{
+    long lo, hi;
+    cf_clean(Q, S, st, pad, W, &lo, &hi);
+    return CF_MAX(MR, CF_MAX(1, (FLAT_PIXELS + Q - 1) / Q) * (Q - (hi - lo)));
+}
 
 static void cf_geo_init(cf_geo* G, const long* g)
 {
     G->N = g[0]; G->C = g[1]; G->H = g[2]; G->W = g[3]; G->K1 = g[4]; G->R1 = g[5];
     G->S1 = g[6]; G->P1 = g[7]; G->Q1 = g[8]; G->st1 = g[9]; G->pad1 = g[10]; G->K2 = g[11];
     G->R2 = g[12]; G->S2 = g[13]; G->P2 = g[14]; G->Q2 = g[15]; G->st2 = g[16];
-    G->pad2 = g[17]; G->TP2 = g[18]; G->CB1 = g[19]; G->CB2 = g[20];
-    G->K1p = (G->K1 + MR - 1) / MR * MR;
-    G->K2p = (G->K2 + MR - 1) / MR * MR;
-    G->KC1 = G->R1 * G->S1 * G->C;
-    G->KC2 = G->R2 * G->S2 * G->K1;
+    G->pad2 = g[17]; G->TP2 = g[18]; G->CB1 = g[19]; G->CB2 = g[20]; G->KC = g[21];
+    G->LDK1 = (G->K1 + NR - 1) / NR * NR;
+    G->LDK2 = (G->K2 + NR - 1) / NR * NR;
     G->ZROWS = CF_MIN(G->P1, (G->TP2 - 1) * G->st2 + G->R2);
-    /* + NR: a strip's padding lanes write past the last row; + 16: rows of Z not 4 KiB apart */
-    G->LDZ = ALIGN16(G->ZROWS * G->Q1 + NR) + 16;
-    G->CBM = CF_MAX(G->CB1, G->CB2);
+    const long e1 = cf_edge_pixels(G->Q1, G->S1, G->st1, G->pad1, G->W) + MR;
+    const long e2 = cf_edge_pixels(G->Q2, G->S2, G->st2, G->pad2, G->Q1) + MR;
+    G->TMP = CF_MAX(e1 * (G->R1 * G->S1 * G->C + G->LDK1), e2 * (G->R2 * G->S2 * G->K1 + G->LDK2));
 }
 
-#ifdef __AVX2__
-/* r[i] (8 floats) := column i of the 8x8 matrix whose rows are r[0..7] */
-static inline void cf_transpose8(__m256 r[8])
-{
-    __m256 t[8], s[8];
-    for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; ++i) {
-        s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; ++i) {
-        r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
-    }
-}
-#endif
+/* One convolution as read by cf_conv_rows: input pixel (h, w), channel c at
+   in[(h - h0)*hs + w*ws + c*cs] for rows 0 <= h < H (h0: the first row stored), 0 <= w < W;
+   weights packed by cf_pack_weights. */
+typedef struct {
+    const float* in;
+    long h0, hs, ws, cs, H, W, C, R, S, st, pad, K, CB, KC;
+    const float* Wp;
+} cf_conv;
 
-/* The vector operand of one tap: dst[c*NR + j] = src[j][c*sc] for c < cw, 0 where src[j] is
-   NULL (padding, or a lane past the last pixel). `zeros` holds at least cw zeros. */
-static void cf_gather(const float* const* src, long sc, long cw, float* restrict dst,
-                      const float* zeros)
-{
-    int valid = 0, run = 1;
-    const float* base = NULL;
-    for (int j = 0; j < NR; ++j) {
-        if (!src[j]) continue;
-        if (!base) base = src[j] - j;
-        else if (src[j] != base + j) run = 0;
-        ++valid;
-    }
-    if (valid == 0) {
-        memset(dst, 0, sizeof(float) * (size_t)(cw * NR));
-        return;
-    }
-    if (run && valid == NR) { /* NR adjacent pixels (planar data, stride 1): row copies */
-        for (long c = 0; c < cw; ++c) {
-            const float* restrict s = base + c * sc;
-            float* restrict d = dst + c * NR;
-            for (int j = 0; j < NR; ++j) d[j] = s[j];
-        }
-        return;
-    }
-#ifdef __AVX2__
-    if (run && NR % 8 == 0) { /* adjacent pixels with holes (padding): masked row copies */
-        __m256i mask[NR / 8];
-        for (int g = 0; g < NR / 8; ++g) {
-            int m[8];
-            for (int j = 0; j < 8; ++j) m[j] = src[8 * g + j] ? -1 : 0;
-            mask[g] = _mm256_setr_epi32(m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
-        }
-        for (long c = 0; c < cw; ++c) {
-            for (int g = 0; g < NR / 8; ++g) {
-                _mm256_storeu_ps(dst + c * NR + 8 * g,
-                                 _mm256_maskload_ps(base + c * sc + 8 * g, mask[g]));
-            }
-        }
-        return;
-    }
-    if (sc == 1 && NR % 8 == 0) { /* channels-last pixels: 8x8 transposes */
-        for (int g = 0; g < NR; g += 8) {
-            const float* p[8];
-            for (int j = 0; j < 8; ++j) p[j] = src[g + j] ? src[g + j] : zeros;
-            long c = 0;
-            for (; c + 8 <= cw; c += 8) {
-                __m256 r[8];
-                for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(p[j] + c);
-                cf_transpose8(r);
-                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c + i) * NR + g, r[i]);
-            }
-            for (; c < cw; ++c) {
-                for (int j = 0; j < 8; ++j) dst[c * NR + g + j] = p[j][c];
-            }
-        }
-        return;
-    }
-#endif
-    (void)zeros;
-    for (long c = 0; c < cw; ++c) {
-        for (int j = 0; j < NR; ++j) dst[c * NR + j] = src[j] ? src[j][c * sc] : 0.0f;
-    }
-}
-
-/* The result strip: dst[j][k*sc] = f(T[k*NR + j] + bias[k]) for j < nj, k < K. */
-static void cf_scatter(float* const* dst, long sc, long K, const float* restrict T,
-                       const float* bias, int nj)
-{
-    int run = 1;
-    for (int j = 1; j < nj; ++j) {
-        if (dst[j] != dst[0] + j) run = 0;
-    }
-    if (run) { /* adjacent pixels (NCHW rows): row copies */
-        for (long k = 0; k < K; ++k) {
-            const float b = bias ? bias[k] : 0.0f;
-            float* restrict d = dst[0] + k * sc;
-            const float* restrict t = T + k * NR;
-            for (int j = 0; j < nj; ++j) {
-                float v = t[j] + b;
-                d[j] = RELU_OUT ? (v > 0.0f ? v : 0.0f) : v;
-            }
-        }
-        return;
-    }
-    long k0 = 0;
-#ifdef __AVX2__
-    if (sc == 1 && NR % 8 == 0) { /* channels-last: 8x8 transposes of whole groups */
-        for (int g = 0; g + 8 <= nj; g += 8) {
-            for (long k = 0; k + 8 <= K; k += 8) {
-                __m256 r[8];
-                for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(T + (k + i) * NR + g);
-                cf_transpose8(r);
-                const __m256 b = bias ? _mm256_loadu_ps(bias + k) : _mm256_setzero_ps();
-                for (int j = 0; j < 8; ++j) {
-                    __m256 v = _mm256_add_ps(r[j], b);
-                    if (RELU_OUT) v = _mm256_max_ps(v, _mm256_setzero_ps());
-                    _mm256_storeu_ps(dst[g + j] + k, v);
-                }
-            }
-        }
-        k0 = K / 8 * 8;
-        for (int j = 0; j < nj; ++j) {
-            const long kfrom = j < nj / 8 * 8 ? k0 : 0;
-            for (long k = kfrom; k < K; ++k) {
-                float v = T[k * NR + j] + (bias ? bias[k] : 0.0f);
-                dst[j][k] = RELU_OUT ? (v > 0.0f ? v : 0.0f) : v;
-            }
-        }
-        return;
-    }
-#endif
-    (void)k0;
-    for (int j = 0; j < nj; ++j) {
-        for (long k = 0; k < K; ++k) {
-            float v = T[k * NR + j] + (bias ? bias[k] : 0.0f);
-            dst[j][k * sc] = RELU_OUT ? (v > 0.0f ? v : 0.0f) : v;
-        }
-    }
-}
-
-/* Wp for output rows [strip*MR, +MR): per channel block [c0, c0+cw), [(r*S + s)*cw + c][MR],
-   so the panel of block c0 starts at strip*MR*R*S*C + c0*R*S*MR; rows past K are zeros. */
+/* Wp for output channels [jb, jb + NR): [(r*S + s)*C + c][NR], rows past K zeros; the panel of
+   block jb starts at jb*R*S*C. A row of taps (r, all s, all c) is one contiguous panel. */
 static void cf_pack_weights(const float* W, const long* ws, long K, long C, long R, long S,
-                            long CB, long strip, float* restrict Wp)
+                            long jb, float* restrict Wp)
 {
-    float* restrict out = Wp + strip * MR * R * S * C;
-    for (int i = 0; i < MR; ++i) { /* row by row: W is read in its own order */
-        const long k = strip * MR + i;
-        for (long c0 = 0; c0 < C; c0 += CB) {
-            const long cw = CF_MIN(CB, C - c0);
-            float* restrict panel = out + c0 * R * S * MR;
-            for (long c = 0; c < cw; ++c) {
+    float* restrict out = Wp + jb * R * S * C;
+    const long nj = CF_MIN(NR, K - jb), k0 = ws[0];
+    /* in the panel's order: NR contiguous writes from NR rows of W, each read in its order */
+    for (long c = 0; c < C; ++c) {
+        for (long r = 0; r < R; ++r) {
+            for (long s = 0; s < S; ++s) {
+                const float* restrict src = W + jb * k0 + c * ws[1] + r * ws[2] + s * ws[3];
+                float* restrict d = out + ((r * S + s) * C + c) * NR;
+                for (long j = 0; j < nj; ++j) d[j] = src[j * k0];
+                for (long j = nj; j < NR; ++j) d[j] = 0.0f;
+            }
+        }
+    }
+}
+
+/* out[pix*ldo + k] = f(out[pix*ldo + k] + bias[k]) for pix < npx, k < K */
+static void cf_epilogue(float* out, long ldo, long npx, long K, const float* bias, int relu)
+{
+    for (long i = 0; i < npx; ++i) {
+        float* restrict o = out + i * ldo;
+        if (bias) {
+            for (long k = 0; k < K; ++k) o[k] += bias[k];
+        }
+        if (relu) {
+            for (long k = 0; k < K; ++k) o[k] = o[k] > 0.0f ? o[k] : 0.0f;
+        }
+    }
+}
+
+/* Output rows [pa, pb) of one convolution, all K channels, before bias: output pixel (p, q)
+   goes to out[((p - pa)*Q + q)*ldo + k]. Pixels on the micro-kernel's MR rows (slivers of MR
+   pixels of one output row, or of consecutive pixels when the conv is a plain 1x1), output
+   channels on its NR columns. A sliver whose windows lie inside the input is read in place by
+   the strided micro-kernel (no gather, no copy): A(i, p) = first pixel's tap + i*st*ws + p*ks,
+   a whole row of taps (s, c) per call when the input is channels-last (ws == C, cs == 1),
+   else one tap and channel block per call. A sliver touching the padding, or short, is packed
+   once with zeros (tmp, all taps) and runs one call per NR channels. */
+static void cf_conv_rows(const cf_conv* cv, long pa, long pb, long Q, float* restrict out,
+                         long ldo, float* restrict tmp)
+{
+    const long R = cv->R, S = cv->S, C = cv->C, K = cv->K, st = cv->st, pad = cv->pad;
+    const long RSC = R * S * C;
+    const int flat = R == 1 && S == 1 && st == 1 && pad == 0 && Q == cv->W
+                     && cv->hs == cv->W * cv->ws;
+    const int rowmode = cv->cs == 1 && cv->ws == C && S * C <= cv->KC;
+    const long rs = flat ? cv->ws : st * cv->ws;
+    /* output channels in steps of jstep: as many NR-channel weight panels of one group of taps
+       as fit L1 (2*KC steps), so that each sliver of input serves them all while in L1 */
+    const long kc_most = rowmode ? S * C : CF_MIN(cv->CB, C);
+    const long jstep = NR * CF_MAX(1, 2 * cv->KC / kc_most);
+    const long total = (pb - pa) * Q;
+    /* a chunk: FLAT_PIXELS consecutive pixels (flat), else the whole rows that hold as many */
+    const long step = flat ? FLAT_PIXELS : CF_MAX(1, (FLAT_PIXELS + Q - 1) / Q) * Q;
+    /* the clean slivers of a row are [clean_lo, clean_hi): windows inside the input */
+    long clean_lo, clean_hi;
+    cf_clean(Q, S, st, pad, cv->W, &clean_lo, &clean_hi);
+    const long LDK = (K + NR - 1) / NR * NR;
+    for (long c0 = 0; c0 < total; c0 += step) {
+        const long npx = CF_MIN(step, total - c0);
+        const long p0 = pa + c0 / Q;              /* the chunk's first output row */
+        const long rows = flat ? 1 : npx / Q;     /* and its rows (one run of npx if flat) */
+        const long len = flat ? npx : Q;          /* pixels of a row */
+        const long lo_e = flat ? 0 : clean_lo, hi_f = flat ? npx / MR * MR : clean_hi;
+        /* the chunk's edge pixels ([0, lo_e) and [hi_f, len) of each row), MR to a sliver
+           whatever their rows, packed with zeros for every tap: tmp[e][(r*S + s)*C + c][MR];
+           their results go to Ce[e][MR][LDK], then to out */
+        long e_at[cf_edge_pixels(Q, S, st, pad, cv->W) + MR];
+        long ne = 0;
+        for (long rr = 0; rr < rows; ++rr) {
+            for (long i = 0; i < lo_e; ++i) e_at[ne++] = c0 + rr * len + i;
+            for (long i = hi_f; i < len; ++i) e_at[ne++] = c0 + rr * len + i;
+        }
+        const long edges = (ne + MR - 1) / MR;
+        float* restrict Ce = tmp + edges * MR * RSC;
+        for (long e = 0; e < edges; ++e) {
+            float* restrict d0 = tmp + e * MR * RSC;
+            for (int i = 0; i < MR; ++i) {
+                const int used = e * MR + i < ne;
+                const long idx = used ? e_at[e * MR + i] : 0; /* output pixel, flat from (pa, 0) */
+                const long pp = pa + idx / Q, q = idx % Q;
                 for (long r = 0; r < R; ++r) {
+                    const long h = pp * st + r - pad;
                     for (long s = 0; s < S; ++s) {
-                        panel[((r * S + s) * cw + c) * MR + i] =
-                            k < K ? W[k * ws[0] + (c0 + c) * ws[1] + r * ws[2] + s * ws[3]] : 0.0f;
+                        const long w = q * st + s - pad;
+                        float* restrict d = d0 + (r * S + s) * C * MR + i;
+                        if (used && h >= 0 && h < cv->H && w >= 0 && w < cv->W) {
+                            const float* x = cv->in + (h - cv->h0) * cv->hs + w * cv->ws;
+                            for (long c = 0; c < C; ++c) d[c * MR] = x[c * cv->cs];
+                        } else {
+                            for (long c = 0; c < C; ++c) d[c * MR] = 0.0f;
+                        }
                     }
                 }
+            }
+        }
+        for (long jo = 0; jo < K; jo += jstep) {
+            const long jend = CF_MIN(K, jo + jstep);
+            for (long r = 0; r < R; ++r) {
+                /* groups of taps: a whole row of taps (rowmode), else (s, channel block) */
+                const long groups_s = rowmode ? 1 : S;
+                for (long s = 0; s < groups_s; ++s) {
+                    for (long cc = 0; cc < C; cc += rowmode ? C : cv->CB) {
+                        const int kc = (int)(rowmode ? S * C : CF_MIN(cv->CB, C - cc));
+                        const long g = (r * S + s) * C + cc; /* the group's first k step */
+                        const int later = s > 0 || cc > 0;
+                        for (long rr = 0; rr < rows; ++rr) {
+                            const long p = p0 + rr;
+                            const long h = flat ? pa : p * st + r - pad;
+                            if (h < 0 || h >= cv->H) continue;
+                            const int acc = later || r > CF_MAX(0, pad - p * st);
+                            const float* row = cv->in + (h - cv->h0) * cv->hs + cc * cv->cs;
+                            float* o = out + (c0 + rr * len) * ldo;
+                            for (long i0 = lo_e; i0 < hi_f; i0 += MR) {
+                                const long w = flat ? c0 + i0 : i0 * st + s - pad;
+                                for (long jb = jo; jb < jend; jb += NR) {
+                                    UK_STRIDED(kc, row + w * cv->ws, rs, rowmode ? 1 : cv->cs,
+                                               cv->Wp + jb * RSC + g * NR, o + i0 * ldo + jb, ldo,
+                                               (int)CF_MIN(NR, K - jb), acc);
+                                }
+                            }
+                        }
+                        for (long e = 0; e < edges; ++e) { /* every tap, padding included */
+                            for (long jb = jo; jb < jend; jb += NR) {
+                                UK(kc, tmp + (e * RSC + g) * MR, cv->Wp + jb * RSC + g * NR,
+                                   Ce + e * MR * LDK + jb, LDK, MR, NR, later || r > 0);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (long i = 0; i < ne; ++i) {
+            memcpy(out + e_at[i] * ldo, Ce + i * LDK, sizeof(float) * (size_t)K);
+        }
+        for (long rr = 0; rr < rows; ++rr) { /* a row whose taps all read padding: zeros */
+            const long p = p0 + rr;
+            if (flat || (p * st + R - 1 - pad >= 0 && p * st - pad < cv->H)) continue;
+            for (long i = lo_e; i < hi_f; ++i) {
+                for (long k = 0; k < K; ++k) out[(c0 + rr * Q + i) * ldo + k] = 0.0f;
             }
         }
     }
@@ -466,27 +482,27 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     w.lines(emit_with_packing(ker))
     w.line(f"#define MR {ker.mr}")
     w.line(f"#define NR {ker.nr}")
+    w.line(f"#define UK {uk}")
+    w.line(f"#define UK_STRIDED {uk}_strided")
     w.line(f"#define HALO_KEEP {int(spec.halo is Halo.KEEP)}")
     w.line(f"#define RELU_MID {int(spec.relu_mid)}")
     w.line(f"#define RELU_OUT {int(spec.relu_out)}")
-    w.line(f"#define JB {_CHUNK} /* NR-pixel strips per chunk: one weight panel serves them all */")
+    w.line(
+        f"#define FLAT_PIXELS {_FLAT_SLIVERS} * MR"
+        " /* pixels per chunk of a plain 1x1 conv: one weight panel serves them all */"
+    )
     w.lines(_RUNTIME)
     w.line("")
-    _emit_conv1(w, uk)
-    w.line("")
-    _emit_conv2(w, uk)
-    w.line("")
     w.line("/* floats of workspace: returns the shared part (packed W1, W2), and writes one")
-    w.line("   thread's part (window blocks, Z, the result strip, a zero row) to *per_thread */")
+    w.line("   thread's part (Z, the result rows T, a packed edge sliver) to *per_thread */")
     with w.block(f"long {name}_workspace(const long* g, long* per_thread)"):
         w.line("cf_geo G;")
         w.line("cf_geo_init(&G, g);")
         w.line(
-            "*per_thread = ALIGN16(JB * G.R1 * G.S1 * G.CB1 * NR) + ALIGN16(G.K1p * G.LDZ)"
-            " + ALIGN16(JB * G.R2 * G.S2 * G.CB2 * NR) + ALIGN16(JB * G.K2p * NR)"
-            " + ALIGN16(G.CBM + 8);"
+            "*per_thread = ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1) + ALIGN16((G.Q2 + MR) * G.LDK2)"
+            " + ALIGN16(G.TMP);"
         )
-        w.line("return ALIGN16(G.K1p * G.KC1) + ALIGN16(G.K2p * G.KC2);")
+        w.line("return ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C) + ALIGN16(G.LDK2 * G.R2 * G.S2 * G.K1);")
     w.line("")
     w.line("/* g: GEOMETRY; xs, w1s, w2s, ys: strides (elements) of X, W1, W2, Y along their")
     w.line("   four dims (N, C, H, W / K, C, R, S); b1, b2 may be NULL (no bias) */")
@@ -499,27 +515,31 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
         w.line("cf_geo G;")
         w.line("cf_geo_init(&G, g);")
         w.line("float* restrict W1p = shared;")
-        w.line("float* restrict W2p = shared + ALIGN16(G.K1p * G.KC1);")
-        w.line("const long strips1 = G.K1p / MR, strips = strips1 + G.K2p / MR;")
+        w.line("float* restrict W2p = shared + ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C);")
+        w.line("const long blocks1 = G.LDK1 / NR, wblocks = blocks1 + G.LDK2 / NR;")
         w.line("/* the weights, packed once per call, shared by the threads */")
         w.line("#pragma omp parallel for schedule(static) num_threads(nthreads)")
-        with w.block("for (long s = 0; s < strips; ++s)"):
-            with w.block("if (s < strips1)"):
-                w.line("cf_pack_weights(W1, w1s, G.K1, G.C, G.R1, G.S1, G.CB1, s, W1p);")
+        with w.block("for (long b = 0; b < wblocks; ++b)"):
+            with w.block("if (b < blocks1)"):
+                w.line("cf_pack_weights(W1, w1s, G.K1, G.C, G.R1, G.S1, b * NR, W1p);")
             with w.block("else"):
-                w.line("cf_pack_weights(W2, w2s, G.K2, G.K1, G.R2, G.S2, G.CB2, s - strips1, W2p);")
+                w.line("cf_pack_weights(W2, w2s, G.K2, G.K1, G.R2, G.S2, (b - blocks1) * NR, W2p);")
+        w.line("/* the result is written in place when its pixels are rows of K2 floats")
+        w.line("   (channels-last), else through T and a transposing copy (NCHW) */")
+        w.line("const int direct = (ys[1] == 1 || G.K2 == 1) && ys[2] == G.Q2 * ys[3];")
         w.line("const long bands = (G.P2 + G.TP2 - 1) / G.TP2;")
         w.line("const long blocks = G.N * bands;")
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
         w.line("/* one iteration per thread, so its index names its workspace: no omp.h needed */")
         w.line("#pragma omp parallel for schedule(static, 1) num_threads(nthreads)")
         with w.block("for (int t = 0; t < nthreads; ++t)"):
-            w.line("float* restrict Bp1 = work + (long)t * work_per_thread;")
-            w.line("float* restrict Z = Bp1 + ALIGN16(JB * G.R1 * G.S1 * G.CB1 * NR);")
-            w.line("float* restrict Bp2 = Z + ALIGN16(G.K1p * G.LDZ);")
-            w.line("float* restrict T = Bp2 + ALIGN16(JB * G.R2 * G.S2 * G.CB2 * NR);")
-            w.line("float* restrict zeros = T + ALIGN16(JB * G.K2p * NR);")
-            w.line("memset(zeros, 0, sizeof(float) * (size_t)(G.CBM + 8));")
+            w.line("float* restrict Z = work + (long)t * work_per_thread;")
+            w.line("float* restrict T = Z + ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1);")
+            w.line("float* restrict tmp = T + ALIGN16((G.Q2 + MR) * G.LDK2);")
+            w.line("cf_conv c1 = {NULL, 0, xs[2], xs[3], xs[1], G.H, G.W, G.C, G.R1, G.S1,")
+            w.line("              G.st1, G.pad1, G.K1, G.CB1, G.KC, W1p};")
+            w.line("cf_conv c2 = {Z, 0, G.Q1 * G.LDK1, G.LDK1, 1, G.P1, G.Q1, G.K1, G.R2, G.S2,")
+            w.line("              G.st2, G.pad2, G.K2, G.CB2, G.KC, W2p};")
             w.line("const long first = (long)t * share;")
             w.line("const long last = CF_MIN(first + share, blocks);")
             w.line("long zn = -1, zbase = 0, zhi = 0; /* Z holds rows [zbase, zhi) of image zn */")
@@ -535,135 +555,42 @@ def _emit_band(w: Writer) -> None:
     w.line("const long lo = CF_MIN(G.P1, CF_MAX(0, p2a * G.st2 - G.pad2));")
     w.line("const long hi = CF_MAX(lo, CF_MIN(G.P1, (p2b - 1) * G.st2 - G.pad2 + G.R2));")
     w.line("long from = lo;")
+    w.line("const long row = G.Q1 * G.LDK1; /* floats of one row of Z */")
     with w.block("if (HALO_KEEP && zn == n && lo >= zbase && lo <= zhi)"):
         w.line("/* keep: rows [lo, zhi) are already made; slide them to the front of Z */")
         with w.block("if (lo > zbase && zhi > lo)"):
-            with w.block("for (long k = 0; k < G.K1; ++k)"):
-                w.line("float* zk = Z + k * G.LDZ;")
-                w.line(
-                    "memmove(zk, zk + (lo - zbase) * G.Q1, sizeof(float) * (size_t)((zhi - lo) * G.Q1));"
-                )
+            w.line(
+                "memmove(Z, Z + (lo - zbase) * row, sizeof(float) * (size_t)((zhi - lo) * row));"
+            )
         w.line("from = CF_MAX(lo, zhi);")
     w.line("zbase = lo;")
     w.line("zn = n;")
     with w.block("if (hi > from)"):
-        w.line("cf_conv1(&G, X, xs, W1p, b1, n, from, hi, zbase, Z, Bp1, zeros);")
+        w.line("/* conv1: Z rows [from, hi) of image n, then b1 and the relu while in cache */")
+        w.line("c1.in = X + n * xs[0];")
+        w.line("float* Zf = Z + (from - zbase) * row;")
+        w.line("cf_conv_rows(&c1, from, hi, G.Q1, Zf, G.LDK1, tmp);")
+        w.line("cf_epilogue(Zf, G.LDK1, (hi - from) * G.Q1, G.K1, b1, RELU_MID);")
     w.line("zhi = CF_MAX(hi, from);")
-    w.line("cf_conv2(&G, W2p, b2, Y, ys, n, p2a, p2b, zbase, Z, Bp2, T, zeros);")
-
-
-def _emit_conv1(w: Writer, uk: str) -> None:
-    w.line("/* conv1 into Z: rows [from, hi) of image n, flat over the rows in NR-pixel strips,")
-    w.line(
-        "   JB strips at a time: a weight panel (MR x kc, L1) serves every strip of the chunk */"
-    )
-    with w.block(
-        "static void cf_conv1(const cf_geo* G, const float* X, const long* xs,\n"
-        "    const float* restrict W1p, const float* b1, long n, long from, long hi, long zbase,\n"
-        "    float* restrict Z, float* restrict Bp, const float* zeros)"
-    ):
-        w.line("const long npx = (hi - from) * G->Q1;")
-        w.line("float* restrict Zb = Z + (from - zbase) * G->Q1;")
-        w.line("const float* Xn = X + n * xs[0];")
-        w.line("const long panel = G->R1 * G->S1 * G->CB1 * NR; /* floats of one strip's window */")
-        with w.block("for (long c0j = 0; c0j < npx; c0j += JB * NR)"):
-            w.line("const long chunk = CF_MIN(JB * NR, npx - c0j);")
-            with w.block("for (long c0 = 0; c0 < G->C; c0 += G->CB1)"):
-                w.line("const long cw = CF_MIN(G->CB1, G->C - c0);")
-                with w.block("for (long j0 = 0; j0 < chunk; j0 += NR)"):
-                    w.line("const int nj = (int)CF_MIN(NR, chunk - j0);")
-                    w.line("float* restrict Bs = Bp + (j0 / NR) * panel;")
-                    w.line("long hh[NR], ww[NR];")
-                    with w.block("for (int j = 0; j < NR; ++j)"):
-                        w.line("const long idx = c0j + j0 + (j < nj ? j : 0);")
-                        w.line("hh[j] = (from + idx / G->Q1) * G->st1 - G->pad1;")
-                        w.line("ww[j] = (idx % G->Q1) * G->st1 - G->pad1;")
-                    with w.block("for (long r = 0; r < G->R1; ++r)"):
-                        with w.block("for (long s = 0; s < G->S1; ++s)"):
-                            w.line("const float* src[NR];")
-                            with w.block("for (int j = 0; j < NR; ++j)"):
-                                w.line("const long h = hh[j] + r, x = ww[j] + s;")
-                                w.line(
-                                    "src[j] = j < nj && h >= 0 && h < G->H && x >= 0 && x < G->W"
-                                    " ? Xn + h * xs[2] + x * xs[3] + c0 * xs[1] : NULL;"
-                                )
-                            w.line(
-                                "cf_gather(src, xs[1], cw, Bs + (r * G->S1 + s) * cw * NR, zeros);"
-                            )
-                w.line("const int kc = (int)(G->R1 * G->S1 * cw);")
-                with w.block("for (long k = 0; k < G->K1; k += MR)"):
-                    w.line("const float* restrict a = W1p + k * G->KC1 + c0 * G->R1 * G->S1 * MR;")
-                    with w.block("for (long j0 = 0; j0 < chunk; j0 += NR)"):
-                        w.line(
-                            f"{uk}(kc, a, Bp + (j0 / NR) * panel, Zb + k * G->LDZ + c0j + j0,"
-                            " G->LDZ, MR, NR, c0 > 0);"
-                        )
-            w.line("/* bias and relu on the chunk while it is in cache */")
-            with w.block("for (long k = 0; k < G->K1; ++k)"):
-                w.line("float* restrict z = Zb + k * G->LDZ + c0j;")
-                w.line("const float b = b1 ? b1[k] : 0.0f;")
-                with w.block("for (long j = 0; j < (chunk + NR - 1) / NR * NR; ++j)"):
-                    w.line("const float v = z[j] + b;")
-                    w.line("z[j] = RELU_MID ? (v > 0.0f ? v : 0.0f) : v;")
-
-
-def _emit_conv2(w: Writer, uk: str) -> None:
-    w.line("/* conv2 of output rows [p2a, p2b) of image n from Z (rows from zbase) into Y, JB")
-    w.line("   strips at a time like conv1; T holds the chunk's result strips */")
-    with w.block(
-        "static void cf_conv2(const cf_geo* G, const float* restrict W2p, const float* b2,\n"
-        "    float* Y, const long* ys, long n, long p2a, long p2b, long zbase,\n"
-        "    const float* restrict Z, float* restrict Bp, float* restrict T, const float* zeros)"
-    ):
-        w.line("const long npx = (p2b - p2a) * G->Q2;")
-        w.line("const long panel = G->R2 * G->S2 * G->CB2 * NR;")
-        with w.block("for (long c0j = 0; c0j < npx; c0j += JB * NR)"):
-            w.line("const long chunk = CF_MIN(JB * NR, npx - c0j);")
-            with w.block("for (long k0 = 0; k0 < G->K1; k0 += G->CB2)"):
-                w.line("const long kw = CF_MIN(G->CB2, G->K1 - k0);")
-                with w.block("for (long j0 = 0; j0 < chunk; j0 += NR)"):
-                    w.line("const int nj = (int)CF_MIN(NR, chunk - j0);")
-                    w.line("float* restrict Bs = Bp + (j0 / NR) * panel;")
-                    w.line("long hh[NR], ww[NR];")
-                    with w.block("for (int j = 0; j < NR; ++j)"):
-                        w.line("const long idx = c0j + j0 + (j < nj ? j : 0);")
-                        w.line("hh[j] = (p2a + idx / G->Q2) * G->st2 - G->pad2;")
-                        w.line("ww[j] = (idx % G->Q2) * G->st2 - G->pad2;")
-                    with w.block("for (long r = 0; r < G->R2; ++r)"):
-                        with w.block("for (long s = 0; s < G->S2; ++s)"):
-                            w.line("const float* src[NR];")
-                            with w.block("for (int j = 0; j < NR; ++j)"):
-                                w.line("const long h = hh[j] + r, x = ww[j] + s;")
-                                w.line(
-                                    "src[j] = j < nj && h >= 0 && h < G->P1 && x >= 0"
-                                    " && x < G->Q1 ? Z + k0 * G->LDZ + (h - zbase) * G->Q1 + x"
-                                    " : NULL;"
-                                )
-                            w.line(
-                                "cf_gather(src, G->LDZ, kw, Bs + (r * G->S2 + s) * kw * NR, zeros);"
-                            )
-                w.line("const int kc = (int)(G->R2 * G->S2 * kw);")
-                with w.block("for (long k = 0; k < G->K2; k += MR)"):
-                    w.line("const float* restrict a = W2p + k * G->KC2 + k0 * G->R2 * G->S2 * MR;")
-                    with w.block("for (long j0 = 0; j0 < chunk; j0 += NR)"):
-                        w.line(
-                            f"{uk}(kc, a, Bp + (j0 / NR) * panel, T + (j0 / NR) * G->K2p * NR"
-                            " + k * NR, NR, MR, NR, k0 > 0);"
-                        )
-            with w.block("for (long j0 = 0; j0 < chunk; j0 += NR)"):
-                w.line("const int nj = (int)CF_MIN(NR, chunk - j0);")
-                w.line("float* dst[NR];")
-                with w.block("for (int j = 0; j < nj; ++j)"):
-                    w.line("const long idx = c0j + j0 + j;")
-                    w.line("const long p2 = p2a + idx / G->Q2, q2 = idx % G->Q2;")
-                    w.line("dst[j] = Y + n * ys[0] + p2 * ys[2] + q2 * ys[3];")
-                w.line("cf_scatter(dst, ys[1], G->K2, T + (j0 / NR) * G->K2p * NR, b2, nj);")
+    w.line("c2.h0 = zbase;")
+    with w.block("if (direct)"):
+        w.line("float* Yb = Y + n * ys[0] + p2a * ys[2];")
+        w.line("cf_conv_rows(&c2, p2a, p2b, G.Q2, Yb, ys[3], tmp);")
+        w.line("cf_epilogue(Yb, ys[3], (p2b - p2a) * G.Q2, G.K2, b2, RELU_OUT);")
+    with w.block("else"):
+        with w.block("for (long p2 = p2a; p2 < p2b; ++p2)"):
+            w.line("cf_conv_rows(&c2, p2, p2 + 1, G.Q2, T, G.LDK2, tmp);")
+            w.line("cf_epilogue(T, G.LDK2, G.Q2, G.K2, b2, RELU_OUT);")
+            w.line("float* Yr = Y + n * ys[0] + p2 * ys[2];")
+            with w.block("for (long k = 0; k < G.K2; ++k)"):
+                w.line("float* restrict y = Yr + k * ys[1];")
+                w.line("for (long q = 0; q < G.Q2; ++q) y[q * ys[3]] = T[q * G.LDK2 + k];")
 
 
 def geometry(shape: ConvChainShape, tiles: ConvTiles) -> tuple[int, ...]:
     """The `GEOMETRY` values of one call."""
     values = {**shape.__dict__, "TP2": tiles.band_rows, "CB1": tiles.c_block,
-              "CB2": tiles.k1_block}  # fmt: skip
+              "CB2": tiles.k1_block, "KC": tiles.k_steps}  # fmt: skip
     return tuple(int(values[k]) for k in GEOMETRY)
 
 

@@ -224,7 +224,8 @@ def test_fused_chain_is_one_kernel_call() -> None:
         f"void {kernel.name}",
     ]
     intermediate = chain.tensor("Y1").size
-    # a thread's workspace: a band of rows of Y1 (8 of 56 here) and window panels, never all of Y1
+    # a thread's workspace: a band of rows of Y1 (8 of 56 here) and packed edge slivers, never all
+    # of Y1
     assert kernel._per < intermediate / 2
 
 
@@ -275,6 +276,22 @@ def test_out_argument_and_output_format() -> None:
                        between="relu")  # fmt: skip
     assert isinstance(z, np.ndarray) and z.flags.c_contiguous
     reference.assert_close(z, want, chain)
+
+
+def test_weights_change_between_calls() -> None:
+    """Weights are packed on every call (no panel cache): new values in the same arrays, and
+    new arrays at the same sizes, give new results; the compiled kernel is reused by sizes."""
+    chain = chainfuse.conv_chain_spec(1, 5, 9, 8, 7, 3, 3, 6, 1, 1, stride=(1, 1),
+                                      padding=(1, 0), between="relu")  # fmt: skip
+    inputs = reference.random_inputs(chain, seed=3)
+    x, w1, w2 = inputs["X"], inputs["W1"].copy(), inputs["W2"].copy()
+    ops.conv_chain(x, w1, w2, padding=(1, 0), between="relu")
+    hits = ops._conv_kernel.cache_info().hits
+    w1 *= -0.5
+    w2[:, :3] = 1.0
+    y = ops.conv_chain(x, w1, w2, padding=(1, 0), between="relu")
+    assert ops._conv_kernel.cache_info().hits == hits + 1
+    reference.assert_close(y, reference.run(chain, {"X": x, "W1": w1, "W2": w2})["Y2"], chain)
 
 
 # -- errors name the argument ---------------------------------------------------------------------
