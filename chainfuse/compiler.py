@@ -12,6 +12,7 @@ without a copy; anything else is an error naming the tensor (never a silent copy
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import json
@@ -41,7 +42,7 @@ from chainfuse.codegen.conv import (
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select
-from chainfuse.planner import Plan, plan
+from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
 __all__ = ["ConvKernel", "Kernel", "compile", "compile_conv"]
@@ -654,7 +655,17 @@ def compile_conv(
     kernel = select(Problem(DType.FLOAT32, shape.K1, shape.P1 * shape.Q1, ext["c"]), hw)
     n_first = shape.N > 1
     order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
-    chosen = _remembered_plan(chain, hw, threads, (order, 3 if n_first else 2), {})
+    structure = (order, 3 if n_first else 2)
+    try:
+        chosen = _remembered_plan(chain, hw, threads, structure, {})
+    except PlanningError:
+        if len(hw.levels) < 3:
+            raise
+        # the smallest fused block overflows the innermost cache (a wide window over many
+        # channels of the intermediate, e.g. 5x5 x 127): the kernel still runs, its micro-kernel
+        # streaming from the next level, so plan the levels from there out
+        outer = dataclasses.replace(hw, levels=hw.levels[1:])
+        chosen = _remembered_plan(chain, outer, threads, structure, {})
     planned = chosen.tiles_at(_code_level(hw)) or {}
     code = code_tiles(shape, planned, hw.levels[0].capacity, kernel.nr)
     picks = {"p2": code.band_rows, "c": code.c_block, "k1": code.k1_block}

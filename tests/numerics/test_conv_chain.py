@@ -342,3 +342,14 @@ def test_errors_bias_stride_padding_between_device() -> None:
     t = torch.from_numpy(x)
     with pytest.raises(ValueError, match="x: expected a NCHW or channels_last"):
         ops.conv_chain(t.transpose(2, 3), w1, w2)
+
+
+def test_a_fused_block_too_big_for_l1_still_compiles() -> None:
+    """A 5x5 window over 127 intermediate channels overflows L1 for any tiles: the plan then
+    starts at the next level (found by hypothesis: no fused plan fitted, an error)."""
+    chain = chainfuse.conv_chain_spec(1, 1, 7, 7, 127, 1, 1, 1, 5, 5, between="relu")
+    kernel = compile_conv(chain)
+    assert "L1" not in dict(kernel.plan.tiles)
+    x = reference.random_inputs(chain)
+    out = kernel(x["X"], x["W1"], x["W2"])
+    reference.assert_close(out, reference.run(chain, x)["Y2"], chain)
