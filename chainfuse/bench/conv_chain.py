@@ -22,6 +22,7 @@ from chainfuse.bench.timing import interleave
 from chainfuse.compiler import ConvKernel, compile_conv
 from chainfuse.hardware import resolve
 from chainfuse.planner import timed_plan
+from chainfuse.simulate import simulate
 
 __all__ = ["BASELINES", "SUITE", "main", "run", "torch_baselines"]
 
@@ -91,16 +92,21 @@ def run(
         w = _workload(name)
         for between in betweens:
             chain = w.chain(between)
-            kernel = compile_conv(chain, hw)
             inputs = reference.random_inputs(chain, seed=7)
-            call, out = _chainfuse(kernel, inputs)
-            call()
-            reference.assert_close(out.numpy(), reference.run(chain, inputs)["Y2"], chain)
-            fns: dict[str, Callable[[], object]] = {"chainfuse": call}
-            fns.update(torch_baselines(w, between, inputs))
-            _, planning_s = timed_plan(chain, hw)
+            want = reference.run(chain, inputs)["Y2"]
+            baselines = torch_baselines(w, between, inputs)
             for n in threads:
                 set_threads(n)
+                kernel = compile_conv(chain, hw, threads=n)  # planned for the threads it runs on
+                call, out = _chainfuse(kernel, inputs)
+                call()
+                reference.assert_close(out.numpy(), want, chain)
+                fns: dict[str, Callable[[], object]] = {"chainfuse": call, **baselines}
+                _, planning_s = timed_plan(chain, hw, threads=n)
+                try:
+                    simulated = simulate(chain, kernel.plan, hw)
+                except ValueError:  # too many blocks to walk
+                    simulated = {}
                 timing = interleave(fns, rounds, best=n > 1)
                 results.append(Result(
                     SUITE, name, between or "none", n, chain.flops() / 1e9,
@@ -110,6 +116,7 @@ def run(
                     tiles=f"{kernel.tiles} halo={kernel.halo.value}",
                     predicted_ms=predicted_ms(chain, kernel.plan, n, hw),
                     predicted_bytes=dict(kernel.plan.bytes_per_level),
+                    simulated_bytes=simulated,
                     planning_ms=planning_s * 1e3,
                     compile_s=kernel.compile_seconds,
                 ))  # fmt: skip
