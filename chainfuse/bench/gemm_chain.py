@@ -224,6 +224,10 @@ def run(
                 got = out.float().numpy() if bf16 else out
                 reference.assert_close(got, want, chain)
                 fns = {"chainfuse": _call(kernel, args, out), **baselines}
+                if n > 1:
+                    # numpy's OpenBLAS workers spin for a while after each call and take the
+                    # other core from whatever is timed next: numpy is a 1-thread baseline only
+                    fns.pop("numpy", None)
                 facts = model_facts(chain, kernel)
                 timing = interleave(fns, rounds, best=n > 1)
                 results.append(Result(
