@@ -307,8 +307,7 @@ def compile(
     # columns, l and n along its mr rows
     quanta = {m: kernel.nr, l_: kernel.mr, n: kernel.mr}
     planned_for = threads if threads is not None else get_num_threads()
-    chosen = plan(chain, hw, threads=planned_for, fuse=True, structures=[(order, depth)],
-                  quanta=quanta)  # fmt: skip
+    chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta)
     planned = chosen.tiles_at(_code_level(hw))
     assert planned is not None
     tiles = {**planned, **(tiles or {})}

@@ -29,23 +29,21 @@ SHORT = (32, 64, 128)
 BASELINES = ("sdpa", "unfused")
 
 
-def cases(quick: bool = False) -> list[tuple[str, int, int, int]]:
-    """(name, heads, seq, head_dim) of every case: the paper's, then the short sequences."""
-    out = [
-        (w.name, w.batch, w.M, w.K)
-        for w in workloads.GEMM
-        if w.attention_shaped and w.M == w.L and w.K == w.N
-    ]
+def cases(quick: bool = False) -> list[tuple[str, int, int, int, int, int]]:
+    """(name, heads, seq_q, seq_k, head_dim_qk, head_dim_v) of every case: the 12
+    attention-shaped paper workloads (batch as heads; Mixer-S has seq_q != seq_k), then the
+    short sequences."""
+    out = [(w.name, w.batch, w.M, w.L, w.K, w.N) for w in workloads.GEMM if w.attention_shaped]
     if quick:
         out = out[1:2] + out[5:6]
-    return out + [(f"seq-{s}", 12, s, 64) for s in SHORT]
+    return out + [(f"seq-{s}", 12, s, s, 64, 64) for s in SHORT]
 
 
 def chain_of(name: str, dtype: str = "float32") -> Chain:
     """The attention chain of a case name of `cases()`."""
-    for case, heads, seq, dim in cases():
+    for case, heads, seq_q, seq_k, dqk, dv in cases():
         if case == name:
-            return attention_chain(1, heads, seq, seq, dim, dim, dtype=dtype)
+            return attention_chain(1, heads, seq_q, seq_k, dqk, dv, dtype=dtype)
     raise ValueError(f"unknown attention case {name!r}; known: {[c[0] for c in cases()]}")
 
 
