@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from chainfuse.bench.fidelity import Fidelity
+from chainfuse.bench.fidelity import Fidelity, spearman
 from chainfuse.bench.probe import Machine
 from chainfuse.bench.results import Result, geomean
 from chainfuse.ir import DType
 
-__all__ = ["plot", "summary_rows", "write"]
+__all__ = ["across_workloads", "plot", "summary_rows", "write"]
 
 _MIB = 1 << 20
 
@@ -55,6 +55,17 @@ def summary_rows(results: Sequence[Result], peak: float) -> list[dict[str, Any]]
                 "at_or_above_80pct_peak": sum(r.gflops() >= 0.8 * peak * n for r in sel),
             })  # fmt: skip
     return rows
+
+
+def across_workloads(results: Sequence[Result]) -> list[tuple[str, int, float]]:
+    """(suite, cases, Spearman rho of predicted vs measured ms) over each suite's 1-thread
+    results: does the model order the workloads as the machine does?"""
+    out = []
+    for suite in dict.fromkeys(r.suite for r in results):
+        sel = [r for r in results if r.suite == suite and r.threads == 1]
+        rho = spearman([r.predicted_ms for r in sel], [r.ms["chainfuse"] for r in sel])
+        out.append((suite, len(sel), rho))
+    return out
 
 
 def _suite_table(results: Sequence[Result], peak: float) -> list[str]:
@@ -130,6 +141,7 @@ def write(
             "warnings": machine.warnings(),
         },
         "summary": summary_rows(results, peak),
+        "predicted_vs_measured_rho": {s: rho for s, _, rho in across_workloads(results)},
         **extra,
         "results": [r.to_dict() for r in results],
         "fidelity": [f.to_dict() for f in fidelity],
@@ -179,6 +191,10 @@ def write(
            "of them equal). Tuning gap: how much slower the first choice ran than the best of "
            "those plans.", ""]  # fmt: skip
     md += _fidelity_lines(fidelity)
+    md += ["", "Across workloads (the chosen plan of each, 1 thread): Spearman's rho between "
+           "predicted and measured time.", "", "| suite | cases | rho |", "|---|---|---|"]  # fmt: skip
+    for suite, n, rho in across_workloads(results):
+        md.append(f"| {suite} | {n} | {rho:.2f} |")
     md += ["", "## Plots", ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "report.md").write_text("\n".join(md) + "\n")

@@ -35,3 +35,4 @@ def test_bench_attention_quick_writes_the_report(tmp_path: Path) -> None:
     (fid,) = data["fidelity"]
     assert len(fid["measured_ms"]) == 2 and fid["tuning_gap"] >= 0
     assert "Spearman" in md and data["machine"]["fp32_peak_gflops_per_core_measured"] > 0
+    assert set(data["predicted_vs_measured_rho"]) == {"attention"}
