@@ -125,7 +125,23 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-class Kernel:
+class _Built:
+    """Build (or find in the cache) and load a generated source; what both kernels record."""
+
+    compile_seconds: float
+    cached: bool
+    path: Path
+
+    def _build(self, source: str, name: str, cflags: tuple[str, ...]) -> ctypes.CDLL:
+        start = time.perf_counter()
+        result = build(source, name, cflags)
+        self.compile_seconds = time.perf_counter() - start
+        self.cached = result.cached
+        self.path = result.path
+        return load(result.path)
+
+
+class Kernel(_Built):
     """A compiled chain: call it with the chain's inputs (in `chain.inputs` order)."""
 
     def __init__(
@@ -137,12 +153,7 @@ class Kernel:
         self.spec = spec
         self.source = source
         self.arithmetic = arithmetic(spec)
-        start = time.perf_counter()
-        result = build(source, spec.name, spec.kernel.cflags)
-        self.compile_seconds = time.perf_counter() - start
-        self.cached = result.cached
-        self.path = result.path
-        lib = load(result.path)
+        lib = self._build(source, spec.name, spec.kernel.cflags)
         self._fn = getattr(lib, spec.name)
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [
@@ -504,7 +515,7 @@ def _dense_in(order: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int
     return True
 
 
-class ConvKernel:
+class ConvKernel(_Built):
     """A compiled conv -> [relu] -> conv chain: `kernel(x, w1, w2, b1=None, b2=None, out=None)`.
 
     `x` [N, C, H, W], `w1` [K1, C, R1, S1], `w2` [K2, K1, R2, S2] (PyTorch's layouts), in NCHW
@@ -533,12 +544,7 @@ class ConvKernel:
         self.halo_reason = halo_reason
         self.source = source
         self.name = spec.name
-        start = time.perf_counter()
-        result = build(source, spec.name, spec.kernel.cflags)
-        self.compile_seconds = time.perf_counter() - start
-        self.cached = result.cached
-        self.path = result.path
-        lib = load(result.path)
+        lib = self._build(source, spec.name, spec.kernel.cflags)
         self._fn = getattr(lib, spec.name)
         self._fn.restype = None
         longs = ctypes.POINTER(ctypes.c_long)
