@@ -184,22 +184,13 @@ def _main(argv: Sequence[str] | None) -> int:
     for suite in suites:
         results += runs[suite]()
     peak = machine.peak_gflops
-    if "gemm-chain" in suites:
-        extra["gemm_chain_issue_figures"] = gemm_chain.summarise(
-            [r for r in results if r.suite == "gemm-chain"], peak
-        )
-        if "bfloat16" in dtypes:
-            extra["gemm_chain_bf16_issue_figures"] = gemm_chain.summarise(
-                [r for r in results if r.suite == "gemm-chain-bf16"], peak
-            )
-    if "attention" in suites:
-        extra["attention_issue_figures"] = attention.summarise(
-            [r for r in results if r.suite == "attention"], peak
-        )
-        if "bfloat16" in dtypes:
-            extra["attention_bf16_issue_figures"] = attention.summarise(
-                [r for r in results if r.suite == "attention-bf16"], peak
-            )
+    # the figures each issue's acceptance lines are stated in, per suite that has them
+    summaries = {"gemm-chain": gemm_chain.summarise, "attention": attention.summarise}
+    for suite in dict.fromkeys(r.suite for r in results):
+        summarise = summaries.get(suite.removesuffix("-bf16"))
+        if summarise is not None:
+            key = suite.replace("-", "_") + "_issue_figures"
+            extra[key] = summarise([r for r in results if r.suite == suite], peak)
 
     fids: list[Fidelity] = []
     if args.top > 0:
