@@ -61,7 +61,12 @@ def _is_torch(x: object) -> bool:
 
 
 def _check(
-    name: str, x: object, shape: tuple[int, ...], writable: bool = False, dtype: str = "float32"
+    name: str,
+    x: object,
+    shape: tuple[int, ...],
+    writable: bool = False,
+    dtype: str = "float32",
+    inner_contiguous: bool = True,
 ) -> _Arg:
     """Validate one argument; errors name the tensor and what was expected.
 
@@ -101,10 +106,10 @@ def _check(
         strides = tuple(t.stride())
         ptr = int(t.data_ptr())
     elif isinstance(x, np.ndarray):  # a subclass: the same checks, the slow way
-        return _check(name, np.asarray(x), shape, writable, dtype)
+        return _check(name, np.asarray(x), shape, writable, dtype, inner_contiguous)
     else:
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
-    if shape and shape[-1] > 1 and strides[-1] != 1:
+    if inner_contiguous and shape and shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(
             f"{name}: its last dimension must be contiguous (stride 1, got {strides[-1]}); "
             "pass np.ascontiguousarray(x) or x.contiguous()"
@@ -440,43 +445,12 @@ def _dense_strides(name: str, x: Any, shape: tuple[int, ...], writable: bool = F
     """A float32 CPU array in NCHW or channels-last (NHWC) memory order, or a contiguous 1-D one.
 
     The kernel reads and writes through strides, so both orders are zero-copy; any other layout
-    (a strided view) is refused rather than silently copied. Called four to six times per call,
-    so the common cases take few attribute reads, and a (shape, strides) pair found dense once
-    is remembered (`_DENSE`: layouts only, never data or addresses).
+    (a strided view) is refused rather than silently copied. Called four to six times per call:
+    the checks are `_check`'s, and a (shape, strides) pair found dense once is remembered
+    (`_DENSE`: layouts only, never data or addresses).
     """
-    if type(x) is np.ndarray:
-        if x.dtype != _F32:
-            raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
-        got = x.shape
-        flags = x.flags
-        if writable and not flags.writeable:
-            raise ValueError(f"{name}: the output array is read-only")
-        if flags.c_contiguous:
-            strides = _contiguous(shape)
-        else:
-            if any(s & 3 for s in x.strides):
-                raise ValueError(f"{name}: strides {x.strides} are not whole elements")
-            strides = tuple(s >> 2 for s in x.strides)
-        # from_buffer is 3x cheaper than .ctypes.data, but takes only whole writable buffers
-        fast = flags.writeable and flags.c_contiguous
-        ptr = ctypes.addressof(_BYTE.from_buffer(cast(Any, x))) if fast else int(x.ctypes.data)
-    elif _is_torch(x):
-        t: Any = x
-        if t.device.type != "cpu":
-            raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
-        if t.dtype is not _torch_float32():
-            raise TypeError(f"{name}: expected dtype float32, got {t.dtype}")
-        if writable and t.requires_grad:
-            raise ValueError(f"{name}: the output must not require grad")
-        got = tuple(t.shape)
-        strides = t.stride()
-        ptr = t.data_ptr()
-    elif isinstance(x, np.ndarray):  # a subclass: the same checks, the slow way
-        return _dense_strides(name, np.asarray(x), shape, writable)
-    else:
-        raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
-    if got != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {tuple(got)}")
+    arg = _check(name, x, shape, writable, "float32", inner_contiguous=False)
+    strides = arg.strides
     if (shape, strides) not in _DENSE:
         orders = _ORDERS if len(shape) == 4 else ((0,),)
         if not any(_dense_in(order, shape, strides) for order in orders):
@@ -487,22 +461,14 @@ def _dense_strides(name: str, x: Any, shape: tuple[int, ...], writable: bool = F
             )
         if len(_DENSE) < 4096:
             _DENSE.add((shape, strides))
-    return _Arg(ptr, strides)
+    return arg
 
 
 #: (shape, element strides) pairs already found dense (NCHW, channels-last or 1-D contiguous)
 _DENSE: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-_F32 = np.dtype(np.float32)
 
 
 _ORDERS = ((0, 1, 2, 3), (0, 2, 3, 1))
-
-
-@functools.lru_cache(maxsize=1)
-def _torch_float32() -> Any:
-    import torch
-
-    return torch.float32
 
 
 def _dense_in(order: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
