@@ -11,9 +11,8 @@ prints the medians and the speedups.
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -22,6 +21,7 @@ from chainfuse import reference
 from chainfuse.bench import workloads
 from chainfuse.bench.gemm_chain import numpy_baseline, set_threads, torch_baselines
 from chainfuse.bench.probe import fp32_peak_gflops
+from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware
 from chainfuse.ir import Chain
@@ -29,19 +29,6 @@ from chainfuse.ir import Chain
 __all__ = ["main"]
 
 _PEAK: list[float] = []  # GFLOP/s of one core, measured once per run
-
-
-def _time(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
-    """Median seconds of each function, run round-robin so drift hits all of them alike."""
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def run_one(chain: Chain, between: str | None, repeat: int) -> dict[str, float]:
@@ -66,7 +53,7 @@ def run_one(chain: Chain, between: str | None, repeat: int) -> dict[str, float]:
     np_fn = numpy_baseline(between, args)
     if np_fn is not None:
         fns["numpy"] = np_fn
-    times = _time(fns, repeat)
+    times = {name: t.ms / 1e3 for name, t in interleave(fns, repeat, budget_s=math.inf).items()}
     flops = chain.flops()
     peak = _PEAK[0] * 1e9
     for name, t in times.items():
