@@ -37,9 +37,11 @@ __all__ = [
     "leaves",
     "plain_loop",
     "point_span",
+    "repeat_sum",
 ]
 
 Expr = tuple[Any, ...]  # ("t", loop, N) | ("w", N) | ("d", N, uses)
+EMPTY = 1 << 40  # how far below its start an empty derived interval ends: no sum un-empties it
 Affine = tuple[int, tuple[tuple[int, Expr], ...]]  # (offset, ((coeff, expr), ...))
 Dim = tuple[int, Affine]  # (size of the tensor dimension, its index)
 
@@ -89,9 +91,13 @@ def _interval(
     hi: Any = -1
     for offset, terms in e[2]:
         clo, chi = _bounds(offset, terms, tiles, at, mn, mx)
-        lo = mn(lo, mx(clo, 0))
-        hi = mx(hi, mn(chi, n - 1))
-    return lo, hi
+        clo, chi = mx(clo, 0), mn(chi, n - 1)
+        empty = mn(1, mx(0, clo - chi))  # 1 where this use reads nothing: it adds nothing
+        lo = mn(lo, clo + empty * EMPTY)
+        hi = mx(hi, chi - empty * EMPTY)
+    # nothing read (every use in the padding): the producer computes nothing, and the interval
+    # must stay empty when a tap's range is added to it, so it is made emptier than any range
+    return lo, hi - mn(1, mx(0, lo - hi)) * EMPTY
 
 
 def _bounds(
@@ -112,9 +118,16 @@ def _bounds(
 
 
 def _span(dim: Dim, tiles: Mapping[str, int], at: Mapping[str, Any], mn: Any, mx: Any) -> Any:
+    lo, hi = _clipped(dim, tiles, at, mn, mx)
+    return mx(0, hi - lo + 1)
+
+
+def _clipped(
+    dim: Dim, tiles: Mapping[str, int], at: Mapping[str, Any], mn: Any, mx: Any
+) -> tuple[Any, Any]:
     size, (offset, terms) = dim
     lo, hi = _bounds(offset, terms, tiles, at, mn, mx)
-    return mx(0, mn(hi, size - 1) - mx(lo, 0) + 1)
+    return mx(lo, 0), mn(hi, size - 1)
 
 
 def point_span(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
@@ -142,6 +155,41 @@ def grid_sum(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
     for d in dims:
         total = total * _span(d, tiles, at, np.minimum, np.maximum)
     return int(np.sum(total))
+
+
+def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str, int]) -> int:
+    """Elements of the blocks whose region equals the block just before, summed over the steps
+    from one block to the next in which the dims' tiled loops move as `step` says: 0 = it does
+    not move (every tile index), 1 = it advances (tile i -> i + 1), 2 = it wraps (last -> first).
+
+    A tensor's region repeats where clipping or a sum of loops maps two tile indices to one
+    range: a halo clipped to the same rows at a border, or `p + r` with `r` tiled."""
+    dims = tuple(dims)
+    names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
+    ext: dict[str, int] = {}
+    for _, (_, terms) in dims:
+        _collect_extents(terms, ext)
+    axes: list[tuple[Any, Any]] = []
+    for n in names:
+        trips = -(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n])))
+        move = step.get(n, 0) if trips > 1 else 0
+        if move == 1:
+            axes.append((np.arange(trips - 1), np.arange(1, trips)))
+        elif move == 2:
+            axes.append((np.array([trips - 1]), np.array([0])))
+        else:
+            axes.append((np.arange(trips), np.arange(trips)))
+    grid = np.indices([len(before) for before, _ in axes]).reshape(len(names), -1)
+    at_before = {n: ax[0][g] for n, ax, g in zip(names, axes, grid, strict=True)}
+    at_after = {n: ax[1][g] for n, ax, g in zip(names, axes, grid, strict=True)}
+    same: Any = True
+    size: Any = 1
+    for d in dims:
+        lo_b, hi_b = _clipped(d, tiles, at_before, np.minimum, np.maximum)
+        lo_a, hi_a = _clipped(d, tiles, at_after, np.minimum, np.maximum)
+        same = same & (lo_b == lo_a) & (hi_b == hi_a)
+        size = size * np.maximum(0, hi_a - lo_a + 1)
+    return int(np.sum(np.where(same, size, 0)))
 
 
 def _collect_extents(terms: tuple[tuple[int, Expr], ...], out: dict[str, int]) -> None:

@@ -18,6 +18,10 @@ iteration of l* and of every loop outside it, and reused across the loops inside
 With tiles that divide the extents this is `footprint(X) * prod ceil(N/T)`; with tails the sum
 counts each clipped edge tile at its real size, and a convolution's footprint comes from the
 bounds of its affine indices, so the input halo `(T_P - 1) * stride + R` appears by itself.
+Where clipping or a sum of loops maps consecutive blocks to the same region (a halo clipped to
+the same rows at a border, `p + r` with the tap `r` tiled), the buffer still holds it and
+nothing is reloaded: those blocks are subtracted (`_Compiled._repeats`), so the model stays equal
+to the simulator for every tiling, not just the planner's.
 
 A producer's output loop that is not in the prefix is *derived*: the producer computes exactly the
 region its consumer reads during one prefix iteration (a 3x3 consumer needs a halo, so the
@@ -50,6 +54,7 @@ from chainfuse.footprint import (
     leaves,
     plain_loop,
     point_span,
+    repeat_sum,
 )
 from chainfuse.ir import Access, Affine, Chain, Contraction, Op, Role
 
@@ -350,9 +355,13 @@ class _Shape:
         ext = nest.extents
         self.memo = nest.memo
         self.recipes: list[_Recipe] = []
+        self.recipe_loops: list[tuple[str, ...]] = []
         self._index: dict[tuple[bool, tuple[Dim, ...]], int] = {}
-        # per access: (op, tensor, itemsize, influencing loops, constant, recipe indices)
-        self.accesses: list[tuple[int, str, int, frozenset[str], int, tuple[int, ...]]] = []
+        # per access: (op, tensor, itemsize, influencing loops, constant, recipe indices, the
+        # loops of its plain dims)
+        self.accesses: list[
+            tuple[int, str, int, frozenset[str], int, tuple[int, ...], frozenset[str]]
+        ] = []
         self.held: list[list[_Point]] = []
         self.flops: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
         self.least_flops = 0  # no tiles execute fewer
@@ -364,9 +373,11 @@ class _Shape:
                     continue
                 t = chain.tensor(acc.tensor)
                 dims = _dims(nest, opn.index, acc, prefix_only=False)
-                const, recipes = self._sums(dims)
+                const, recipes, plain = self._sums(dims)
                 infl = nest._influencing(opn, acc)
-                self.accesses.append((opn.index, t.name, t.dtype.itemsize, infl, const, recipes))
+                self.accesses.append(
+                    (opn.index, t.name, t.dtype.itemsize, infl, const, recipes, plain)
+                )
                 held.append(self._point(t.dtype.itemsize, dims))
             for name in live[opn.index]:
                 producer = chain.producer(name)
@@ -381,7 +392,7 @@ class _Shape:
                 if n not in own and not any(n in nest._sources(opn.index, m) for m in own)
             )  # fmt: skip
             loops = tuple((ext[lp], (0, ((1, _expr(nest, opn.index, lp, True)),))) for lp in own)
-            const, recipes = self._sums(loops)
+            const, recipes, _ = self._sums(loops)
             self.flops.append((per * const, recompute, recipes))
             self.least_flops += per * const * math.prod(self._least(r) for r in recipes)
 
@@ -400,17 +411,18 @@ class _Shape:
             names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
             self._index[(grid, dims)] = len(self.recipes)
             self.recipes.append((rid, operator.itemgetter(*names), dims, grid))
+            self.recipe_loops.append(tuple(names))
         return self._index[(grid, dims)]
 
-    def _sums(self, dims: tuple[Dim, ...]) -> tuple[int, tuple[int, ...]]:
+    def _sums(self, dims: tuple[Dim, ...]) -> tuple[int, tuple[int, ...], frozenset[str]]:
         """Split the sum over all blocks of the product of the dims' spans into independent
         factors: dims moved by disjoint sets of loops sum separately. (The split depends on the
-        dims alone; nests sharing the memo share it.)"""
+        dims alone; nests sharing the memo share it.) Also the loops of the plain dims."""
         key = ("sums", dims)
         if key not in self.memo:
             self.memo[key] = _split_sums(dims)
-        const, groups = self.memo[key]
-        return const, tuple(self._recipe(g, grid=True) for g in groups)
+        const, groups, plain = self.memo[key]
+        return const, tuple(self._recipe(g, grid=True) for g in groups), plain
 
     def _point(self, itemsize: int, dims: tuple[Dim, ...]) -> _Point:
         key = ("point", dims)
@@ -420,7 +432,9 @@ class _Shape:
         return itemsize * const, simple, self._recipe(rest, grid=False) if rest else -1
 
 
-def _split_sums(dims: tuple[Dim, ...]) -> tuple[int, tuple[tuple[Dim, ...], ...]]:
+def _split_sums(
+    dims: tuple[Dim, ...],
+) -> tuple[int, tuple[tuple[Dim, ...], ...], frozenset[str]]:
     groups: list[tuple[set[str], list[Dim]]] = []
     for d in dims:
         src = set(dim_leaves(d))
@@ -431,15 +445,17 @@ def _split_sums(dims: tuple[Dim, ...]) -> tuple[int, tuple[tuple[Dim, ...], ...]
         groups.append((src, [x for g in joined for x in g[1]] + [d]))
     const = 1
     rest = []
+    plain_loops = set()
     for src, group in groups:
         plain = plain_loop(group[0]) if len(group) == 1 else None
         if not src:
             const *= grid_sum(group, {})
         elif plain is not None:
             const *= min(plain[1], group[0][0])  # a plain loop's tiles cover it once
+            plain_loops.add(plain[0])
         else:
             rest.append(tuple(group))
-    return const, tuple(rest)
+    return const, tuple(rest), frozenset(plain_loops)
 
 
 def _split_point(dims: tuple[Dim, ...]) -> tuple[int, tuple[tuple[str, int], ...], tuple[Dim, ...]]:
@@ -475,9 +491,10 @@ class _Compiled:
         # the access' region
         self.accesses = [
             (op, name, item, tuple((n, n in infl) for n in reversed(nest.ops[op].enclosing)),
-             const, recipes)
-            for op, name, item, infl, const, recipes in shape.accesses
+             const, recipes, (nest.ops[op].enclosing, infl, plain) if recipes else None)
+            for op, name, item, infl, const, recipes, plain in shape.accesses
         ]  # fmt: skip
+        self.recipe_loops = shape.recipe_loops
         self.held = shape.held
         self.flops = shape.flops
         self.least_flops = shape.least_flops
@@ -501,7 +518,7 @@ class _Compiled:
                 found = memo[key] = grid_sum(dims, full) if grid else point_span(dims, full)
             values.append(found)
         moved = []
-        for op_index, name, item, inward, const, recipes in self.accesses:
+        for op_index, name, item, inward, const, recipes, repeat in self.accesses:
             # the region reloads on every trip of the loops at or outside the innermost loop
             # that moves it; the region sum already counts the moving loops' trips
             mult = const * item
@@ -514,6 +531,8 @@ class _Compiled:
                     outside = True
             for r in recipes:
                 mult *= values[r]
+            if repeat is not None and mult:
+                mult -= const * item * self._repeats(repeat, recipes, trips, full, values)
             moved.append((op_index, name, mult))
         used = 0
         for held in self.held:
@@ -535,6 +554,63 @@ class _Compiled:
                 const *= values[r]
             flops.append(const)
         return LevelCost(tuple(moved), used, tuple(flops))
+
+    def _repeats(
+        self,
+        repeat: tuple[tuple[str, ...], frozenset[str], frozenset[str]],
+        recipes: tuple[int, ...],
+        trips: Mapping[str, int],
+        full: Mapping[str, int],
+        values: list[Any],
+    ) -> int:
+        """Elements of the blocks (of an access with non-plain dims) whose region is the one the
+        block before left in the buffer, so that nothing is reloaded: the sum above charges
+        every block.
+
+        The blocks run in lexicographic order of the enclosing loops; a step from one block to
+        the next advances a *carry* loop and wraps every moving loop inside it. A step whose
+        moving loops include a plain one always changes the region; otherwise the region is
+        unchanged exactly when every non-plain group of dims is, and as the groups' loops are
+        disjoint the sum over those steps is a product of per-group sums (`repeat_sum`).
+        """
+        enclosing, infl, plain = repeat
+        moving = [i for i, n in enumerate(enclosing) if n in infl and trips[n] > 1]
+        if not moving:
+            return 0
+        last = moving[-1]  # loops inside it never change the region
+        total = 0
+        memo = self.memo
+        for j in range(last + 1):
+            carry = enclosing[j]
+            if trips[carry] == 1:
+                continue
+            wraps = {n for n in enclosing[j + 1 : last + 1] if trips[n] > 1}
+            if carry in plain or not plain.isdisjoint(wraps):
+                continue
+            count = 1
+            for n in enclosing[:j]:
+                if n not in infl:
+                    count *= trips[n]
+            if carry not in infl:
+                count *= trips[carry] - 1
+            for r in recipes:
+                loops = self.recipe_loops[r]
+                step = tuple(1 if n == carry else 2 if n in wraps else 0 for n in loops)
+                if any(step):
+                    rid, get, dims, _ = self.recipes[r]
+                    key = ("repeat", rid, get(full), step)
+                    found = memo.get(key)
+                    if found is None:
+                        found = memo[key] = repeat_sum(
+                            dims, full, dict(zip(loops, step, strict=True))
+                        )
+                    count *= found
+                else:
+                    count *= values[r]
+                if not count:
+                    break
+            total += count
+        return total
 
 
 def level_cost(nest: Nest, tiles: Mapping[str, int]) -> LevelCost:

@@ -46,15 +46,21 @@ def _tile(index: int, tile: int, extent: int) -> Interval:
     return index * t, min(extent, (index + 1) * t) - 1
 
 
+EMPTY: Interval = (0, -1)
+
+
 def _region(acc: Access, ranges: Mapping[str, Interval], shape: tuple[int, ...]) -> Region:
     out = []
     for ix, size in zip(acc.index, shape, strict=True):
         lo = hi = ix.offset
+        empty = False
         for loop, c in ix.terms:
             a, b = ranges[loop]
-            lo += c * a if c > 0 else c * b  # not min/max: an empty [a, b] (a > b) stays empty
+            empty |= a > b  # a loop that runs over nothing (its consumer reads only padding)
+            lo += c * a if c > 0 else c * b
             hi += c * b if c > 0 else c * a
-        out.append((max(lo, 0), min(hi, size - 1)))
+        lo, hi = max(lo, 0), min(hi, size - 1)
+        out.append(EMPTY if empty or lo > hi else (lo, hi))
     return tuple(out)
 
 
@@ -67,6 +73,10 @@ def _elements(region: Region) -> int:
 
 def _hull(a: Region | None, b: Region) -> Region:
     if a is None:
+        return b
+    if _elements(b) == 0:
+        return a
+    if _elements(a) == 0:
         return b
     return tuple((min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(a, b, strict=True))
 
