@@ -16,17 +16,23 @@ import dataclasses
 import functools
 import hashlib
 import json
+import struct
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
 from chainfuse import config
-from chainfuse.codegen.c import GemmChainShape, GemmChainSpec, emit_gemm_chain, match_gemm_chain
+from chainfuse.codegen.c import (
+    PACKED,
+    GemmChainShape,
+    GemmChainSpec,
+    emit_gemm_chain,
+    match_gemm_chain,
+)
 from chainfuse.codegen.conv import (
     GEOMETRY,
     ConvChainShape,
@@ -47,17 +53,27 @@ from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
 __all__ = ["ConvKernel", "Kernel", "compile", "compile_conv"]
 
+_A, _B, _D, _E = PACKED["A"], PACKED["B"], PACKED["D"], PACKED["E"]
+_STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
+_MASK_STRIDES = slice(PACKED["mask_strides"], PACKED["end"])
 
-@dataclass(frozen=True)
-class _Arg:
-    """A validated array argument: its data pointer and strides in elements."""
 
-    ptr: int
-    strides: tuple[int, ...]
+#: A validated array argument: its data pointer and its strides in elements (a plain tuple: a
+#: call checks four to six of them, and a dataclass would cost a microsecond each)
+_Arg = tuple[int, tuple[int, ...]]
+
+
+_TORCH_TYPES: set[type] = set()
 
 
 def _is_torch(x: object) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
+    kind = type(x)
+    if kind in _TORCH_TYPES:
+        return True
+    if kind.__module__.split(".")[0] == "torch":
+        _TORCH_TYPES.add(kind)
+        return True
+    return False
 
 
 def _check(
@@ -95,11 +111,11 @@ def _check(
         ptr = ctypes.addressof(_BYTE.from_buffer(cast(Any, x))) if fast else int(x.ctypes.data)
     elif _is_torch(x):
         t: Any = x
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
-        if str(t.dtype) != f"torch.{dtype}":
+        if t.dtype is not _torch_dtype(dtype):
             raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-        if tuple(t.shape) != shape:
+        if t.shape != shape:  # a torch.Size is a tuple
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
         if t.requires_grad and writable:
             raise ValueError(f"{name}: the output must not require grad")
@@ -114,10 +130,23 @@ def _check(
             f"{name}: its last dimension must be contiguous (stride 1, got {strides[-1]}); "
             "pass np.ascontiguousarray(x) or x.contiguous()"
         )
-    return _Arg(ptr, strides)
+    return ptr, strides
 
 
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bool": np.dtype(np.bool_)}
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _torch_dtype(dtype: str) -> Any:
+    """torch's dtype object of a chain dtype name (torch is imported: a tensor was passed)."""
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        import torch
+
+        found = _TORCH_DTYPES[dtype] = getattr(torch, dtype)
+    return found
+
+
 _BYTE = ctypes.c_char
 
 
@@ -159,18 +188,10 @@ class Kernel(_Built):
         self.source = source
         self.arithmetic = arithmetic(spec)
         lib = self._build(source, spec.name, spec.kernel.cflags)
-        self._fn = getattr(lib, spec.name)
+        # one pointer argument: ctypes converts each argument of a call (~0.2 us apiece)
+        self._fn = getattr(lib, f"{spec.name}_packed")
         self._fn.restype = None
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [
-            ctypes.POINTER(ctypes.c_long),
-            ctypes.POINTER(ctypes.c_long),
-            ctypes.c_float,
-            ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_long),
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_int,
-        ]
+        self._fn.argtypes = [ctypes.c_void_p]
         self._workspace_fn = getattr(lib, f"{spec.name}_workspace")
         self._workspace_fn.restype = ctypes.c_long
         self._workspace_fn.argtypes = [ctypes.c_long, ctypes.c_long]
@@ -183,27 +204,35 @@ class Kernel(_Built):
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.path})"
 
-    def _workspace(self, threads: int, per: int) -> tuple[int, Any, Any]:
-        """This thread's (64-byte aligned workspace address, strides array, mask strides array)
-        for `threads` threads: kept between calls, so a call allocates nothing."""
+    def _workspace(self, threads: int) -> Any:
+        """This thread's argument array for `threads` threads (`codegen.c.PACKED`), its
+        workspace (64-byte aligned), sizes and scale filled in: kept between calls, so a call
+        allocates nothing and writes only what changed."""
         local = self._local
-        if getattr(local, "key", None) != (threads, per):
-            local.key = (threads, per)
-            local.buf = np.empty(threads * per + 16, dtype=np.float32)
+        if getattr(local, "threads", None) != threads:
+            local.threads = threads
+            local.buf = np.empty(threads * self._per + 16, dtype=np.float32)
             address = int(local.buf.ctypes.data)
-            local.address = address + 4 * ((-address % 64) // 4)
-            local.strides = (ctypes.c_long * 12)()
-            local.mask_strides = (ctypes.c_long * 4)()
-        return local.address, local.strides, local.mask_strides
+            args = (ctypes.c_long * PACKED["end"])()
+            args[PACKED["work"]] = address + 4 * ((-address % 64) // 4)
+            args[PACKED["work_per_thread"]] = self._per
+            args[PACKED["nthreads"]] = threads
+            args[PACKED["scale_bits"]] = int.from_bytes(struct.pack("<f", self._scale), "little")
+            at = PACKED["sizes"]
+            args[at : at + 6] = list(self._sizes)
+            local.args = args
+            local.address = ctypes.addressof(args)
+            local.strides = None  # what args holds: refilled when a call's strides differ
+        return local
 
     def _mask(self, by_name: dict[str, Any]) -> tuple[int | None, list[int]]:
         """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it broadcasts."""
         if self._mask_index is None:
             return None, [0, 0, 0, 0]
         name, dtype, index = self._mask_index
-        arg = _check(name, by_name[name], self._shapes[name], dtype=dtype)
-        by_loop = {ix.loops[0]: st for ix, st in zip(index, arg.strides, strict=True) if ix.loops}
-        return arg.ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in self._mask_loops]
+        ptr, strides = _check(name, by_name[name], self._shapes[name], dtype=dtype)
+        by_loop = {ix.loops[0]: st for ix, st in zip(index, strides, strict=True) if ix.loops}
+        return ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in self._mask_loops]
 
     def _prepare(self) -> None:
         """What every call needs and no call changes: names, shapes, sizes, workspace size."""
@@ -211,14 +240,13 @@ class Kernel(_Built):
         self._names = [t.name for t in chain.inputs]
         self._shapes = {t.name: t.shape for t in chain.tensors}
         self._positions = tuple(self._names.index(n) for n in self.spec.tensors[:3])
-        self._scale_c = ctypes.c_float(self._scale)
         ext = chain.extents
         first, second = chain.contractions
         m, l_ = first.output.loops[-2:]
         K, N = ext[first.reduction[0]], ext[second.output.loops[-1]]
         self._nb = len(self.spec.batch)
         sizes = [1] * (2 - self._nb) + [ext[n] for n in self.spec.batch]
-        self._sizes = (ctypes.c_long * 6)(*sizes, ext[m], N, K, ext[l_])
+        self._sizes = (*sizes, ext[m], N, K, ext[l_])
         self._per = int(self._workspace_fn(K, N))
         self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
         self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
@@ -235,11 +263,9 @@ class Kernel(_Built):
         shapes = self._shapes
         a_name, b_name, d_name, e_name = self.spec.tensors
         a_at, b_at, d_at = self._positions
-        args = [
-            _check(a_name, inputs[a_at], shapes[a_name], dtype=dt),
-            _check(b_name, inputs[b_at], shapes[b_name], dtype=dt),
-            _check(d_name, inputs[d_at], shapes[d_name], dtype=dt),
-        ]
+        a_ptr, a_st = _check(a_name, inputs[a_at], shapes[a_name], dtype=dt)
+        b_ptr, b_st = _check(b_name, inputs[b_at], shapes[b_name], dtype=dt)
+        d_ptr, d_st = _check(d_name, inputs[d_at], shapes[d_name], dtype=dt)
         out_shape = shapes[e_name]
         if out is None:
             if _is_torch(inputs[0]):
@@ -248,33 +274,27 @@ class Kernel(_Built):
                 out = torch.empty(out_shape, dtype=getattr(torch, dt))
             else:
                 out = np.empty(out_shape, dtype=inputs[0].dtype)
-        args.append(_check("out", out, out_shape, writable=True, dtype=dt))
+        e_ptr, e_st = _check("out", out, out_shape, writable=True, dtype=dt)
         nb = self._nb
-        pad = [0] * (2 - nb)
-        strides: list[int] = []
-        for arg in args:
-            strides += [*pad, *arg.strides[:nb], arg.strides[nb]]
-        threads = get_num_threads()
-        work, strides_c, mask_strides_c = self._workspace(threads, self._per)
-        strides_c[:] = strides
-        mask_ptr = None
+        pad = (0,) * (2 - nb)
+        strides = (
+            *pad, *a_st[: nb + 1], *pad, *b_st[: nb + 1],
+            *pad, *d_st[: nb + 1], *pad, *e_st[: nb + 1],
+        )  # fmt: skip
+        local = self._workspace(get_num_threads())
+        packed = local.args
+        if strides != local.strides:
+            packed[_STRIDES] = strides
+            local.strides = strides
+        packed[_A] = a_ptr
+        packed[_B] = b_ptr
+        packed[_D] = d_ptr
+        packed[_E] = e_ptr
         if self._mask_index is not None:
             mask_ptr, mask_strides = self._mask(dict(zip(self._names, inputs, strict=True)))
-            mask_strides_c[:] = mask_strides
-        self._fn(
-            args[0].ptr,
-            args[1].ptr,
-            args[2].ptr,
-            args[3].ptr,
-            self._sizes,
-            strides_c,
-            self._scale_c,
-            mask_ptr,
-            mask_strides_c,
-            work,
-            self._per,
-            threads,
-        )
+            packed[PACKED["mask"]] = mask_ptr
+            packed[_MASK_STRIDES] = mask_strides
+        self._fn(local.address)
         return out
 
 
@@ -450,7 +470,7 @@ def _dense_strides(name: str, x: Any, shape: tuple[int, ...], writable: bool = F
     (`_DENSE`: layouts only, never data or addresses).
     """
     arg = _check(name, x, shape, writable, "float32", inner_contiguous=False)
-    strides = arg.strides
+    strides = arg[1]
     if (shape, strides) not in _DENSE:
         orders = _ORDERS if len(shape) == 4 else ((0,),)
         if not any(_dense_in(order, shape, strides) for order in orders):
@@ -565,20 +585,20 @@ class ConvKernel(_Built):
         ax = _dense_strides("x", x, shapes["x"])
         a1 = _dense_strides("w1", w1, shapes["w1"])
         a2 = _dense_strides("w2", w2, shapes["w2"])
-        bias1 = None if b1 is None else _dense_strides("b1", b1, shapes["b1"]).ptr
-        bias2 = None if b2 is None else _dense_strides("b2", b2, shapes["b2"]).ptr
+        bias1 = None if b1 is None else _dense_strides("b1", b1, shapes["b1"])[0]
+        bias2 = None if b2 is None else _dense_strides("b2", b2, shapes["b2"])[0]
         if out is None:
             # channels-last: C innermost (with C = 1 both orders are dense; strides decide)
-            xs = ax.strides
+            xs = ax[1]
             channels_last = xs[1] == 1 and _dense_in((0, 2, 3, 1), shapes["x"], xs)
             out = _empty_like_input(x, shapes["out"], channels_last)
         ao = _dense_strides("out", out, shapes["out"], writable=True)
         threads = get_num_threads()
         base, strides = self._workspace(threads)
-        strides[:] = (*ax.strides, *a1.strides, *a2.strides, *ao.strides)
+        strides[:] = (*ax[1], *a1[1], *a2[1], *ao[1])
         at = ctypes.addressof(strides)
         self._fn(
-            ax.ptr, a1.ptr, a2.ptr, bias1, bias2, ao.ptr,
+            ax[0], a1[0], a2[0], bias1, bias2, ao[0],
             self._geometry, at, at + 32, at + 64, at + 96,
             base, base + 4 * self._shared, self._per, threads,
         )  # fmt: skip

@@ -30,7 +30,14 @@ from chainfuse.codegen.writer import Writer
 from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
 from chainfuse.kernels import MicroKernel, emit_with_packing
 
-__all__ = ["Epilogue", "GemmChainShape", "GemmChainSpec", "emit_gemm_chain", "match_gemm_chain"]
+__all__ = [
+    "PACKED",
+    "Epilogue",
+    "GemmChainShape",
+    "GemmChainSpec",
+    "emit_gemm_chain",
+    "match_gemm_chain",
+]
 
 MAX_BATCH = 2  # batch loops the kernel takes (attention: batch and heads)
 DIRECT_STRIPS = 8  # row blocks of at most this many nr-strips read B and D slivers in place
@@ -166,6 +173,8 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
 
 _MATH = r"""
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 /* exp for the softmax: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes'
    expf coefficients, relative error < 2e-7); plain arithmetic, so loops over it vectorise. */
@@ -258,8 +267,16 @@ static inline void cf_bf16_pack_bt(int kc, int n, const uint16_t* restrict Bt, l
 """
 
 
+#: Slots of the one array `<name>_packed` takes (longs): pointers, then the scalars, then arrays.
+PACKED = {
+    "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
+    "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "end": 31,
+}  # fmt: skip
+
+
 def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
-    """C source of `void <name>(...)` and `long <name>_workspace(...)` for `spec`.
+    """C source of `void <name>(...)`, `void <name>_packed(const long*)` (the same, its
+    arguments in one array laid out as `PACKED`) and `long <name>_workspace(...)` for `spec`.
 
     The code computes the transposed chain, `Eᵀ = Dᵀ . f(Bᵀ . Aᵀ)`, so that op1's micro-kernel
     writes the intermediate tile straight into the packed layout op2's micro-kernel reads (strips
@@ -364,6 +381,18 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("const long last = first + share < blocks ? first + share : blocks;")
             with w.block("for (long blk = first; blk < last; ++blk)"):
                 _block(w, spec)
+    w.line("")
+    w.line("/* the same with every argument in one array, for callers that pay per argument")
+    w.line("   (ctypes: ~0.2 us each): see PACKED in chainfuse.codegen.c for the layout */")
+    with w.block(f"void {name}_packed(const long* a)"):
+        w.line("const uint32_t bits = (uint32_t)a[8];")
+        w.line("float scale;")
+        w.line("memcpy(&scale, &bits, sizeof scale);")
+        w.line(
+            f"{name}((const cf_elem*)a[0], (const cf_elem*)a[1], (const cf_elem*)a[2],"
+            " (cf_elem*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27,"
+            " (float*)a[5], a[6], (int)a[7]);"
+        )
     return w.text()
 
 
