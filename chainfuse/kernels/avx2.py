@@ -12,7 +12,7 @@ from chainfuse.hardware import Isa
 from chainfuse.ir import DType
 from chainfuse.kernels.base import MicroKernel, VectorOps, emit_vector_tile, microkernel
 
-__all__ = ["AVX2", "avx2_fma_6x16_f32"]
+__all__ = ["AVX2", "avx2_fma_6x16_f32", "avx2_transpose8"]
 
 AVX2 = VectorOps(
     type="__m256",
@@ -27,6 +27,39 @@ AVX2 = VectorOps(
 )
 
 
+def avx2_transpose8(kernel: MicroKernel) -> str:
+    """``<name>_transpose``: an 8x8 float block through registers (8 loads, 24 shuffles, 8 stores;
+    the unpack / shuffle / 128-bit-lane-permute sequence)."""
+    name = kernel.name
+    loads = "\n".join(
+        f"    const __m256 r{i} = _mm256_loadu_ps(src + {i} * lds);" for i in range(8)
+    )
+    return f"""
+/* {name}_transpose: dst[j*ldd + i] = src[i*lds + j], i, j < 8 */
+static inline void {name}_transpose(const float* restrict src, long lds, float* restrict dst,
+{" " * (len(name) + 31)}long ldd)
+{{
+{loads}
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst + 0 * ldd, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + 1 * ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}}
+"""
+
+
 @microkernel(
     name="avx2_fma_6x16_f32",
     isa=frozenset({Isa.AVX2, Isa.FMA}),
@@ -36,6 +69,8 @@ AVX2 = VectorOps(
     registers=6 * 2 + 2 + 1,
     flops_per_instruction=2 * 8,
     cflags=("-mavx2", "-mfma"),
+    transpose=avx2_transpose8,
+    transpose_block=8,
 )
 def avx2_fma_6x16_f32(kernel: MicroKernel) -> str:
     return emit_vector_tile(kernel, AVX2)

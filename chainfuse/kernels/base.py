@@ -87,6 +87,11 @@ class MicroKernel:
     on a host that can run it, but they let any x86 host compile it). ``full_tile`` emits the C of
     ``<name>_full``, all headers and type definitions it uses included (guarded, so several kernels
     can share one translation unit).
+
+    ``transpose`` (optional) emits ``<name>_transpose(src, lds, dst, ldd)``, a square block of
+    ``transpose_block`` floats a side transposed in registers, ``dst[j*ldd + i] =
+    src[i*lds + j]``: the packing of a transposed operand and the generated kernels' transposed
+    stores use it for whole blocks (a scalar transpose is one store per element).
     """
 
     name: str
@@ -99,6 +104,8 @@ class MicroKernel:
     flops_per_instruction: int
     full_tile: Callable[[MicroKernel], str] = field(repr=False)
     cflags: tuple[str, ...] = ()
+    transpose: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
+    transpose_block: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
@@ -114,6 +121,10 @@ class MicroKernel:
         object.__setattr__(self, "isa", frozenset(self.isa))
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
         object.__setattr__(self, "cflags", tuple(self.cflags))
+        if (self.transpose is None) != (self.transpose_block == 0):
+            raise ValueError(f"micro-kernel {self.name}: transpose and transpose_block go together")
+        if self.transpose_block < 0 or (self.transpose_block and self.nr % self.transpose_block):
+            raise ValueError(f"micro-kernel {self.name}: transpose_block must divide nr={self.nr}")
 
     def applies(self, problem: Problem, hardware: Hardware) -> bool:
         """True when ``hardware`` has every ISA feature this kernel uses and it takes the dtype."""
@@ -252,11 +263,27 @@ def pack_b(kernel: MicroKernel, *, transposed: bool = False) -> str:
     """
     nr, name = kernel.nr, kernel.name
     if transposed:
+        tb = kernel.transpose_block
+        blocks = ""
+        if tb:
+            blocks = f"""
+    if (n == {nr}) {{ /* whole {tb}x{tb} blocks transposed in registers, then the last steps */
+        int p = 0;
+        for (; p + {tb} <= kc; p += {tb}) {{
+            for (int j = 0; j < {nr}; j += {tb}) {{
+                {name}_transpose(Bt + j * ldbt + p, ldbt, Bp + (long)p * {nr} + j, {nr});
+            }}
+        }}
+        for (; p < kc; ++p) {{
+            for (int j = 0; j < {nr}; ++j) Bp[(long)p * {nr} + j] = Bt[j * ldbt + p];
+        }}
+        return;
+    }}"""
         return f"""
 /* Bp[p*{nr} + j] = Bt[j*ldbt + p] for j < n, 0 up to {nr}: B given transposed (n x kc). */
 static inline void {name}_pack_bt(int kc, int n, const float* restrict Bt, long ldbt,
                                   float* restrict Bp)
-{{
+{{{blocks}
     for (int j = 0; j < {nr}; ++j) {{
         const float* restrict col = Bt + j * ldbt;
         if (j < n) {{
@@ -289,6 +316,7 @@ def emit_with_packing(kernel: MicroKernel) -> str:
     """The micro-kernel and its four packing routines: what a generated kernel includes once."""
     parts = [
         kernel.emit(),
+        kernel.transpose(kernel) if kernel.transpose is not None else "",
         pack_a(kernel),
         pack_a(kernel, transposed=True),
         pack_b(kernel),
@@ -437,6 +465,8 @@ def microkernel(
     flops_per_instruction: int,
     kr: int = 1,
     cflags: tuple[str, ...] = (),
+    transpose: Callable[[MicroKernel], str] | None = None,
+    transpose_block: int = 0,
     registry: Registry = REGISTRY,
 ) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
     """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
@@ -460,6 +490,8 @@ def microkernel(
             flops_per_instruction=flops_per_instruction,
             full_tile=full_tile,
             cflags=cflags,
+            transpose=transpose,
+            transpose_block=transpose_block,
         )
         return registry.register(kernel)
 

@@ -107,7 +107,7 @@ def _assert_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, kc: int,
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rowmajor", "transposed"])
 @pytest.mark.parametrize("accumulate", [0, 1])
-@pytest.mark.parametrize("kc", [1, 7, 64])
+@pytest.mark.parametrize("kc", [1, 7, 19, 64])  # 19: whole 8x8 transposed blocks + a tail
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
 def test_microkernel_matches_numpy(
     compiled: Callable[[MicroKernel], Run],
