@@ -176,14 +176,17 @@ _MATH = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* exp for the softmax: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes'
-   expf coefficients, relative error < 2e-7); plain arithmetic, so loops over it vectorise. */
-static inline float cf_exp(float x)
+/* exp of x <= 0 (every use: scores minus their running max, -a^2): range reduction to
+   [-ln2/2, ln2/2] and a degree-7 polynomial (Cephes' expf coefficients, relative error < 1e-7).
+   n = round(x / ln2) comes from the 1.5 * 2^23 shifter, whose low mantissa bits then hold
+   n + 127: shifted left by 23 they are 2^n. x <= -88 (and -inf) gives 0, NaN stays NaN; x > 88
+   is outside its domain. Plain arithmetic and selects that compilers if-convert: the loops
+   over it vectorise (about 20 instructions per vector). */
+static inline float cf_exp_neg(float x)
 {
-    const float lo = -87.3f;
-    const float xc = x < lo ? lo : (x > 88.3f ? 88.3f : x);
-    const float t = xc * 1.44269504088896341f;
-    const float n = floorf(t + 0.5f);
+    const float xc = x > -88.0f ? x : -88.0f;
+    const float shifted = xc * 1.44269504088896341f + 12583039.0f; /* 0x1.8p23 + 127 */
+    const float n = shifted - 12583039.0f;
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -193,12 +196,16 @@ static inline float cf_exp(float x)
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int i; float f; } two_n;
-    two_n.i = ((int)n + 127) << 23;
-    return x < lo ? 0.0f : p * two_n.f;
+    uint32_t bits;
+    memcpy(&bits, &shifted, sizeof bits);
+    bits <<= 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    const float e = p * two_n;
+    return x == x ? e : x;
 }
 
-/* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp. */
+/* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp_neg. */
 static inline float cf_erf(float x)
 {
     const float ax = x < 0.0f ? -x : x;
@@ -208,7 +215,7 @@ static inline float cf_erf(float x)
     y = y * t + 1.421413741f;
     y = y * t - 0.284496736f;
     y = y * t + 0.254829592f;
-    y = 1.0f - y * t * cf_exp(-ax * ax);
+    y = 1.0f - y * t * cf_exp_neg(-ax * ax);
     return x < 0.0f ? -y : y;
 }
 """
@@ -590,13 +597,13 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
             w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
             w.line("/* a column with nothing but -inf so far keeps zero mass */")
             w.line("shift[c] = m_new == -INFINITY ? 0.0f : m_new;")
-            w.line("alpha[c] = cmax[c] == -INFINITY ? 0.0f : cf_exp(cmax[c] - shift[c]);")
+            w.line("alpha[c] = cmax[c] == -INFINITY ? 0.0f : cf_exp_neg(cmax[c] - shift[c]);")
             w.line("cmax[c] = m_new;")
             w.line("sum[c] = 0.0f;")
         with w.block("for (int r = 0; r < lc; ++r)"):
             w.line("#pragma omp simd")
             with w.block("for (int c = 0; c < NR; ++c)"):
-                w.line("const float e = cf_exp(p[r * NR + c] - shift[c]);")
+                w.line("const float e = cf_exp_neg(p[r * NR + c] - shift[c]);")
                 w.line("p[r * NR + c] = e;")
                 w.line("sum[c] += e;")
         with w.block("for (int c = 0; c < NR; ++c)"):

@@ -1,0 +1,81 @@
+"""The C math helpers every generated GEMM-chain kernel includes (`codegen.c._MATH`): the exp of
+the softmax and the erf of GELU, against float64 numpy/math over their whole domain, built with
+the flags of every kernel build (so the vectorised, if-converted code is what is tested)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from chainfuse import config
+from chainfuse.codegen.c import _MATH
+from chainfuse.runtime import build, load
+
+HARNESS = (
+    _MATH
+    + r"""
+void run_exp(const float* x, float* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_exp_neg(x[i]);
+}
+
+void run_erf(const float* x, float* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_erf(x[i]);
+}
+"""
+)
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("cmath-cache")))
+        built = load(build(HARNESS, "test_cmath", ()).path)
+        for name in ("run_exp", "run_erf"):
+            fn = getattr(built, name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+        yield built
+
+
+def _apply(lib: ctypes.CDLL, name: str, x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.full_like(x, 12345.0)
+    getattr(lib, name)(x.ctypes.data, y.ctypes.data, x.size)
+    return y
+
+
+def test_exp_of_non_positive_arguments(lib: ctypes.CDLL) -> None:
+    # every float32 step near 0, a dense sweep, the underflow edge, odd lengths for the tails
+    x = np.concatenate([
+        -np.linspace(0.0, 1e-3, 1001), -np.linspace(0.0, 100.0, 200_003),
+        np.linspace(-88.5, -86.5, 4001), [-0.0, -1e-30, -1e-45],
+    ]).astype(np.float32)  # fmt: skip
+    got = _apply(lib, "run_exp", x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    normal = want >= np.finfo(np.float32).tiny * 2
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() < 2e-7, f"worst relative error {rel.max():.3g} at x={x[normal][rel.argmax()]}"
+    tiny = ~normal  # below the smallest normal: 0 or a subnormal, never more than that
+    assert np.all((got[tiny] >= 0) & (got[tiny] <= 2 * np.finfo(np.float32).tiny))
+    assert np.all(got[x <= -88.0] == 0.0)
+
+
+def test_exp_special_values(lib: ctypes.CDLL) -> None:
+    got = _apply(lib, "run_exp", np.array([-np.inf, np.nan, -1e30, -89.0, 0.0], np.float32))
+    assert got[0] == 0.0 and np.isnan(got[1]) and got[2] == 0.0 and got[3] == 0.0
+    assert got[4] == 1.0
+
+
+def test_erf(lib: ctypes.CDLL) -> None:
+    x = np.concatenate([np.linspace(-6, 6, 120_001), [0.0, -0.0, 1e-8, -1e-8]]).astype(np.float32)
+    got = _apply(lib, "run_erf", x).astype(np.float64)
+    want = np.array([math.erf(v) for v in x.astype(np.float64)])
+    assert np.abs(got - want).max() < 5e-7
+    special = _apply(lib, "run_erf", np.array([np.inf, -np.inf, np.nan], np.float32))
+    assert special[0] == 1.0 and special[1] == -1.0 and np.isnan(special[2])
