@@ -403,11 +403,17 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     return w.text()
 
 
-def _pack_at(w: Writer, uk: str, k0: str, kc: str) -> None:
-    """Aᵀ strips (op1's B operand): strip j holds m columns j*nr.. over k."""
+def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
+    """Aᵀ strips (op1's B operand): strip j holds m columns j*nr.. over k. `scaled`: times the
+    softmax scale, so the scores come out scaled (one pass over the T_M x K block of A instead
+    of one over every T_M x T_L tile of scores)."""
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
-        w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, At + (long)j * NR * {kc});")
+        w.line(f"float* restrict strip = At + (long)j * NR * {kc};")
+        w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, strip);")
+        if scaled:
+            w.line("#pragma omp simd")
+            w.line(f"for (long x = 0; x < (long)NR * {kc}; ++x) strip[x] *= scale;")
 
 
 def _block(w: Writer, spec: GemmChainSpec) -> None:
@@ -433,7 +439,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
         )
     with w.block("if (TK == K)"):
         w.line("/* k in one block: Aᵀ is packed once for the whole row block */")
-        _pack_at(w, uk, "0", "(int)K")
+        _pack_at(w, uk, "0", "(int)K", softmax)
     if softmax:
         with w.block("for (int i = 0; i < MPN; ++i)"):
             w.line("col_max[i] = -INFINITY;")
@@ -447,7 +453,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (long k0 = 0; k0 < K; k0 += TK)"):
             w.line("const int kc = (int)(K - k0 < TK ? K - k0 : TK);")
             with w.block("if (TK != K)"):
-                _pack_at(w, uk, "k0", "kc")
+                _pack_at(w, uk, "k0", "kc", softmax)
             with w.block("for (int s = 0; s * MR < lc; ++s)"):
                 w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
                 w.line("if (direct && m == MR) continue; /* read in place below */")
@@ -584,14 +590,15 @@ def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
             if not masked:
                 w.line("#pragma omp simd")
             with w.block("for (int c = 0; c < NR; ++c)"):
-                w.line("float v = p[r * NR + c] * scale;")
+                w.line("float v = p[r * NR + c]; /* scaled already: Aᵀ was packed times scale */")
                 if spec.mask is MaskKind.ADDITIVE:
                     w.line("v += CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]);")
                 elif spec.mask is MaskKind.BOOL:
                     w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
                 if spec.causal:
                     w.line("v = l0 + r > q[c] ? -INFINITY : v;")
-                w.line("p[r * NR + c] = v;")
+                if masked:
+                    w.line("p[r * NR + c] = v;")
                 w.line("mx[c] = v > mx[c] ? v : mx[c];")
         with w.block("for (int c = 0; c < NR; ++c)"):
             w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
