@@ -346,6 +346,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             " + ALIGN16(NPM * T_L) + ALIGN16(N * LDE) + 2 * ALIGN16(MPN);"
         )
     w.line("")
+    _store_e(w, spec)
+    w.line("")
     w.line(
         "/* sizes: batch0, batch1, M, N, K, L; strides (elements) of A, B, D, E: batch0, batch1,"
     )
@@ -521,40 +523,57 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     if softmax:
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
-    scaled = " * inv" if softmax else ""
-    first = "0"
-    tb = spec.kernel.transpose_block
-    if tb:
-        w.line(f"/* whole {tb}-row groups: {tb}x{tb} blocks of Eᵀ transposed in registers */")
-        w.line(f"const int whole = mc / {tb} * {tb};")
-        with w.block(f"for (int i = 0; i < whole; i += {tb})"):
-            w.line("long c = 0;")
-            with w.block(f"for (; c + {tb} <= N; c += {tb})"):
-                w.line(f"float blk[{tb * tb}] __attribute__((aligned(32)));")
-                w.line(f"{spec.kernel.name}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
+    w.line(f"{spec.name}_store_e(mc, N, Et, {'col_sum' if softmax else '0'}, E_b, sEm);")
+
+
+def _store_e(w: Writer, spec: GemmChainSpec) -> None:
+    """`<name>_store_e`: E[0:mc, :] = Eᵀ transposed, row i times inv_sum[i] after a softmax.
+    A function of its own, kept out of line: inside the kernel's one big function its loops
+    tripled the compile time (register allocation there grows faster than the code)."""
+    softmax = spec.epilogue is Epilogue.SOFTMAX
+    with w.block(
+        f"static __attribute__((noinline)) void {spec.name}_store_e(int mc, long N,\n"
+        "    const float* restrict Et, const float* restrict inv_sum, cf_elem* restrict E_b,"
+        " long sEm)"
+    ):
+        if not softmax:
+            w.line("(void)inv_sum;")
+        scaled = " * inv" if softmax else ""
+        first = "0"
+        tb = spec.kernel.transpose_block
+        if tb:
+            w.line(f"/* whole {tb}-row groups: {tb}x{tb} blocks of Eᵀ transposed in registers */")
+            w.line(f"const int whole = mc / {tb} * {tb};")
+            with w.block(f"for (int i = 0; i < whole; i += {tb})"):
+                w.line("long c = 0;")
+                with w.block(f"for (; c + {tb} <= N; c += {tb})"):
+                    w.line(f"float blk[{tb * tb}] __attribute__((aligned(32)));")
+                    w.line(f"{spec.kernel.name}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
+                    with w.block(f"for (int r = 0; r < {tb}; ++r)"):
+                        w.line("cf_elem* restrict e = E_b + (i + r) * sEm + c;")
+                        if softmax:
+                            w.line("const float inv = inv_sum[i + r];")
+                        w.line(
+                            f"for (int cc = 0; cc < {tb}; ++cc) e[cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
+                        )
                 with w.block(f"for (int r = 0; r < {tb}; ++r)"):
-                    w.line("cf_elem* restrict e = E_b + (i + r) * sEm + c;")
+                    w.line("cf_elem* restrict e = E_b + (i + r) * sEm;")
                     if softmax:
-                        w.line("const float inv = col_sum[i + r];")
+                        w.line("const float inv = inv_sum[i + r];")
                     w.line(
-                        f"for (int cc = 0; cc < {tb}; ++cc) e[cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
+                        f"for (long c2 = c; c2 < N; ++c2) e[c2] = CF_STORE(Et[c2 * LDE + i + r]{scaled});"
                     )
-            with w.block(f"for (int r = 0; r < {tb}; ++r)"):
-                w.line("cf_elem* restrict e = E_b + (i + r) * sEm;")
-                if softmax:
-                    w.line("const float inv = col_sum[i + r];")
-                w.line(
-                    f"for (long c2 = c; c2 < N; ++c2) e[c2] = CF_STORE(Et[c2 * LDE + i + r]{scaled});"
-                )
-        first = "whole"
-    w.line("/* row by row: E is written contiguously, and the N lines of Eᵀ a row reads stay in L1")
-    w.line("   for the next rows */")
-    with w.block(f"for (int i = {first}; i < mc; ++i)"):
-        w.line("cf_elem* restrict e = E_b + i * sEm;")
-        if softmax:
-            w.line("const float inv = col_sum[i];")
-        with w.block("for (long c = 0; c < N; ++c)"):
-            w.line(f"e[c] = CF_STORE(Et[c * LDE + i]{scaled});")
+            first = "whole"
+        w.line(
+            "/* row by row: E is written contiguously, and the N lines of Eᵀ a row reads stay in L1"
+        )
+        w.line("   for the next rows */")
+        with w.block(f"for (int i = {first}; i < mc; ++i)"):
+            w.line("cf_elem* restrict e = E_b + i * sEm;")
+            if softmax:
+                w.line("const float inv = inv_sum[i];")
+            with w.block("for (long c = 0; c < N; ++c)"):
+                w.line(f"e[c] = CF_STORE(Et[c * LDE + i]{scaled});")
 
 
 def _epilogue(w: Writer, spec: GemmChainSpec) -> None:

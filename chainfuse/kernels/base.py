@@ -279,9 +279,12 @@ def pack_b(kernel: MicroKernel, *, transposed: bool = False) -> str:
         }}
         return;
     }}"""
+        # with register transposes it is kept out of line: called once per strip, and inlined
+        # into a generated kernel's big function it cost half a second of compile time
+        linkage = "static __attribute__((noinline))" if tb else "static inline"
         return f"""
 /* Bp[p*{nr} + j] = Bt[j*ldbt + p] for j < n, 0 up to {nr}: B given transposed (n x kc). */
-static inline void {name}_pack_bt(int kc, int n, const float* restrict Bt, long ldbt,
+{linkage} void {name}_pack_bt(int kc, int n, const float* restrict Bt, long ldbt,
                                   float* restrict Bp)
 {{{blocks}
     for (int j = 0; j < {nr}; ++j) {{

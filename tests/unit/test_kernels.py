@@ -201,7 +201,7 @@ def test_one_signature_for_every_kernel(kernel: MicroKernel) -> None:
     )
     assert expected in source
     assert kernel.emit() == kernel.emit()  # deterministic: the source is the cache key
-    assert re.search(rf"static inline void {kernel.name}_pack_bt\(", emit_with_packing(kernel))
+    assert re.search(rf"static [^\n]*void {kernel.name}_pack_bt\(", emit_with_packing(kernel))
 
 
 def test_registry_has_the_reference_and_rejects_duplicates() -> None:
