@@ -574,19 +574,22 @@ class _Compiled:
         disjoint the sum over those steps is a product of per-group sums (`repeat_sum`).
         """
         enclosing, infl, plain = repeat
-        moving = [i for i, n in enumerate(enclosing) if n in infl and trips[n] > 1]
-        if not moving:
+        last = -1  # the innermost moving loop: loops inside it never change the region
+        first = 0  # a moving plain loop changes the region at every step up to its own carry
+        for i, n in enumerate(enclosing):
+            if n in infl and trips[n] > 1:
+                last = i
+                if n in plain:
+                    first = i + 1
+        if first > last:
             return 0
-        last = moving[-1]  # loops inside it never change the region
         total = 0
         memo = self.memo
-        for j in range(last + 1):
+        for j in range(first, last + 1):
             carry = enclosing[j]
             if trips[carry] == 1:
                 continue
             wraps = {n for n in enclosing[j + 1 : last + 1] if trips[n] > 1}
-            if carry in plain or not plain.isdisjoint(wraps):
-                continue
             count = 1
             for n in enclosing[:j]:
                 if n not in infl:
