@@ -550,16 +550,12 @@ def _store_e(w: Writer, spec: GemmChainSpec) -> None:
                     w.line(f"float blk[{tb * tb}] __attribute__((aligned(32)));")
                     w.line(f"{spec.kernel.name}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
                     with w.block(f"for (int r = 0; r < {tb}; ++r)"):
-                        w.line("cf_elem* restrict e = E_b + (i + r) * sEm + c;")
-                        if softmax:
-                            w.line("const float inv = inv_sum[i + r];")
+                        _e_row(w, softmax, "i + r")
                         w.line(
-                            f"for (int cc = 0; cc < {tb}; ++cc) e[cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
+                            f"for (int cc = 0; cc < {tb}; ++cc) e[c + cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
                         )
                 with w.block(f"for (int r = 0; r < {tb}; ++r)"):
-                    w.line("cf_elem* restrict e = E_b + (i + r) * sEm;")
-                    if softmax:
-                        w.line("const float inv = inv_sum[i + r];")
+                    _e_row(w, softmax, "i + r")
                     w.line(
                         f"for (long c2 = c; c2 < N; ++c2) e[c2] = CF_STORE(Et[c2 * LDE + i + r]{scaled});"
                     )
@@ -569,11 +565,16 @@ def _store_e(w: Writer, spec: GemmChainSpec) -> None:
         )
         w.line("   for the next rows */")
         with w.block(f"for (int i = {first}; i < mc; ++i)"):
-            w.line("cf_elem* restrict e = E_b + i * sEm;")
-            if softmax:
-                w.line("const float inv = inv_sum[i];")
+            _e_row(w, softmax, "i")
             with w.block("for (long c = 0; c < N; ++c)"):
                 w.line(f"e[c] = CF_STORE(Et[c * LDE + i]{scaled});")
+
+
+def _e_row(w: Writer, softmax: bool, row: str) -> None:
+    """Row `row` of E, and the factor its values take after a softmax."""
+    w.line(f"cf_elem* restrict e = E_b + ({row}) * sEm;")
+    if softmax:
+        w.line(f"const float inv = inv_sum[{row}];")
 
 
 def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
