@@ -169,26 +169,27 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
     ext: dict[str, int] = {}
     for _, (_, terms) in dims:
         _collect_extents(terms, ext)
-    axes: list[tuple[Any, Any]] = []
-    for n in names:
-        trips = -(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n])))
-        move = step.get(n, 0) if trips > 1 else 0
-        if move == 1:
-            axes.append((np.arange(trips - 1), np.arange(1, trips)))
-        elif move == 2:
-            axes.append((np.array([trips - 1]), np.array([0])))
-        else:
-            axes.append((np.arange(trips), np.arange(trips)))
-    grid = np.indices([len(before) for before, _ in axes]).reshape(len(names), -1)
-    at_before = {n: ax[0][g] for n, ax, g in zip(names, axes, grid, strict=True)}
-    at_after = {n: ax[1][g] for n, ax, g in zip(names, axes, grid, strict=True)}
+    trips = [-(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n]))) for n in names]
+    # every block's clipped range of every dim, once; a step's blocks before and after it are
+    # then two slices of the grid
+    grid = np.indices(trips)
+    at = {n: grid[k] for k, n in enumerate(names)}
+    before: list[slice] = []
+    after: list[slice] = []
+    for n, t in zip(names, trips, strict=True):
+        move = step.get(n, 0) if t > 1 else 0
+        before.append(
+            slice(0, t - 1) if move == 1 else slice(t - 1, t) if move == 2 else slice(None)
+        )
+        after.append(slice(1, t) if move == 1 else slice(0, 1) if move == 2 else slice(None))
+    b, a = tuple(before), tuple(after)
     same: Any = True
     size: Any = 1
     for d in dims:
-        lo_b, hi_b = _clipped(d, tiles, at_before, np.minimum, np.maximum)
-        lo_a, hi_a = _clipped(d, tiles, at_after, np.minimum, np.maximum)
-        same = same & (lo_b == lo_a) & (hi_b == hi_a)
-        size = size * np.maximum(0, hi_a - lo_a + 1)
+        lo, hi = _clipped(d, tiles, at, np.minimum, np.maximum)
+        lo, hi = np.broadcast_to(lo, grid.shape[1:]), np.broadcast_to(hi, grid.shape[1:])
+        same = same & (lo[b] == lo[a]) & (hi[b] == hi[a])
+        size = size * np.maximum(0, hi[a] - lo[a] + 1)
     return int(np.sum(np.where(same, size, 0)))
 
 
