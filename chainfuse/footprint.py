@@ -142,11 +142,7 @@ def grid_sum(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
     """Elements touched summed over every block: the sum over all tile indices of the dims'
     tiled loops of the product of their spans (a block on the edge counts at its clipped size)."""
     dims = tuple(dims)
-    names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
-    ext: dict[str, int] = {}
-    for _, (_, terms) in dims:
-        _collect_extents(terms, ext)
-    trips = [-(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n]))) for n in names]
+    names, trips = _grid(dims, tiles)
     if math.prod(trips) == 1:
         return point_span(dims, tiles)
     grid = np.indices(trips).reshape(len(names), -1)
@@ -165,11 +161,7 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
     A tensor's region repeats where clipping or a sum of loops maps two tile indices to one
     range: a halo clipped to the same rows at a border, or `p + r` with `r` tiled."""
     dims = tuple(dims)
-    names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
-    ext: dict[str, int] = {}
-    for _, (_, terms) in dims:
-        _collect_extents(terms, ext)
-    trips = [-(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n]))) for n in names]
+    names, trips = _grid(dims, tiles)
     # every block's clipped range of every dim, once; a step's blocks before and after it are
     # then two slices of the grid
     grid = np.indices(trips)
@@ -191,6 +183,15 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
         same = same & (lo[b] == lo[a]) & (hi[b] == hi[a])
         size = size * np.maximum(0, hi[a] - lo[a] + 1)
     return int(np.sum(np.where(same, size, 0)))
+
+
+def _grid(dims: tuple[Dim, ...], tiles: Mapping[str, int]) -> tuple[list[str], list[int]]:
+    """The dims' tiled loops (sorted) and how many tiles each has."""
+    names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
+    ext: dict[str, int] = {}
+    for _, (_, terms) in dims:
+        _collect_extents(terms, ext)
+    return names, [-(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n]))) for n in names]
 
 
 def _collect_extents(terms: tuple[tuple[int, Expr], ...], out: dict[str, int]) -> None:
