@@ -22,6 +22,7 @@ rows is `(H, (-pad, ((stride, ("t", "p", P)), (1, ("w", R)))))`: its span is the
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "distinct",
     "grid_sum",
     "leaves",
+    "may_repeat",
     "plain_loop",
     "point_span",
     "repeat_sum",
@@ -145,6 +147,9 @@ def grid_sum(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
     names, trips = _grid(dims, tiles)
     if math.prod(trips) == 1:
         return point_span(dims, tiles)
+    moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
+    if len(moving) == 1 and _single_use(dims):
+        return _line_sum(dims, tiles, moving[0], math.prod(trips))
     grid = np.indices(trips).reshape(len(names), -1)
     at = dict(zip(names, grid, strict=True))
     total: Any = 1
@@ -162,6 +167,10 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
     range: a halo clipped to the same rows at a border, or `p + r` with `r` tiled."""
     dims = tuple(dims)
     names, trips = _grid(dims, tiles)
+    moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
+    if len(moving) <= 1 and _single_use(dims):
+        loop = moving[0] if moving else ""
+        return _line_repeats(dims, tiles, loop, math.prod(trips), step.get(loop, 0))
     # every block's clipped range of every dim, once; a step's blocks before and after it are
     # then two slices of the grid
     grid = np.indices(trips)
@@ -183,6 +192,149 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
         same = same & (lo[b] == lo[a]) & (hi[b] == hi[a])
         size = size * np.maximum(0, hi[a] - lo[a] + 1)
     return int(np.sum(np.where(same, size, 0)))
+
+
+# One moving loop (any other tiled loop has a single tile): the blocks along a line. Every bound is then an affine function of the tile
+# index i wherever nothing is clipped (a derived loop with one use, sums of such), and a bound's
+# lo and hi move by the same slope, so an unclipped block spans as much as any other. The set
+# of i at which nothing is clipped is an interval (each clip is a half-line of an affine
+# function, taken on the interval where the bounds inside it are affine), so the blocks split
+# into clipped ones at either end, walked one by one, and a middle run of equal blocks that is
+# counted, not walked: a few blocks' arithmetic instead of a numpy pass over the grid.
+
+
+def _single_use(dims: tuple[Dim, ...]) -> bool:
+    """Whether every derived loop in the dims is read through one index (its hull is affine)."""
+    stack = [sub for _, (_, terms) in dims for _, sub in terms]
+    while stack:
+        e = stack.pop()
+        if e[0] == "d":
+            if len(e[2]) != 1:
+                return False
+            stack.extend(sub for _, sub in e[2][0][1])
+    return True
+
+
+def _line_interval(e: Expr, tiles: Mapping[str, int], loop: str, i: int) -> tuple[int, int, bool]:
+    """`_interval` with `loop` at tile index i (any other tiled loop has one tile), and whether
+    anything was clipped."""
+    tag = e[0]
+    if tag == "t":
+        n = e[2]
+        t = max(1, min(tiles.get(e[1], n), n))
+        at = i if e[1] == loop else 0
+        hi = (at + 1) * t
+        return at * t, min(n, hi) - 1, hi > n
+    if tag == "w":
+        return 0, e[1] - 1, False
+    n = e[1]
+    offset, terms = e[2][0]
+    lo, hi, clipped = _line_bounds(offset, terms, tiles, loop, i)
+    if lo < 0 or hi > n - 1:
+        lo, hi, clipped = max(lo, 0), min(hi, n - 1), True
+    if lo > hi:  # the use reads padding only: the loop is empty (see `_interval`)
+        return n, -1 - EMPTY, True
+    return lo, hi, clipped
+
+
+def _line_bounds(
+    offset: int,
+    terms: tuple[tuple[int, Expr], ...],
+    tiles: Mapping[str, int],
+    loop: str,
+    i: int,
+) -> tuple[int, int, bool]:
+    lo = hi = offset
+    clipped = False
+    for c, sub in terms:
+        a, b, cl = _line_interval(sub, tiles, loop, i)
+        lo += c * a if c > 0 else c * b
+        hi += c * b if c > 0 else c * a
+        clipped = clipped or cl
+    return lo, hi, clipped
+
+
+def _line_block(
+    dims: tuple[Dim, ...], tiles: Mapping[str, int], loop: str, i: int
+) -> tuple[int, tuple[int, ...], bool]:
+    """Block i's elements, its clipped ranges (lo, hi per dim) and whether anything clipped."""
+    size = 1
+    ranges: list[int] = []
+    clipped = False
+    for n, (offset, terms) in dims:
+        lo, hi, cl = _line_bounds(offset, terms, tiles, loop, i)
+        if lo < 0 or hi > n - 1:
+            lo, hi, cl = max(lo, 0), min(hi, n - 1), True
+        size *= max(0, hi - lo + 1)
+        ranges += (lo, hi)
+        clipped = clipped or cl
+    return size, tuple(ranges), clipped
+
+
+def _line_ends(
+    dims: tuple[Dim, ...], tiles: Mapping[str, int], loop: str, trips: int
+) -> tuple[list[tuple[int, int, tuple[int, ...]]], int, int]:
+    """The clipped blocks (index, elements, ranges) at both ends, in index order, and the middle
+    run of unclipped blocks as (first index, count); count 0 when every block is clipped."""
+    ends: list[tuple[int, int, tuple[int, ...]]] = []
+    i = 0
+    while i < trips:
+        size, ranges, clipped = _line_block(dims, tiles, loop, i)
+        if not clipped:
+            break
+        ends.append((i, size, ranges))
+        i += 1
+    if i == trips:
+        return ends, 0, 0
+    tail: list[tuple[int, int, tuple[int, ...]]] = []
+    j = trips - 1
+    while j > i:
+        size, ranges, clipped = _line_block(dims, tiles, loop, j)
+        if not clipped:
+            break
+        tail.append((j, size, ranges))
+        j -= 1
+    return ends + tail[::-1], i, j - i + 1
+
+
+def _line_sum(dims: tuple[Dim, ...], tiles: Mapping[str, int], loop: str, trips: int) -> int:
+    ends, first, count = _line_ends(dims, tiles, loop, trips)
+    total = sum(size for _, size, _ in ends)
+    if count:
+        total += count * _line_block(dims, tiles, loop, first)[0]
+    return total
+
+
+def _line_repeats(
+    dims: tuple[Dim, ...], tiles: Mapping[str, int], loop: str, trips: int, move: int
+) -> int:
+    """`repeat_sum` along a line: an unclipped block's region is the one before it moved by a
+    non-zero slope, so only steps between two clipped blocks can repeat a region (and the wrap
+    from the last block to the first, if the loop wraps)."""
+    if trips == 1 or move == 0:  # nothing moves: every block repeats itself
+        return _line_sum(dims, tiles, loop, trips)
+    if move == 2:
+        last, first = _line_block(dims, tiles, loop, trips - 1), _line_block(dims, tiles, loop, 0)
+        return first[0] if last[1] == first[1] else 0
+    ends, _, _ = _line_ends(dims, tiles, loop, trips)
+    total = 0
+    for (i, _, before), (j, size, after) in itertools.pairwise(ends):
+        if j == i + 1 and before == after:
+            total += size
+    return total
+
+
+def may_repeat(dims: Iterable[Dim], tiles: Mapping[str, int]) -> bool:
+    """False when no step from one block to the next that moves the dims' tiled loops leaves
+    their region unchanged (every `repeat_sum` whose step moves them is 0): exact and cheap for
+    one moving loop; True (it may) otherwise."""
+    dims = tuple(dims)
+    names, trips = _grid(dims, tiles)
+    moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
+    if len(moving) != 1 or not _single_use(dims):
+        return True
+    loop, count = moving[0], math.prod(trips)
+    return any(_line_repeats(dims, tiles, loop, count, move) for move in (1, 2))
 
 
 def _grid(dims: tuple[Dim, ...], tiles: Mapping[str, int]) -> tuple[list[str], list[int]]:

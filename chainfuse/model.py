@@ -52,6 +52,7 @@ from chainfuse.footprint import (
     distinct,
     grid_sum,
     leaves,
+    may_repeat,
     plain_loop,
     point_span,
     repeat_sum,
@@ -311,8 +312,17 @@ def _expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr:
 
     Block loops are tiled (all of them, or with `prefix_only` only the shared prefix: what one
     prefix iteration covers); a derived loop covers what its consumers read, where the consumers'
-    own private loops run whole within the prefix iteration.
+    own private loops run whole within the prefix iteration. (It depends on which loops the
+    prefix holds, not their order: nests sharing that share the expression, built once.)
     """
+    key = ("expr", op_index, loop, prefix_only)
+    found: Expr | None = nest._static.get(key)
+    if found is None:
+        found = nest._static[key] = _build_expr(nest, op_index, loop, prefix_only)
+    return found
+
+
+def _build_expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr:
     kind = nest.ops[op_index].kind(loop)
     n = nest.extents[loop]
     if kind is LoopKind.DERIVED:
@@ -327,6 +337,14 @@ def _expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr:
 
 
 def _dims(nest: Nest, op_index: int, acc: Access, prefix_only: bool) -> tuple[Dim, ...]:
+    key = ("dims", op_index, acc, prefix_only)
+    found: tuple[Dim, ...] | None = nest._static.get(key)
+    if found is None:
+        found = nest._static[key] = _build_dims(nest, op_index, acc, prefix_only)
+    return found
+
+
+def _build_dims(nest: Nest, op_index: int, acc: Access, prefix_only: bool) -> tuple[Dim, ...]:
     shape = nest.chain.tensor(acc.tensor).shape
     return tuple(
         (size, (ix.offset, tuple((c, _expr(nest, op_index, loop, prefix_only))
@@ -474,6 +492,19 @@ def _split_point(dims: tuple[Dim, ...]) -> tuple[int, tuple[tuple[str, int], ...
     return const, tuple(simple), tuple(rest)
 
 
+def _moving(
+    enclosing: tuple[str, ...], infl: frozenset[str]
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The enclosing loops that move a region (`infl`), innermost first, each with the loops
+    outside it that do not."""
+    inward = enclosing[::-1]
+    return tuple(
+        (n, tuple(m for m in inward[i + 1 :] if m not in infl))
+        for i, n in enumerate(inward)
+        if n in infl
+    )
+
+
 class _Compiled:
     """`level_cost` of one nest with every tile-independent fact worked out once (`_Shape`,
     shared by the nests whose prefixes hold the same loops, plus the loops enclosing each op):
@@ -487,10 +518,10 @@ class _Compiled:
         self.extents = nest.extents
         self.memo = nest.memo
         self.recipes = shape.recipes
-        # per access, the loops enclosing its op innermost first, each with whether it moves
-        # the access' region
+        # per access, the loops enclosing its op that move its region, innermost first, each
+        # with the loops outside it that do not move the region
         self.accesses = [
-            (op, name, item, tuple((n, n in infl) for n in reversed(nest.ops[op].enclosing)),
+            (op, name, item, _moving(nest.ops[op].enclosing, infl),
              const, recipes, (nest.ops[op].enclosing, infl, plain) if recipes else None)
             for op, name, item, infl, const, recipes, plain in shape.accesses
         ]  # fmt: skip
@@ -518,17 +549,15 @@ class _Compiled:
                 found = memo[key] = grid_sum(dims, full) if grid else point_span(dims, full)
             values.append(found)
         moved = []
-        for op_index, name, item, inward, const, recipes, repeat in self.accesses:
+        for op_index, name, item, moving, const, recipes, repeat in self.accesses:
             # the region reloads on every trip of the loops at or outside the innermost loop
             # that moves it; the region sum already counts the moving loops' trips
             mult = const * item
-            outside = False
-            for n, moves in inward:
-                if outside:
-                    if not moves:
-                        mult *= trips[n]
-                elif moves and trips[n] > 1:
-                    outside = True
+            for n, outside in moving:
+                if trips[n] > 1:
+                    for m in outside:
+                        mult *= trips[m]
+                    break
             for r in recipes:
                 mult *= values[r]
             if repeat is not None and mult:
@@ -583,8 +612,20 @@ class _Compiled:
                     first = i + 1
         if first > last:
             return 0
-        total = 0
         memo = self.memo
+        # every step moves some group (the innermost moving loop is in one); when no group
+        # that moves can repeat its region at all, no step repeats
+        for r in recipes:
+            rid, get, dims, _ = self.recipes[r]
+            if any(trips[n] > 1 for n in self.recipe_loops[r]):
+                may = memo.get(("may repeat", rid, get(full)))
+                if may is None:
+                    may = memo[("may repeat", rid, get(full))] = may_repeat(dims, full)
+                if may:
+                    break
+        else:
+            return 0
+        total = 0
         for j in range(first, last + 1):
             carry = enclosing[j]
             if trips[carry] == 1:
