@@ -466,8 +466,8 @@ def _split_sums(
     plain_loops = set()
     for src, group in groups:
         plain = plain_loop(group[0]) if len(group) == 1 else None
-        if not src:
-            const *= grid_sum(group, {})
+        if not src:  # no block loop moves it: one block, the whole range
+            const *= point_span(group, {})
         elif plain is not None:
             const *= min(plain[1], group[0][0])  # a plain loop's tiles cover it once
             plain_loops.add(plain[0])
