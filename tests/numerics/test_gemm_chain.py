@@ -191,3 +191,11 @@ def test_one_compiled_object_serves_many_sizes() -> None:
     paths = {compile(chainfuse.gemm_chain(b, M, 9, 10, L), tiles=tiles).path
              for b, M, L in [(1, 5, 7), (2, 65, 129), (3, 17, 63)]}  # fmt: skip
     assert len(paths) == 1
+
+
+@pytest.mark.parametrize("tiles", [None, {"m": 48, "l": 30, "k": 16, "n": 12}])
+def test_few_strips_with_rows_far_apart_are_packed_row_by_row(tiles: dict[str, int] | None) -> None:
+    # 37 rows: few enough strips that near slivers are read in place; B's rows (301) and D's
+    # (263) are too far apart for that, so their panels are packed row by row, tails included
+    _check(chainfuse.gemm_chain(2, 37, 263, 29, 301, between="relu"), tiles)
+    _check(chainfuse.gemm_chain(1, 37, 263, 29, 301, between="softmax"), tiles)
