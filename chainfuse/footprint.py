@@ -22,6 +22,7 @@ rows is `(H, (-pad, ((stride, ("t", "p", P)), (1, ("w", R)))))`: its span is the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping
@@ -136,7 +137,7 @@ def point_span(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
     """Elements one block touches: every tiled loop at its first tile (a full, non-edge tile
     unless the loop has a single, clipped one)."""
     dims = tuple(dims)
-    at = dict.fromkeys(leaves(sub for _, (_, terms) in dims for _, sub in terms), 0)
+    at = dict.fromkeys(_structure(dims)[0], 0)
     return math.prod(_span(d, tiles, at, min, max) for d in dims)
 
 
@@ -144,11 +145,11 @@ def grid_sum(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
     """Elements touched summed over every block: the sum over all tile indices of the dims'
     tiled loops of the product of their spans (a block on the edge counts at its clipped size)."""
     dims = tuple(dims)
-    names, trips = _grid(dims, tiles)
+    names, trips, single = _grid(dims, tiles)
     if math.prod(trips) == 1:
         return point_span(dims, tiles)
     moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
-    if len(moving) == 1 and _single_use(dims):
+    if len(moving) == 1 and single:
         return _line_sum(dims, tiles, moving[0], math.prod(trips))
     grid = np.indices(trips).reshape(len(names), -1)
     at = dict(zip(names, grid, strict=True))
@@ -166,9 +167,9 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
     A tensor's region repeats where clipping or a sum of loops maps two tile indices to one
     range: a halo clipped to the same rows at a border, or `p + r` with `r` tiled."""
     dims = tuple(dims)
-    names, trips = _grid(dims, tiles)
+    names, trips, single = _grid(dims, tiles)
     moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
-    if len(moving) <= 1 and _single_use(dims):
+    if len(moving) <= 1 and single:
         loop = moving[0] if moving else ""
         return _line_repeats(dims, tiles, loop, math.prod(trips), step.get(loop, 0))
     # every block's clipped range of every dim, once; a step's blocks before and after it are
@@ -329,21 +330,33 @@ def may_repeat(dims: Iterable[Dim], tiles: Mapping[str, int]) -> bool:
     their region unchanged (every `repeat_sum` whose step moves them is 0): exact and cheap for
     one moving loop; True (it may) otherwise."""
     dims = tuple(dims)
-    names, trips = _grid(dims, tiles)
+    names, trips, single = _grid(dims, tiles)
     moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
-    if len(moving) != 1 or not _single_use(dims):
+    if len(moving) != 1 or not single:
         return True
     loop, count = moving[0], math.prod(trips)
     return any(_line_repeats(dims, tiles, loop, count, move) for move in (1, 2))
 
 
-def _grid(dims: tuple[Dim, ...], tiles: Mapping[str, int]) -> tuple[list[str], list[int]]:
-    """The dims' tiled loops (sorted) and how many tiles each has."""
-    names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
+def _grid(
+    dims: tuple[Dim, ...], tiles: Mapping[str, int]
+) -> tuple[tuple[str, ...], list[int], bool]:
+    """The dims' tiled loops (sorted), how many tiles each has, and whether every derived loop
+    is read through one index."""
+    names, extents, single = _structure(dims)
+    trips = [-(-e // max(1, min(tiles.get(n, e), e))) for n, e in zip(names, extents, strict=True)]
+    return names, trips, single
+
+
+@functools.lru_cache(maxsize=4096)
+def _structure(dims: tuple[Dim, ...]) -> tuple[tuple[str, ...], tuple[int, ...], bool]:
+    """What `_grid` needs of the dims that no tile changes (the planner asks for the same dims
+    with thousands of tiles)."""
+    names = tuple(sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms)))
     ext: dict[str, int] = {}
     for _, (_, terms) in dims:
         _collect_extents(terms, ext)
-    return names, [-(-ext[n] // max(1, min(tiles.get(n, ext[n]), ext[n]))) for n in names]
+    return names, tuple(ext[n] for n in names), _single_use(dims)
 
 
 def _collect_extents(terms: tuple[tuple[int, Expr], ...], out: dict[str, int]) -> None:

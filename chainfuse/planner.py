@@ -294,6 +294,7 @@ class _Search:
             self.levels.append((cap, self._bandwidth(i, self.threads)))
         self.peak = self.hw.peak(self.chain.dtype)
         self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
+        self.units: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
         self.ext = ext = self.chain.extents  # (a property that builds a dict)
         self.candidates = {n: _candidates(ext[n], self.quanta[n]) for n in ext}
 
@@ -349,7 +350,10 @@ class _Search:
         ext = self.ext
         blocks = {n for opn in nest.ops for n, k in opn.kinds.items() if k is not LoopKind.DERIVED}
         free = [n for n in nest.order if n not in self.fixed and ext[n] > 1 and n in blocks]
-        twins = {u[0]: u[1:] for u in _units(self.chain, free) if len(u) > 1}
+        key = tuple(free)
+        if key not in self.units:  # (a chain's loops' uses: the same for every nest)
+            self.units[key] = _units(self.chain, free)
+        twins = {u[0]: u[1:] for u in self.units[key] if len(u) > 1}
         free = [n for n in free if not any(n in rest for rest in twins.values())]
         return free, twins
 
