@@ -217,7 +217,7 @@ _MATH = r"""
    over it vectorise (about 20 instructions per vector). */
 static inline float cf_exp_neg(float x)
 {
-    const float xc = x > -88.0f ? x : -88.0f;
+    const float xc = x < -88.0f ? -88.0f : x; /* a max that lets NaN through */
     const float shifted = xc * 1.44269504088896341f + 12583039.0f; /* 0x1.8p23 + 127 */
     const float n = shifted - 12583039.0f;
     float r = xc - n * 0.693359375f;
@@ -234,8 +234,7 @@ static inline float cf_exp_neg(float x)
     bits <<= 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    const float e = p * two_n;
-    return x == x ? e : x;
+    return p * two_n; /* NaN in, NaN out: it went through every step */
 }
 
 /* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp_neg. */
