@@ -72,7 +72,14 @@ def default_num_threads() -> int:
     levels), else the number of CPUs this process may run on (its affinity mask, which is what a
     container or ``taskset`` gives us, not the machine's core count).
     """
-    value = _env(ENV_NUM_THREADS)
+    return _threads_from(os.environ.get(ENV_NUM_THREADS))
+
+
+@functools.lru_cache(maxsize=8)
+def _threads_from(raw: str | None) -> int:
+    """`default_num_threads` for one value of the variable: every kernel call asks, so the
+    parsing is done once per value (the variable is still read each time)."""
+    value = (raw or "").strip() or None
     if value is not None:
         first = value.split(",")[0].strip()
         try:

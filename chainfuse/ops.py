@@ -11,11 +11,12 @@ share one compiled object on disk, so a new shape often costs a plan and a load,
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 from chainfuse import ir
 from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
-from chainfuse.ir import Activation, Chain
+from chainfuse.ir import Activation
 from chainfuse.runtime import get_num_threads
 
 __all__ = ["attention", "conv_chain", "gemm_chain"]
@@ -28,6 +29,8 @@ def _shape(name: str, x: Any, float32: bool = True) -> tuple[int, ...]:
         raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
     if float32 and str(x.dtype) not in ("float32", "torch.float32"):
         raise TypeError(f"{name}: expected dtype float32, got {x.dtype}")
+    if isinstance(shape, tuple):  # numpy's, or a torch.Size: ints already
+        return tuple(shape)
     return tuple(int(s) for s in shape)
 
 
@@ -35,23 +38,60 @@ _DTYPES = {"float32": "float32", "torch.float32": "float32", "bfloat16": "bfloat
            "torch.bfloat16": "bfloat16"}  # fmt: skip
 
 
+_NAMES: dict[Any, str | None] = {}  # dtype object -> its name in _DTYPES (str() costs ~1 us)
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        name = _NAMES[dtype] = _DTYPES.get(str(dtype))
+        return name
+    except TypeError:  # an unhashable dtype attribute: not an array we take
+        return None
+
+
 def _dtype(names: str, *xs: Any) -> str:
     """The common dtype of the operands: float32, or bfloat16 (a torch.bfloat16 tensor or a
     numpy array of ml_dtypes.bfloat16); anything else, or a mix, is an error naming them."""
-    found = [_DTYPES.get(str(getattr(x, "dtype", ""))) for x in xs]
+    first = getattr(xs[0], "dtype", None)
+    if all(getattr(x, "dtype", None) is first for x in xs):  # one dtype object: name it once
+        found = [_dtype_name(first)]
+    else:
+        found = [_dtype_name(getattr(x, "dtype", None)) for x in xs]
     if None in found or len(set(found)) != 1:
         got = ", ".join(str(getattr(x, "dtype", type(x).__name__)) for x in xs)
         raise TypeError(f"{names}: expected all float32 or all bfloat16, got {got}")
     return str(found[0])
 
 
-def _kernel(chain: Chain) -> Kernel:
-    """The compiled kernel of `chain`, planned for the thread count calls use now."""
-    return _compiled(chain, get_num_threads())
+# Kernels by the plain arguments of the chain builders and the thread count calls use now (the
+# plan is made for it): building and verifying a chain costs 300-500 us, far more than a small
+# call's kernel, and a call with known sizes should not pay it again.
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(chain: Chain, threads: int) -> Kernel:
+def _gemm_kernel(
+    sizes: tuple[int, int, int, int, int],
+    between: Activation | str | None,
+    dtype: str,
+    threads: int,
+) -> Kernel:
+    return compile(ir.gemm_chain(*sizes, between, dtype), threads=threads)
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_kernel(
+    sizes: tuple[int, int, int, int, int, int],
+    causal: bool,
+    mask: str | None,
+    scale: float | None,
+    mask_shape: tuple[int, ...] | None,
+    dtype: str,
+    threads: int,
+) -> Kernel:
+    chain = ir.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
+                               mask_shape=mask_shape, dtype=dtype)  # fmt: skip
     return compile(chain, threads=threads)
 
 
@@ -83,7 +123,8 @@ def gemm_chain(
     if sd[1] != L:
         raise ValueError(f"D: expected {L} rows (B's L), got shape {sd[1:]}")
     N = sd[2]
-    result = _kernel(ir.gemm_chain(batch, M, N, K, L, between, dtype))(A, B, D, out=out)
+    kernel = _gemm_kernel((batch, M, N, K, L), between, dtype, get_num_threads())
+    result = kernel(A, B, D, out=out)
     return result[0] if flat else result
 
 
@@ -129,11 +170,15 @@ def attention(
         if flat and len(mask_shape) == 3:  # [batch, seq_q, seq_k] masks of 3-D inputs
             attn_mask = attn_mask[:, None]
             mask_shape = (mask_shape[0], 1, *mask_shape[1:])
-    chain = ir.attention_chain(batch, heads, seq_q, seq_k, d_qk, sv[3], causal=is_causal,
-                               mask=mask_kind, scale=scale, mask_shape=mask_shape,
-                               dtype=dtype)  # fmt: skip
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale: expected a real number or None, got {scale!r}")
+        scale = float(scale)
+    kernel = _attention_kernel((batch, heads, seq_q, seq_k, d_qk, sv[3]), bool(is_causal),
+                               mask_kind, scale, mask_shape, dtype,
+                               get_num_threads())  # fmt: skip
     inputs = [q, k, v] if attn_mask is None else [q, k, v, attn_mask]
-    out = _kernel(chain)(*inputs)
+    out = kernel(*inputs)
     return out[:, 0] if flat else out
 
 

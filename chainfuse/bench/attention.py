@@ -4,7 +4,8 @@ The 12 attention-shaped paper workloads as `softmax(Q Kᵀ / sqrt(d)) V` with 4-
 [1, heads, seq, d] (so PyTorch takes its fused CPU kernel), plus short sequences (32, 64, 128;
 12 heads of 64). Every result is checked against the float64 reference first; then chainfuse,
 `F.scaled_dot_product_attention` and matmul-softmax-matmul are timed interleaved in one process,
-medians at 1 thread and best-of at more.
+medians at 1 thread and best-of at more. chainfuse is timed as a drop-in for SDPA
+(`chainfuse.ops.attention` on the same tensors, allocating its output as SDPA does).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from chainfuse import reference
+import numpy as np
+
+from chainfuse import ops, reference
 from chainfuse.bench import workloads
-from chainfuse.bench.gemm_chain import _call, model_facts, predicted_ms, set_threads
+from chainfuse.bench.gemm_chain import model_facts, predicted_ms, set_threads
 from chainfuse.bench.results import Result, geomean
 from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
@@ -63,6 +66,18 @@ def _torch_fns(args: Sequence[Any]) -> dict[str, Callable[[], object]]:
     return {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v), "unfused": unfused}
 
 
+def _drop_in(args: Sequence[Any]) -> Callable[[], object]:
+    """chainfuse as a user calls it in SDPA's place: `ops.attention` on the tensors SDPA gets,
+    a fresh output each call (SDPA allocates one too), the kernel found by its sizes."""
+    try:
+        import torch
+    except ImportError:
+        qkv = list(args)
+    else:
+        qkv = [a if isinstance(a, torch.Tensor) else torch.from_numpy(a) for a in args]
+    return lambda: ops.attention(*qkv)
+
+
 def run(
     names: Sequence[str],
     threads: Sequence[int],
@@ -87,9 +102,10 @@ def run(
         for n in threads:
             set_threads(n)
             kernel = compile(chain, threads=n)  # planned for the threads it runs on
-            out = kernel(*qkv)
-            reference.assert_close(out.float().numpy() if bf16 else out, want, chain)
-            fns: dict[str, Callable[[], object]] = {"chainfuse": _call(kernel, qkv, out)}
+            drop_in = _drop_in(qkv)
+            out: Any = drop_in()
+            reference.assert_close(np.asarray(out.float() if bf16 else out), want, chain)
+            fns: dict[str, Callable[[], object]] = {"chainfuse": drop_in}
             fns.update(baselines)
             facts = model_facts(chain, kernel)
             spec = kernel.spec

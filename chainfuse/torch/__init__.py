@@ -31,5 +31,5 @@ def attention(
         raise ValueError("attn_mask: must be None when is_causal=True (as in PyTorch's SDPA)")
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
         raise TypeError(f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}")
-    with torch.no_grad():
-        return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
+    return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)

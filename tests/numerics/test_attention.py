@@ -164,3 +164,30 @@ def test_attention_argument_errors() -> None:
         chainfuse.ops.attention(q, q, q, attn_mask=torch.ones(3, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match="q, k, v: expected all float32 or all bfloat16"):
         chainfuse.ops.attention(q.double(), q, q)
+    with pytest.raises(TypeError, match="scale: expected a real number or None"):
+        chainfuse.ops.attention(q, q, q, scale=[0.5])
+
+
+def test_ops_find_their_kernel_by_sizes_without_rebuilding_the_chain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # building and verifying a chain costs more than a short call's kernel: a second call with
+    # the same sizes must not pay it (and must still compute the right thing)
+    from chainfuse import ir, ops
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 9, 8), dtype=np.float32) for _ in range(3))
+    A, B, D = (rng.standard_normal(s, dtype=np.float32) for s in ((2, 5, 7), (2, 7, 6), (2, 6, 3)))
+    first = ops.attention(q, k, v, scale=0.25), ops.gemm_chain(A, B, D, "relu")
+    built: list[str] = []
+    for name in ("attention_chain", "gemm_chain"):
+        real = getattr(ir, name)
+        monkeypatch.setattr(
+            ir, name, lambda *a, _r=real, _n=name, **kw: built.append(_n) or _r(*a, **kw)
+        )
+    again = ops.attention(q, k, v, scale=0.25), ops.gemm_chain(A, B, D, "relu")
+    assert built == []
+    for x, y in zip(first, again, strict=True):
+        np.testing.assert_array_equal(x, y)
+    ops.attention(q, k, v, scale=0.5)  # other arguments: a chain of their own
+    assert built == ["attention_chain"]
