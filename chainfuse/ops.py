@@ -123,6 +123,8 @@ def gemm_chain(
     if sd[1] != L:
         raise ValueError(f"D: expected {L} rows (B's L), got shape {sd[1:]}")
     N = sd[2]
+    if between is not None and not isinstance(between, (str, Activation)):
+        raise TypeError(f"between: expected None or an activation name, got {between!r}")
     kernel = _gemm_kernel((batch, M, N, K, L), between, dtype, get_num_threads())
     result = kernel(A, B, D, out=out)
     return result[0] if flat else result

@@ -155,6 +155,11 @@ def test_bad_arguments_name_the_tensor() -> None:
         kernel(inputs["A"], inputs["B"], inputs["D"], out=ro)
     with pytest.raises(ValueError, match=r"tiles\['m'\] must be a positive integer"):
         compile(chain, tiles={"m": 0})
+    a, b, d = inputs["A"], inputs["B"], inputs["D"]
+    with pytest.raises(TypeError, match="between: expected None or an activation name"):
+        chainfuse.ops.gemm_chain(a, b, d, between=["relu"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="between: expected None, 'relu'"):
+        chainfuse.ops.gemm_chain(a, b, d, between="tanh")
 
 
 def test_ops_gemm_chain_numpy_and_2d() -> None:
