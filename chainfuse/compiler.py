@@ -286,8 +286,7 @@ class Kernel(_Built):
             *pad, *a_st[: nb + 1], *pad, *b_st[: nb + 1],
             *pad, *d_st[: nb + 1], *pad, *e_st[: nb + 1],
         )  # fmt: skip
-        threads = get_num_threads()
-        local = self._workspace(1 if self._alone else threads)
+        local = self._workspace(1 if self._alone else get_num_threads())
         packed = local.args
         if strides != local.strides:
             packed[_STRIDES] = strides

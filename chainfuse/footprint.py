@@ -145,12 +145,11 @@ def grid_sum(dims: Iterable[Dim], tiles: Mapping[str, int]) -> int:
     """Elements touched summed over every block: the sum over all tile indices of the dims'
     tiled loops of the product of their spans (a block on the edge counts at its clipped size)."""
     dims = tuple(dims)
-    names, trips, single = _grid(dims, tiles)
+    names, trips, line = _grid(dims, tiles)
     if math.prod(trips) == 1:
         return point_span(dims, tiles)
-    moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
-    if len(moving) == 1 and single:
-        return _line_sum(dims, tiles, moving[0], math.prod(trips))
+    if line:
+        return _line_sum(dims, tiles, line, math.prod(trips))
     grid = np.indices(trips).reshape(len(names), -1)
     at = dict(zip(names, grid, strict=True))
     total: Any = 1
@@ -167,11 +166,9 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
     A tensor's region repeats where clipping or a sum of loops maps two tile indices to one
     range: a halo clipped to the same rows at a border, or `p + r` with `r` tiled."""
     dims = tuple(dims)
-    names, trips, single = _grid(dims, tiles)
-    moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
-    if len(moving) <= 1 and single:
-        loop = moving[0] if moving else ""
-        return _line_repeats(dims, tiles, loop, math.prod(trips), step.get(loop, 0))
+    names, trips, line = _grid(dims, tiles)
+    if line is not None:
+        return _line_repeats(dims, tiles, line, math.prod(trips), step.get(line, 0))
     # every block's clipped range of every dim, once; a step's blocks before and after it are
     # then two slices of the grid
     grid = np.indices(trips)
@@ -195,9 +192,9 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
     return int(np.sum(np.where(same, size, 0)))
 
 
-# One moving loop (any other tiled loop has a single tile): the blocks along a line. Every bound is then an affine function of the tile
-# index i wherever nothing is clipped (a derived loop with one use, sums of such), and a bound's
-# lo and hi move by the same slope, so an unclipped block spans as much as any other. The set
+# One moving loop (any other tiled loop has a single tile): the blocks along a line. Every bound
+# is then an affine function of the tile index i wherever nothing is clipped (a derived loop with
+# one use, sums of such), and a bound's lo and hi move by the same slope, so an unclipped block spans as much as any other. The set
 # of i at which nothing is clipped is an interval (each clip is a half-line of an affine
 # function, taken on the interval where the bounds inside it are affine), so the blocks split
 # into clipped ones at either end, walked one by one, and a middle run of equal blocks that is
@@ -276,7 +273,7 @@ def _line_ends(
     dims: tuple[Dim, ...], tiles: Mapping[str, int], loop: str, trips: int
 ) -> tuple[list[tuple[int, int, tuple[int, ...]]], int, int]:
     """The clipped blocks (index, elements, ranges) at both ends, in index order, and the middle
-    run of unclipped blocks as (first index, count); count 0 when every block is clipped."""
+    run of unclipped blocks as (count, elements of each); count 0 when every block is clipped."""
     ends: list[tuple[int, int, tuple[int, ...]]] = []
     i = 0
     while i < trips:
@@ -287,6 +284,7 @@ def _line_ends(
         i += 1
     if i == trips:
         return ends, 0, 0
+    middle = size
     tail: list[tuple[int, int, tuple[int, ...]]] = []
     j = trips - 1
     while j > i:
@@ -295,15 +293,12 @@ def _line_ends(
             break
         tail.append((j, size, ranges))
         j -= 1
-    return ends + tail[::-1], i, j - i + 1
+    return ends + tail[::-1], j - i + 1, middle
 
 
 def _line_sum(dims: tuple[Dim, ...], tiles: Mapping[str, int], loop: str, trips: int) -> int:
-    ends, first, count = _line_ends(dims, tiles, loop, trips)
-    total = sum(size for _, size, _ in ends)
-    if count:
-        total += count * _line_block(dims, tiles, loop, first)[0]
-    return total
+    ends, count, middle = _line_ends(dims, tiles, loop, trips)
+    return sum(size for _, size, _ in ends) + count * middle
 
 
 def _line_repeats(
@@ -330,22 +325,23 @@ def may_repeat(dims: Iterable[Dim], tiles: Mapping[str, int]) -> bool:
     their region unchanged (every `repeat_sum` whose step moves them is 0): exact and cheap for
     one moving loop; True (it may) otherwise."""
     dims = tuple(dims)
-    names, trips, single = _grid(dims, tiles)
-    moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
-    if len(moving) != 1 or not single:
+    _, trips, line = _grid(dims, tiles)
+    if not line:
         return True
-    loop, count = moving[0], math.prod(trips)
-    return any(_line_repeats(dims, tiles, loop, count, move) for move in (1, 2))
+    return any(_line_repeats(dims, tiles, line, math.prod(trips), move) for move in (1, 2))
 
 
 def _grid(
     dims: tuple[Dim, ...], tiles: Mapping[str, int]
-) -> tuple[tuple[str, ...], list[int], bool]:
-    """The dims' tiled loops (sorted), how many tiles each has, and whether every derived loop
-    is read through one index."""
+) -> tuple[tuple[str, ...], list[int], str | None]:
+    """The dims' tiled loops (sorted), how many tiles each has, and, when the blocks lie along a
+    line (every derived loop read through one index, at most one loop with several tiles), that
+    loop ("" when none moves); None otherwise."""
     names, extents, single = _structure(dims)
     trips = [-(-e // max(1, min(tiles.get(n, e), e))) for n, e in zip(names, extents, strict=True)]
-    return names, trips, single
+    moving = [n for n, t in zip(names, trips, strict=True) if t > 1]
+    line = (moving[0] if moving else "") if single and len(moving) <= 1 else None
+    return names, trips, line
 
 
 @functools.lru_cache(maxsize=4096)

@@ -618,9 +618,10 @@ class _Compiled:
         for r in recipes:
             rid, get, dims, _ = self.recipes[r]
             if any(trips[n] > 1 for n in self.recipe_loops[r]):
-                may = memo.get(("may repeat", rid, get(full)))
+                may_key = ("may repeat", rid, get(full))
+                may = memo.get(may_key)
                 if may is None:
-                    may = memo[("may repeat", rid, get(full))] = may_repeat(dims, full)
+                    may = memo[may_key] = may_repeat(dims, full)
                 if may:
                     break
         else:
