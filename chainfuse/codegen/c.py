@@ -209,7 +209,7 @@ _MATH = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* exp of x <= 0 (every use: scores minus their running max, -a^2): range reduction to
+/* exp of x <= 0 (erf's exp(-a^2)): range reduction to
    [-ln2/2, ln2/2] and a degree-7 polynomial (Cephes' expf coefficients, relative error < 1e-7).
    n = round(x / ln2) comes from the 1.5 * 2^23 shifter, whose low mantissa bits then hold
    n + 127: shifted left by 23 they are 2^n. x <= -88 (and -inf) gives 0, NaN stays NaN; x > 88
@@ -235,6 +235,31 @@ static inline float cf_exp_neg(float x)
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n; /* NaN in, NaN out: it went through every step */
+}
+
+/* 2^x for x <= 0: the softmax works in base 2 (its scale carries log2(e)), which spares the
+   ln2 range reduction. n = round(x) from the same shifter, 2^f for f = x - n in [-1/2, 1/2] by
+   a degree-5 polynomial (coefficients fitted for chainfuse: least squares on Chebyshev nodes,
+   reweighted towards the minimax relative error; 1.9e-7 evaluated in float32). x < -126.5 (and
+   -inf) gives 0, NaN stays NaN. About 12 instructions per vector. */
+static inline float cf_exp2_neg(float x)
+{
+    const float xc = x < -127.0f ? -127.0f : x; /* a max that lets NaN through */
+    const float shifted = xc + 12583039.0f; /* 0x1.8p23 + 127 */
+    const float n = shifted - 12583039.0f;
+    const float f = xc - n;
+    float p = 1.3264718000e-3f;
+    p = p * f + 9.6715129912e-3f;
+    p = p * f + 5.5507339537e-2f;
+    p = p * f + 2.4022242427e-1f;
+    p = p * f + 6.9314700365e-1f;
+    p = p * f + 1.0f;
+    uint32_t bits;
+    memcpy(&bits, &shifted, sizeof bits);
+    bits <<= 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
 }
 
 /* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp_neg. */
@@ -406,6 +431,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long mblocks = (M + T_M - 1) / T_M;")
         w.line("const long blocks = nb0 * nb1 * mblocks;")
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
+        if spec.epilogue is Epilogue.SOFTMAX:
+            w.line("/* the scores in base 2: exp(x) = 2^(x log2(e)) */")
+            w.line("const float scale2 = scale * 1.44269504088896341f;")
         w.line("(void)scale;")
         w.line("/* mask strides (elements, 0 where it broadcasts): batch0, batch1, m, l */")
         w.line("const long sM0 = mask_strides[0], sM1 = mask_strides[1];")
@@ -442,7 +470,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
 
 def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
     """Aᵀ strips (op1's B operand): strip j holds m columns j*nr.. over k. `scaled`: times the
-    softmax scale, so the scores come out scaled (one pass over the T_M x K block of A instead
+    softmax scale and log2(e), so the scores come out scaled and in base 2 (one pass over the T_M x K block of A instead
     of one over every T_M x T_L tile of scores)."""
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
@@ -450,7 +478,7 @@ def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
         w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, strip);")
         if scaled:
             w.line("#pragma omp simd")
-            w.line(f"for (long x = 0; x < (long)NR * {kc}; ++x) strip[x] *= scale;")
+            w.line(f"for (long x = 0; x < (long)NR * {kc}; ++x) strip[x] *= scale2;")
 
 
 def _block(w: Writer, spec: GemmChainSpec) -> None:
@@ -528,7 +556,10 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                             )
                     with w.block("else"):
                         w.line(f"{uk}(kc, Bt + (long)s * MR * kc, a, c, NR, m, n, k0 > 0);")
-        _epilogue(w, spec)
+                if spec.epilogue is not Epilogue.NONE:
+                    w.line("/* the strip's scores are complete and in L1: f on them now */")
+                    with w.block("if (k0 + kc >= K)"):
+                        _epilogue_strip(w, spec)
         w.line("/* op2: Eᵀ[n_o, m_o] (+)= Dᵀ[n_o, l_o] . Pᵀ[l_o, m_o] */")
         with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
@@ -577,19 +608,29 @@ def _store_e(w: Writer, spec: GemmChainSpec) -> None:
         scaled = " * inv" if softmax else ""
         first = "0"
         tb = spec.kernel.transpose_block
+        uk = spec.kernel.name
         if tb:
             w.line(f"/* whole {tb}-row groups: {tb}x{tb} blocks of Eᵀ transposed in registers */")
             w.line(f"const int whole = mc / {tb} * {tb};")
             with w.block(f"for (int i = 0; i < whole; i += {tb})"):
                 w.line("long c = 0;")
                 with w.block(f"for (; c + {tb} <= N; c += {tb})"):
-                    w.line(f"float blk[{tb * tb}] __attribute__((aligned(32)));")
-                    w.line(f"{spec.kernel.name}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
-                    with w.block(f"for (int r = 0; r < {tb}; ++r)"):
-                        _e_row(w, softmax, "i + r")
-                        w.line(
-                            f"for (int cc = 0; cc < {tb}; ++cc) e[c + cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
-                        )
+                    if spec.dtype is DType.FLOAT32:  # straight into E, scaled on the way
+                        w.line("float* restrict e = E_b + i * sEm + c;")
+                        if softmax:
+                            w.line(
+                                f"{uk}_transpose_scaled(Et + c * LDE + i, LDE, e, sEm, inv_sum + i);"
+                            )
+                        else:
+                            w.line(f"{uk}_transpose(Et + c * LDE + i, LDE, e, sEm);")
+                    else:  # through a block on the stack, rounded to bf16 on the way out
+                        w.line(f"float blk[{tb * tb}] __attribute__((aligned(32)));")
+                        w.line(f"{uk}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
+                        with w.block(f"for (int r = 0; r < {tb}; ++r)"):
+                            _e_row(w, softmax, "i + r")
+                            w.line(
+                                f"for (int cc = 0; cc < {tb}; ++cc) e[c + cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
+                            )
                 with w.block(f"for (int r = 0; r < {tb}; ++r)"):
                     _e_row(w, softmax, "i + r")
                     w.line(
@@ -613,64 +654,59 @@ def _e_row(w: Writer, softmax: bool, row: str) -> None:
         w.line(f"const float inv = inv_sum[{row}];")
 
 
-def _epilogue(w: Writer, spec: GemmChainSpec) -> None:
-    if spec.epilogue is Epilogue.NONE:
-        return
+def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
+    """f on strip `j` of the score tile (`lc` rows of NR columns), once its k blocks are done."""
     if spec.epilogue in (Epilogue.RELU, Epilogue.GELU):
-        w.line(f"/* {spec.epilogue.value} on the tile while it is in cache */")
-        with w.block("for (int j = 0; j * NR < mc; ++j)"):
-            w.line("float* restrict p = Pt + (long)j * LPM * NR;")
-            w.line("#pragma omp simd")
-            with w.block("for (int x = 0; x < lc * NR; ++x)"):
-                if spec.epilogue is Epilogue.RELU:
-                    w.line("p[x] = p[x] > 0.0f ? p[x] : 0.0f;")
-                else:
-                    w.line("p[x] = 0.5f * p[x] * (1.0f + cf_erf(p[x] * 0.70710678118654752f));")
+        w.line(f"/* {spec.epilogue.value} on the strip */")
+        w.line("float* restrict p = Pt + (long)j * LPM * NR;")
+        w.line("#pragma omp simd")
+        with w.block("for (int x = 0; x < lc * NR; ++x)"):
+            if spec.epilogue is Epilogue.RELU:
+                w.line("p[x] = p[x] > 0.0f ? p[x] : 0.0f;")
+            else:
+                w.line("p[x] = 0.5f * p[x] * (1.0f + cf_erf(p[x] * 0.70710678118654752f));")
         return
     w.line("/* online softmax down each column (a row of the scores): new max, rescale what the")
-    w.line("   sum and Eᵀ hold by exp(old max - new max), exponentiate the tile */")
-    with w.block("for (int j = 0; j * NR < mc; ++j)"):
-        w.line("float* restrict p = Pt + (long)j * LPM * NR;")
-        w.line("float* restrict cmax = col_max + j * NR;")
-        w.line("float* restrict csum = col_sum + j * NR;")
-        w.line("float mx[NR], shift[NR], alpha[NR], sum[NR];")
-        w.line("for (int c = 0; c < NR; ++c) mx[c] = -INFINITY;")
-        masked = spec.mask is not MaskKind.NONE or spec.causal
-        if masked:
-            w.line("/* the query (m) of each column; padding columns reuse the last valid one */")
-            w.line("long q[NR];")
-            w.line(
-                "for (int c = 0; c < NR; ++c) q[c] = m0 + (j * NR + c < mc ? j * NR + c : mc - 1);"
-            )
-        with w.block("for (int r = 0; r < lc; ++r)"):
-            if not masked:
-                w.line("#pragma omp simd")
-            with w.block("for (int c = 0; c < NR; ++c)"):
-                w.line("float v = p[r * NR + c]; /* scaled already: Aᵀ was packed times scale */")
-                if spec.mask is MaskKind.ADDITIVE:
-                    w.line("v += CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]);")
-                elif spec.mask is MaskKind.BOOL:
-                    w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
-                if spec.causal:
-                    w.line("v = l0 + r > q[c] ? -INFINITY : v;")
-                if masked:
-                    w.line("p[r * NR + c] = v;")
-                w.line("mx[c] = v > mx[c] ? v : mx[c];")
-        with w.block("for (int c = 0; c < NR; ++c)"):
-            w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
-            w.line("/* a column with nothing but -inf so far keeps zero mass */")
-            w.line("shift[c] = m_new == -INFINITY ? 0.0f : m_new;")
-            w.line("alpha[c] = cmax[c] == -INFINITY ? 0.0f : cf_exp_neg(cmax[c] - shift[c]);")
-            w.line("cmax[c] = m_new;")
-            w.line("sum[c] = 0.0f;")
-        with w.block("for (int r = 0; r < lc; ++r)"):
+    w.line("   sum and Eᵀ hold by exp(old max - new max), exponentiate the strip */")
+    w.line("float* restrict p = Pt + (long)j * LPM * NR;")
+    w.line("float* restrict cmax = col_max + j * NR;")
+    w.line("float* restrict csum = col_sum + j * NR;")
+    w.line("float mx[NR], shift[NR], alpha[NR], sum[NR];")
+    w.line("for (int c = 0; c < NR; ++c) mx[c] = -INFINITY;")
+    masked = spec.mask is not MaskKind.NONE or spec.causal
+    if masked:
+        w.line("/* the query (m) of each column; padding columns reuse the last valid one */")
+        w.line("long q[NR];")
+        w.line("for (int c = 0; c < NR; ++c) q[c] = m0 + (j * NR + c < mc ? j * NR + c : mc - 1);")
+    with w.block("for (int r = 0; r < lc; ++r)"):
+        if not masked:
             w.line("#pragma omp simd")
-            with w.block("for (int c = 0; c < NR; ++c)"):
-                w.line("const float e = cf_exp_neg(p[r * NR + c] - shift[c]);")
-                w.line("p[r * NR + c] = e;")
-                w.line("sum[c] += e;")
         with w.block("for (int c = 0; c < NR; ++c)"):
-            w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
-        with w.block("if (l0 > 0)"), w.block("for (long c2 = 0; c2 < N; ++c2)"):
-            w.line("float* restrict et = Et + c2 * LDE + j * NR;")
-            w.line("for (int c = 0; c < NR; ++c) et[c] *= alpha[c];")
+            w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
+            if spec.mask is MaskKind.ADDITIVE:
+                w.line("v += CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]) * 1.44269504088896341f;")
+            elif spec.mask is MaskKind.BOOL:
+                w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
+            if spec.causal:
+                w.line("v = l0 + r > q[c] ? -INFINITY : v;")
+            if masked:
+                w.line("p[r * NR + c] = v;")
+            w.line("mx[c] = v > mx[c] ? v : mx[c];")
+    with w.block("for (int c = 0; c < NR; ++c)"):
+        w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
+        w.line("/* a column with nothing but -inf so far keeps zero mass */")
+        w.line("shift[c] = m_new == -INFINITY ? 0.0f : m_new;")
+        w.line("alpha[c] = cmax[c] == -INFINITY ? 0.0f : cf_exp2_neg(cmax[c] - shift[c]);")
+        w.line("cmax[c] = m_new;")
+        w.line("sum[c] = 0.0f;")
+    with w.block("for (int r = 0; r < lc; ++r)"):
+        w.line("#pragma omp simd")
+        with w.block("for (int c = 0; c < NR; ++c)"):
+            w.line("const float e = cf_exp2_neg(p[r * NR + c] - shift[c]);")
+            w.line("p[r * NR + c] = e;")
+            w.line("sum[c] += e;")
+    with w.block("for (int c = 0; c < NR; ++c)"):
+        w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
+    with w.block("if (l0 > 0)"), w.block("for (long c2 = 0; c2 < N; ++c2)"):
+        w.line("float* restrict et = Et + c2 * LDE + j * NR;")
+        w.line("for (int c = 0; c < NR; ++c) et[c] *= alpha[c];")

@@ -29,17 +29,13 @@ AVX2 = VectorOps(
 
 def avx2_transpose8(kernel: MicroKernel) -> str:
     """``<name>_transpose``: an 8x8 float block through registers (8 loads, 24 shuffles, 8 stores;
-    the unpack / shuffle / 128-bit-lane-permute sequence)."""
+    the unpack / shuffle / 128-bit-lane-permute sequence), and ``<name>_transpose_scaled``, the
+    same with output row ``j`` times ``scale[j]`` (8 more multiplies)."""
     name = kernel.name
     loads = "\n".join(
         f"    const __m256 r{i} = _mm256_loadu_ps(src + {i} * lds);" for i in range(8)
     )
-    return f"""
-/* {name}_transpose: dst[j*ldd + i] = src[i*lds + j], i, j < 8 */
-static inline void {name}_transpose(const float* restrict src, long lds, float* restrict dst,
-{" " * (len(name) + 31)}long ldd)
-{{
-{loads}
+    shuffles = """\
     const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
     const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
     const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -47,15 +43,35 @@ static inline void {name}_transpose(const float* restrict src, long lds, float* 
     const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
     const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
     const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(dst + 0 * ldd, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(dst + 1 * ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);"""
+    rows = [f"_mm256_permute2f128_ps(u{j % 4}, u{j % 4 + 4}, {'0x20' if j < 4 else '0x31'})"
+            for j in range(8)]  # fmt: skip
+    plain = "\n".join(
+        f"    _mm256_storeu_ps(dst + {j} * ldd, {row});" for j, row in enumerate(rows)
+    )
+    scaled = "\n".join(
+        f"    _mm256_storeu_ps(dst + {j} * ldd, _mm256_mul_ps({row}, _mm256_broadcast_ss(scale + {j})));"
+        for j, row in enumerate(rows)
+    )
+    pad = " " * (len(name) + 31)
+    return f"""
+/* {name}_transpose: dst[j*ldd + i] = src[i*lds + j], i, j < 8 */
+static inline void {name}_transpose(const float* restrict src, long lds, float* restrict dst,
+{pad}long ldd)
+{{
+{loads}
+{shuffles}
+{plain}
+}}
+
+/* {name}_transpose_scaled: dst[j*ldd + i] = src[i*lds + j] * scale[j], i, j < 8 */
+static inline void {name}_transpose_scaled(const float* restrict src, long lds,
+{pad}       float* restrict dst, long ldd,
+{pad}       const float* restrict scale)
+{{
+{loads}
+{shuffles}
+{scaled}
 }}
 """
 

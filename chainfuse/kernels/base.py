@@ -90,8 +90,10 @@ class MicroKernel:
 
     ``transpose`` (optional) emits ``<name>_transpose(src, lds, dst, ldd)``, a square block of
     ``transpose_block`` floats a side transposed in registers, ``dst[j*ldd + i] =
-    src[i*lds + j]``: the packing of a transposed operand and the generated kernels' transposed
-    stores use it for whole blocks (a scalar transpose is one store per element).
+    src[i*lds + j]``, and ``<name>_transpose_scaled(src, lds, dst, ldd, scale)``, the same
+    with ``dst`` row ``j`` times ``scale[j]``: the packing of a transposed operand and the
+    generated kernels' transposed stores (a softmax's normalisation included) use them for whole
+    blocks (a scalar transpose is one store per element).
     """
 
     name: str

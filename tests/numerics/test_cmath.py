@@ -1,5 +1,5 @@
-"""The C math helpers every generated GEMM-chain kernel includes (`codegen.c._MATH`): the exp of
-the softmax and the erf of GELU, against float64 numpy/math over their whole domain, built with
+"""The C math helpers every generated GEMM-chain kernel includes (`codegen.c._MATH`): the
+exponentials (the softmax's base-2 one, the one under GELU's erf) and the erf, against float64 numpy/math over their whole domain, built with
 the flags of every kernel build (so the vectorised, if-converted code is what is tested)."""
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ void run_exp(const float* x, float* y, long n)
     for (long i = 0; i < n; ++i) y[i] = cf_exp_neg(x[i]);
 }
 
+void run_exp2(const float* x, float* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_exp2_neg(x[i]);
+}
+
 void run_erf(const float* x, float* y, long n)
 {
     for (long i = 0; i < n; ++i) y[i] = cf_erf(x[i]);
@@ -36,7 +41,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("cmath-cache")))
         built = load(build(HARNESS, "test_cmath", ()).path)
-        for name in ("run_exp", "run_erf"):
+        for name in ("run_exp", "run_exp2", "run_erf"):
             fn = getattr(built, name)
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
@@ -70,6 +75,33 @@ def test_exp_special_values(lib: ctypes.CDLL) -> None:
     got = _apply(lib, "run_exp", np.array([-np.inf, np.nan, -1e30, -89.0, 0.0], np.float32))
     assert got[0] == 0.0 and np.isnan(got[1]) and got[2] == 0.0 and got[3] == 0.0
     assert got[4] == 1.0
+
+
+def test_exp2_of_non_positive_arguments(lib: ctypes.CDLL) -> None:
+    # the softmax's exponential (its scores in base 2): every step near 0, a dense sweep, both
+    # rounding directions of n (x - n = +-1/2), the subnormal edge
+    half = np.arange(0, 127) + 0.5
+    x = np.concatenate([
+        -np.linspace(0.0, 1e-3, 1001), -np.linspace(0.0, 126.0, 300_007), -half,
+        -np.nextafter(half, 0), -np.nextafter(half, 200), [-0.0, -1e-30, -1e-45],
+    ]).astype(np.float32)  # fmt: skip
+    got = _apply(lib, "run_exp2", x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    normal = want >= np.finfo(np.float32).tiny * 2
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() < 2.5e-7, (
+        f"worst relative error {rel.max():.3g} at x={x[normal][rel.argmax()]}"
+    )
+    tiny = ~normal
+    assert np.all((got[tiny] >= 0) & (got[tiny] <= 2 * np.finfo(np.float32).tiny))
+
+
+def test_exp2_special_values(lib: ctypes.CDLL) -> None:
+    x = np.array([-np.inf, np.nan, -1e30, -127.0, -126.75, 0.0, -1.0, -126.0], np.float32)
+    got = _apply(lib, "run_exp2", x)
+    assert got[0] == 0.0 and np.isnan(got[1]) and got[2] == 0.0 and got[3] == 0.0
+    assert got[4] == 0.0 and got[5] == 1.0 and got[6] == 0.5
+    assert got[7] == np.float32(2.0**-126)
 
 
 def test_erf(lib: ctypes.CDLL) -> None:
