@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import struct
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -153,6 +154,17 @@ def _torch_dtype(dtype: str) -> Any:
 _BYTE = ctypes.c_char
 
 
+def _torch_empty(like: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """A new contiguous CPU tensor for a call's output. `torch.empty_like` of an input of that
+    shape, dtype and layout when there is one: without keyword arguments it costs half as
+    much (~1.3 us against ~3.5 us, a tenth of a short attention call)."""
+    torch_dtype = _torch_dtype(dtype)
+    torch = sys.modules["torch"]  # imported: `like` is a tensor
+    if like.shape == shape and like.dtype is torch_dtype and like.is_contiguous():
+        return torch.empty_like(like)
+    return torch.empty(shape, dtype=torch_dtype)
+
+
 @functools.lru_cache(maxsize=1024)
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Element strides of a C-contiguous array of `shape`."""
@@ -273,12 +285,12 @@ class Kernel(_Built):
         d_ptr, d_st = _check(d_name, inputs[d_at], shapes[d_name], dtype=dt)
         out_shape = shapes[e_name]
         if out is None:
-            if _is_torch(inputs[0]):
-                import torch
-
-                out = torch.empty(out_shape, dtype=getattr(torch, dt))
-            else:
-                out = np.empty(out_shape, dtype=inputs[0].dtype)
+            first = inputs[0]
+            out = (
+                _torch_empty(first, out_shape, dt)
+                if _is_torch(first)
+                else np.empty(out_shape, dtype=first.dtype)
+            )
         e_ptr, e_st = _check("out", out, out_shape, writable=True, dtype=dt)
         nb = self._nb
         pad = (0,) * (2 - nb)

@@ -147,8 +147,14 @@ def attention(
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros. `scale` defaults to 1/sqrt(d_qk).
     """
-    dtype = _dtype("q, k, v", q, k, v)
-    sq, sk, sv = (_shape(n, x, float32=False) for n, x in (("q", q), ("k", k), ("v", v)))
+    # the common case in a few attribute reads (a short call's kernel takes tens of us, and
+    # every generic helper call here costs a microsecond); anything else the generic way
+    dt = getattr(q, "dtype", None)
+    same = dt is not None and getattr(k, "dtype", None) is dt and getattr(v, "dtype", None) is dt
+    dtype = (_dtype_name(dt) if same else None) or _dtype("q, k, v", q, k, v)
+    sq, sk, sv = getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None)
+    if not (isinstance(sq, tuple) and isinstance(sk, tuple) and isinstance(sv, tuple)):
+        sq, sk, sv = (_shape(n, x, float32=False) for n, x in (("q", q), ("k", k), ("v", v)))
     if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
         raise ValueError(f"q, k, v: expected all 3-D or all 4-D, got shapes {sq}, {sk}, {sv}")
     flat = len(sq) == 3

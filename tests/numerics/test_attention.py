@@ -191,3 +191,27 @@ def test_ops_find_their_kernel_by_sizes_without_rebuilding_the_chain(
         np.testing.assert_array_equal(x, y)
     ops.attention(q, k, v, scale=0.5)  # other arguments: a chain of their own
     assert built == ["attention_chain"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "dv-differs", "requires-grad"])
+def test_torch_outputs_are_new_contiguous_tensors(layout: str) -> None:
+    # the output is allocated like q when q has its shape and layout, else from scratch: either
+    # way a new, contiguous float32 tensor that does not require grad
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(5)
+    B, H, L, E = 2, 3, 19, 8
+    q, k, v = (torch.randn(B, H, L, E, generator=g) for _ in range(3))
+    if layout == "transposed":  # [B, L, H, E] memory seen as [B, H, L, E], as attention layers do
+        q, k, v = (torch.randn(B, L, H, E, generator=g).transpose(1, 2) for _ in range(3))
+    elif layout == "dv-differs":
+        v = torch.randn(B, H, L, E + 3, generator=g)
+    elif layout == "requires-grad":
+        q.requires_grad_(True)
+    with torch.no_grad():
+        ours = chainfuse.ops.attention(q, k, v)
+    assert isinstance(ours, torch.Tensor) and ours.dtype == torch.float32
+    assert ours.shape == (B, H, L, v.shape[-1]) and ours.is_contiguous()
+    assert not ours.requires_grad and ours.data_ptr() not in {x.data_ptr() for x in (q, k, v)}
+    chain = chainfuse.attention_chain(B, H, L, L, E, v.shape[-1])
+    want = reference.run(chain, {"Q": q.detach().numpy(), "K": k.numpy(), "V": v.numpy()})
+    reference.assert_close(ours.numpy(), want["O"], chain)
