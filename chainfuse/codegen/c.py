@@ -51,8 +51,8 @@ DIRECT_STRIDE = 256  # if the slivers' rows are at most this many elements apart
 # of pages once per sliver (a 16 KiB stride touches a new page per element read); row by row
 # reads every row once, contiguously, and writes MR floats to each sliver.
 _PACK_PANEL = """\
-/* Ap[s*kc + p*MR + i] = At[p*ldat + s + i] for every whole sliver s (when `whole`), and the
-   tail sliver zero-padded by PACK_AT */
+/* Ap[(s/MR)*SLIVER(kc) + p*MR + i] = At[p*ldat + s + i] for every whole sliver (column s, a
+   multiple of MR) when `whole`, and the tail sliver zero-padded by PACK_AT */
 #define PANEL_AHEAD 8 /* rows prefetched ahead */
 static void cf_pack_at_panel(int kc, int width, const cf_elem* restrict At, long ldat,
                              float* restrict Ap, int whole)
@@ -66,12 +66,12 @@ static void cf_pack_at_panel(int kc, int width, const cf_elem* restrict At, long
             for (int c = 0; c < width; c += 64 / (int)sizeof(cf_elem))
                 __builtin_prefetch(row + PANEL_AHEAD * ldat + c);
             for (int s = 0; s < full; s += MR) {
-                float* restrict dst = Ap + (long)s * kc + (long)p * MR;
+                float* restrict dst = Ap + (long)(s / MR) * SLIVER(kc) + (long)p * MR;
                 for (int i = 0; i < MR; ++i) dst[i] = CF_LOAD(row[s + i]);
             }
         }
     }
-    if (full < width) PACK_AT(kc, width - full, At + full, ldat, Ap + (long)full * kc);
+    if (full < width) PACK_AT(kc, width - full, At + full, ldat, Ap + (long)(full / MR) * SLIVER(kc));
 }
 """
 
@@ -371,6 +371,13 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(f"#define LPM {-(-spec.T_L // mr) * mr} /* T_L rounded up to whole mr strips */")
     w.line(f"#define NPM {-(-spec.T_N // mr) * mr}")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
+    w.line("/* floats from one packed MR-row sliver of a kc-step panel to the next: whole cache")
+    w.line("   lines, an odd number of them, so that the slivers a panel's row-by-row packing")
+    w.line("   writes at once fall in different cache sets (an even stride of 2^n lines puts")
+    w.line("   them all in a few sets of L1, and every store misses) */")
+    w.line(
+        "#define SLIVER(kc) (ALIGN16((long)(kc) * MR) + (ALIGN16((long)(kc) * MR) / 16 % 2 ? 0 : 16))"
+    )
     if spec.dtype is DType.BFLOAT16:
         w.line("/* bf16 inputs and output: converted to fp32 while packing (the micro-kernel and")
         w.line("   the intermediate are fp32), E rounded to bf16 once at the end */")
@@ -402,8 +409,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long TK = K < T_K ? K : T_K;")
         w.line("const long AK = TK == K ? K : TK;")
         w.line(
-            "return ALIGN16(MPN * AK) + ALIGN16(LPM * TK) + ALIGN16(MPN * LPM)"
-            " + ALIGN16(NPM * T_L) + ALIGN16(N * LDE) + 2 * ALIGN16(MPN);"
+            "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
+            " + NPM / MR * SLIVER(T_L) + ALIGN16(N * LDE) + 2 * ALIGN16(MPN);"
         )
     w.line("")
     _store_e(w, spec)
@@ -444,9 +451,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         with w.block("for (int t = 0; t < nthreads; ++t)"):
             w.line("float* restrict At = work + (long)t * work_per_thread;")
             w.line("float* restrict Bt = At + ALIGN16(MPN * AK);")
-            w.line("float* restrict Pt = Bt + ALIGN16(LPM * TK);")
+            w.line("float* restrict Pt = Bt + LPM / MR * SLIVER(TK);")
             w.line("float* restrict Dt = Pt + ALIGN16(MPN * LPM);")
-            w.line("float* restrict Et = Dt + ALIGN16(NPM * T_L);")
+            w.line("float* restrict Et = Dt + NPM / MR * SLIVER(T_L);")
             w.line("float* restrict col_max = Et + ALIGN16(N * LDE);")
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
             w.line("const long first = (long)t * share;")
@@ -529,7 +536,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                     w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
                     w.line("if (direct_b && m == MR) continue; /* read in place below */")
                     w.line(
-                        "PACK_A(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * MR * kc);"
+                        "PACK_A(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * SLIVER(kc));"
                     )
             else:  # (whole slivers read in place below when direct_b)
                 w.line("cf_pack_at_panel(kc, lc, B_b + k0 * sBr + l0, sBr, Bt, !direct_b);")
@@ -555,7 +562,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                                 " NR, n, k0 > 0);"
                             )
                     with w.block("else"):
-                        w.line(f"{uk}(kc, Bt + (long)s * MR * kc, a, c, NR, m, n, k0 > 0);")
+                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, n, k0 > 0);")
                 if spec.epilogue is not Epilogue.NONE:
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
@@ -580,7 +587,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
                             )
                     with w.block("else"):
                         w.line(
-                            f"{uk}(lc, Dt + (long)s * MR * lc, Pt + (long)j * LPM * NR, c, LDE,"
+                            f"{uk}(lc, Dt + (long)s * SLIVER(lc), Pt + (long)j * LPM * NR, c, LDE,"
                             " m, n, l0 > 0);"
                         )
     w.line(
