@@ -49,6 +49,7 @@ from chainfuse.codegen.conv import (
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select
+from chainfuse.model import dealt_level
 from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
@@ -429,9 +430,9 @@ def _planner_fingerprint() -> str:
 
 
 def _code_level(hw: Hardware) -> str:
-    """The level whose tiles the generated loop nest uses: the largest per-core cache."""
-    private = [lv.name for lv in hw.levels[:-1] if not lv.shared]
-    return private[-1] if private else hw.levels[0].name
+    """The level whose tiles the generated loop nest uses: the largest per-core cache, the one
+    whose blocks the model deals to the cores (`model.dealt_level`)."""
+    return dealt_level(hw)
 
 
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:

@@ -37,6 +37,7 @@ arithmetic plus memo lookups of the expressions' values by the tiles they read.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import operator
@@ -301,6 +302,40 @@ class LevelCost:
 
 def _trips(n: int, t: int) -> int:
     return -(-n // max(1, min(t, n)))
+
+
+@functools.lru_cache(maxsize=4096)
+def deal(dims: tuple[tuple[int, int], ...], cores: int) -> tuple[int, float]:
+    """(busy workers, imbalance) of the blocks of the parallel loops `dims` ((extent, tile)
+    each, outermost first) dealt to `cores` as the generated kernels deal them: in row-major
+    order, a contiguous share of ceil(blocks / workers) blocks each. The imbalance is the
+    busiest worker's work over the average, work counted in elements, so that tail blocks
+    weigh what they hold: 768 rows in blocks of 512 on 2 cores leave one core 512 rows and the
+    other 256 (imbalance 4/3, though each has one block)."""
+    trips = [_trips(n, t) for n, t in dims]
+    units = math.prod(trips)
+    workers = max(1, min(cores, units))
+    share = -(-units // workers)
+    if units == 1:
+        return workers, 1.0
+
+    def done(x: int) -> int:
+        """Elements in the first `x` blocks (row-major)."""
+        total, scale = 0, 1
+        for i, ((n, t), k) in enumerate(zip(dims, trips, strict=True)):
+            inner = math.prod(trips[i + 1 :])
+            q, x = divmod(x, inner)
+            t = max(1, min(t, n))
+            rest = math.prod(e for e, _ in dims[i + 1 :])  # elements of all inner blocks
+            total += scale * min(q * t, n) * rest
+            if q >= k:
+                return total
+            scale *= min(t, n - q * t)
+        return total
+
+    total = math.prod(n for n, _ in dims)
+    busiest = max(done(min(units, (w + 1) * share)) - done(w * share) for w in range(workers))
+    return workers, busiest * workers / total
 
 
 def _is_plain(ix: Affine) -> bool:
@@ -748,6 +783,14 @@ class Cost:
         return "compute" if self.compute_s >= worst[1] else worst[0]
 
 
+def dealt_level(hardware: Hardware) -> str:
+    """The cache level whose blocks of the parallel loops are dealt to the cores: the largest
+    private one (each core runs whole blocks of it; the generated kernels' tiles are its tiles
+    and they deal their row blocks), or the first level when no level is private."""
+    private = [lv.name for lv in hardware.levels[:-1] if not lv.shared]
+    return private[-1] if private else hardware.levels[0].name
+
+
 def estimate(
     nest: Nest,
     tiles: Mapping[str, Mapping[str, int]],
@@ -761,16 +804,14 @@ def estimate(
     level out are those `level_cost` gives for them, so `tiles["L2"]` decides the traffic between
     L3 and L2, which is charged at L3's bandwidth. A fused nest overlaps everything:
     `max(compute, max over levels of bytes / bandwidth)`; unfused ops run one after another, so
-    their times add up. The parallel loops' blocks are dealt to the cores (`threads`, default
-    all), and the imbalance of that deal stretches every term.
+    their times add up. The parallel loops' blocks at `dealt_level` (the outermost level given
+    when that one is not) are dealt to the cores (`threads`, default all), and the imbalance of
+    that deal stretches every term.
     """
     cores = threads or hardware.cores
-    outer_tiles = tiles[list(tiles)[-1]] if tiles else {}
-    units = math.prod(
-        _trips(nest.extents[n], outer_tiles.get(n, nest.extents[n])) for n in parallel
-    )
-    workers = max(1, min(cores, units))
-    imbalance = -(-units // workers) * workers / units
+    outer_tiles = tiles.get(dealt_level(hardware)) or tiles[list(tiles)[-1]] if tiles else {}
+    ext = nest.extents
+    workers, imbalance = deal(tuple((ext[n], outer_tiles.get(n, ext[n])) for n in parallel), cores)
     peak = hardware.peak(nest.chain.dtype) * workers
     levels = list(hardware.levels)
     n_ops = len(nest.chain.ops)

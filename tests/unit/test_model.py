@@ -7,12 +7,15 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chainfuse.hardware import Hardware
 from chainfuse.ir import attention_chain, conv_chain_spec, gemm_chain
 from chainfuse.model import (
     Nest,
     compulsory_bytes,
+    deal,
     estimate,
     example_dv,
     least_flops,
@@ -337,3 +340,38 @@ def test_unfused_moves_the_intermediate() -> None:
     assert unfused.by_tensor()["C"] == 2 * 16 * 16 * 4  # written by op1, read by op2
     assert unfused.total == fused.total + 2 * 16 * 16 * 4
     assert math.isclose(unfused.flops, fused.flops)
+
+
+def _deal_by_hand(dims: tuple[tuple[int, int], ...], cores: int) -> tuple[int, float]:
+    """Every block listed in row-major order with its element count, shares cut as the
+    generated kernels cut them (ceil(blocks / workers) contiguous blocks each)."""
+    tiles = [max(1, min(t, n)) for n, t in dims]
+    trips = [ceil(n, t) for (n, _), t in zip(dims, tiles, strict=True)]
+    sizes = [
+        math.prod(min(t, n - i * t) for (n, _), t, i in zip(dims, tiles, idx, strict=True))
+        for idx in itertools.product(*(range(k) for k in trips))
+    ]
+    workers = max(1, min(cores, len(sizes)))
+    share = ceil(len(sizes), workers)
+    busiest = max(sum(sizes[w * share : (w + 1) * share]) for w in range(workers))
+    return workers, busiest * workers / sum(sizes)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    dims=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 80)), min_size=1, max_size=3),
+    cores=st.integers(1, 9),
+)
+def test_deal_weighs_tail_blocks_by_what_they_hold(dims: list[tuple[int, int]], cores: int) -> None:
+    workers, imbalance = deal(tuple(dims), cores)
+    want_workers, want = _deal_by_hand(tuple(dims), cores)
+    assert workers == want_workers
+    assert imbalance == pytest.approx(want, rel=1e-12)
+
+
+def test_deal_examples() -> None:
+    assert deal(((768, 512),), 2) == (2, 4 / 3)  # one block of 512 rows, one of 256
+    assert deal(((12, 1), (768, 512)), 2) == (2, 1.0)  # each core: 6 heads of both blocks
+    assert deal(((768, 384),), 2) == (2, 1.0)
+    assert deal(((5, 1),), 2) == (2, 1.2)  # 3 heads and 2
+    assert deal(((512, 512),), 4) == (1, 1.0)
