@@ -104,8 +104,12 @@ def gemm_chain(
     `between` is None, "relu", "gelu" or "softmax" (over L). Returns [b, M, N] ([M, N] for 2-D
     inputs) of the inputs' kind; `out=` writes into a preallocated result.
     """
-    dtype = _dtype("A, B, D", A, B, D)
-    sa, sb, sd = (_shape(n, x, float32=False) for n, x in (("A", A), ("B", B), ("D", D)))
+    dt = getattr(A, "dtype", None)  # the common case in a few attribute reads, as attention
+    same = dt is not None and getattr(B, "dtype", None) is dt and getattr(D, "dtype", None) is dt
+    dtype = (_dtype_name(dt) if same else None) or _dtype("A, B, D", A, B, D)
+    sa, sb, sd = getattr(A, "shape", None), getattr(B, "shape", None), getattr(D, "shape", None)
+    if not (isinstance(sa, tuple) and isinstance(sb, tuple) and isinstance(sd, tuple)):
+        sa, sb, sd = (_shape(n, x, float32=False) for n, x in (("A", A), ("B", B), ("D", D)))
     if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
         raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
     flat = len(sa) == 2
