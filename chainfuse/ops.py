@@ -65,6 +65,21 @@ def _dtype(names: str, *xs: Any) -> str:
     return str(found[0])
 
 
+def _operands(names: str, x: Any, y: Any, z: Any) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """The three operands' common dtype name and their shapes. The common case (one dtype
+    object, tuple shapes) takes a few attribute reads: a short call's kernel takes tens of us,
+    and each generic helper call a microsecond; anything else goes the generic way, whose errors
+    name the operands."""
+    dt = getattr(x, "dtype", None)
+    same = dt is not None and getattr(y, "dtype", None) is dt and getattr(z, "dtype", None) is dt
+    dtype = (_dtype_name(dt) if same else None) or _dtype(names, x, y, z)
+    sx, sy, sz = getattr(x, "shape", None), getattr(y, "shape", None), getattr(z, "shape", None)
+    if isinstance(sx, tuple) and isinstance(sy, tuple) and isinstance(sz, tuple):
+        return dtype, (sx, sy, sz)
+    labels = names.split(", ")
+    return dtype, tuple(_shape(n, a, float32=False) for n, a in zip(labels, (x, y, z), strict=True))
+
+
 # Kernels by the plain arguments of the chain builders and the thread count calls use now (the
 # plan is made for it): building and verifying a chain costs 300-500 us, far more than a small
 # call's kernel, and a call with known sizes should not pay it again.
@@ -104,12 +119,7 @@ def gemm_chain(
     `between` is None, "relu", "gelu" or "softmax" (over L). Returns [b, M, N] ([M, N] for 2-D
     inputs) of the inputs' kind; `out=` writes into a preallocated result.
     """
-    dt = getattr(A, "dtype", None)  # the common case in a few attribute reads, as attention
-    same = dt is not None and getattr(B, "dtype", None) is dt and getattr(D, "dtype", None) is dt
-    dtype = (_dtype_name(dt) if same else None) or _dtype("A, B, D", A, B, D)
-    sa, sb, sd = getattr(A, "shape", None), getattr(B, "shape", None), getattr(D, "shape", None)
-    if not (isinstance(sa, tuple) and isinstance(sb, tuple) and isinstance(sd, tuple)):
-        sa, sb, sd = (_shape(n, x, float32=False) for n, x in (("A", A), ("B", B), ("D", D)))
+    dtype, (sa, sb, sd) = _operands("A, B, D", A, B, D)
     if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
         raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
     flat = len(sa) == 2
@@ -151,14 +161,7 @@ def attention(
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros. `scale` defaults to 1/sqrt(d_qk).
     """
-    # the common case in a few attribute reads (a short call's kernel takes tens of us, and
-    # every generic helper call here costs a microsecond); anything else the generic way
-    dt = getattr(q, "dtype", None)
-    same = dt is not None and getattr(k, "dtype", None) is dt and getattr(v, "dtype", None) is dt
-    dtype = (_dtype_name(dt) if same else None) or _dtype("q, k, v", q, k, v)
-    sq, sk, sv = getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None)
-    if not (isinstance(sq, tuple) and isinstance(sk, tuple) and isinstance(sv, tuple)):
-        sq, sk, sv = (_shape(n, x, float32=False) for n, x in (("q", q), ("k", k), ("v", v)))
+    dtype, (sq, sk, sv) = _operands("q, k, v", q, k, v)
     if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
         raise ValueError(f"q, k, v: expected all 3-D or all 4-D, got shapes {sq}, {sk}, {sv}")
     flat = len(sq) == 3
