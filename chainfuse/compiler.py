@@ -49,7 +49,6 @@ from chainfuse.codegen.conv import (
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select
-from chainfuse.model import dealt_level
 from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
@@ -60,7 +59,7 @@ _STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
 # Below this predicted time a call runs on one thread: waking a passively waiting OpenMP worker
 # and joining it costs 20-60 us here (12 heads of 32 keys: 0.16 ms on two threads, 0.10 on one).
 ALONE_S = 40e-6
-_MASK_STRIDES = slice(PACKED["mask_strides"], PACKED["end"])
+_MASK_STRIDES = slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
 
 
 #: A validated array argument: its data pointer and its strides in elements (a plain tuple: a
@@ -235,6 +234,7 @@ class Kernel(_Built):
             args[PACKED["work"]] = address + 4 * ((-address % 64) // 4)
             args[PACKED["work_per_thread"]] = self._per
             args[PACKED["nthreads"]] = threads
+            args[PACKED["outer_m"]] = self._outer_m
             args[PACKED["scale_bits"]] = int.from_bytes(struct.pack("<f", self._scale), "little")
             at = PACKED["sizes"]
             args[at : at + 6] = list(self._sizes)
@@ -266,6 +266,10 @@ class Kernel(_Built):
         sizes = [1] * (2 - self._nb) + [ext[n] for n in self.spec.batch]
         self._sizes = (*sizes, ext[m], N, K, ext[l_])
         self._per = int(self._workspace_fn(K, N))
+        # rows of m per parallel block: the plan's outermost m tile, the blocks its model deals
+        # to the cores (a run-time argument, so that one compiled object serves every plan)
+        outer = self.plan.tiles_at(self.plan.levels[-1]) or {}
+        self._outer_m = outer.get(m, ext[m])
         self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
         self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
         soft = next((op for op in chain.ops if isinstance(op, Softmax)), None)
@@ -430,9 +434,9 @@ def _planner_fingerprint() -> str:
 
 
 def _code_level(hw: Hardware) -> str:
-    """The level whose tiles the generated loop nest uses: the largest per-core cache, the one
-    whose blocks the model deals to the cores (`model.dealt_level`)."""
-    return dealt_level(hw)
+    """The level whose tiles the generated loop nest uses: the largest per-core cache."""
+    private = [lv.name for lv in hw.levels[:-1] if not lv.shared]
+    return private[-1] if private else hw.levels[0].name
 
 
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:

@@ -783,14 +783,6 @@ class Cost:
         return "compute" if self.compute_s >= worst[1] else worst[0]
 
 
-def dealt_level(hardware: Hardware) -> str:
-    """The cache level whose blocks of the parallel loops are dealt to the cores: the largest
-    private one (each core runs whole blocks of it; the generated kernels' tiles are its tiles
-    and they deal their row blocks), or the first level when no level is private."""
-    private = [lv.name for lv in hardware.levels[:-1] if not lv.shared]
-    return private[-1] if private else hardware.levels[0].name
-
-
 def estimate(
     nest: Nest,
     tiles: Mapping[str, Mapping[str, int]],
@@ -804,12 +796,12 @@ def estimate(
     level out are those `level_cost` gives for them, so `tiles["L2"]` decides the traffic between
     L3 and L2, which is charged at L3's bandwidth. A fused nest overlaps everything:
     `max(compute, max over levels of bytes / bandwidth)`; unfused ops run one after another, so
-    their times add up. The parallel loops' blocks at `dealt_level` (the outermost level given
-    when that one is not) are dealt to the cores (`threads`, default all), and the imbalance of
+    their times add up. The parallel loops' blocks at the outermost level are dealt to the cores
+    (`threads`, default all), as the generated kernels deal them (`deal`), and the imbalance of
     that deal stretches every term.
     """
     cores = threads or hardware.cores
-    outer_tiles = tiles.get(dealt_level(hardware)) or tiles[list(tiles)[-1]] if tiles else {}
+    outer_tiles = tiles[list(tiles)[-1]] if tiles else {}
     ext = nest.extents
     workers, imbalance = deal(tuple((ext[n], outer_tiles.get(n, ext[n])) for n in parallel), cores)
     peak = hardware.peak(nest.chain.dtype) * workers

@@ -14,10 +14,10 @@ small because most orders are equivalent. What it does, for a chain on a `Hardwa
    (the closed form `T = sqrt(a^2 + MC) - a` of DESIGN.md's example is that start for a GEMM
    chain) and keeping inner tiles no larger than outer ones. The objective at a level is the
    predicted time of the bytes it moves plus the recompute it causes; the working set must fit
-   `USABLE` of the level (per core; a shared level is split among the cores). At the largest
-   private level (`model.dealt_level`: the generated kernels' tiles, whose blocks they deal to
-   the cores) the tiles also decide how many blocks the parallel loops deal to the cores, so
-   there the objective counts only the busy cores and the imbalance, as `estimate` does.
+   `USABLE` of the level (per core; a shared level is split among the cores). At the outermost
+   level the tiles also decide how many blocks the parallel loops deal to the cores (the
+   generated kernels deal these blocks), so there the objective counts only the busy cores and
+   the imbalance, as `estimate` does.
 3. *Rank.* Every structure gets tiles at every level from the quick search (the grow step) and
    is ranked by `estimate(...).time_s`, the cost the final choice uses; then the structures are
    refined (the coordinate rounds): all of them for a plain chain, the best `SCREENED` for a
@@ -45,7 +45,6 @@ from chainfuse.model import (
     LoopKind,
     Nest,
     deal,
-    dealt_level,
     estimate,
     least_flops,
     level_cost,
@@ -296,8 +295,6 @@ class _Search:
             cap = (lv.capacity / self.threads if lv.shared else lv.capacity) * USABLE
             self.levels.append((cap, self._bandwidth(i, self.threads)))
         self.peak = self.hw.peak(self.chain.dtype)
-        names = [lv.name for lv in self.hw.levels[:-1]]
-        self.dealt = names.index(dealt_level(self.hw))  # the level whose blocks the cores share
         self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
         self.units: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
         self.ext = ext = self.chain.extents  # (a property that builds a dict)
@@ -315,14 +312,13 @@ class _Search:
         self, nest: Nest, level: int, tiles: Mapping[str, int], parallel: tuple[str, ...]
     ) -> float | None:
         """Predicted seconds of the bytes this level's tiles move and the flops they execute
-        (recompute included); None when the working set does not fit. At the dealt level
-        (`model.dealt_level`) the tiles also decide how many blocks of the `parallel` loops the
-        cores share,
+        (recompute included); None when the working set does not fit. At the outermost cache
+        level the tiles also decide how many blocks of the `parallel` loops the cores share,
         so there the time is per busy core and stretched by the imbalance, as in `estimate`;
         inner levels assume every core busy."""
         tkey = tuple([tiles[n] for n in nest.order])
-        dealt = level == self.dealt
-        key = (nest, parallel if dealt else (), level, tkey)  # not id(nest): ids get reused
+        outermost = level == len(self.levels) - 1
+        key = (nest, parallel if outermost else (), level, tkey)  # not id(nest): ids get reused
         if key in self.memo:
             return self.memo[key]
         cost = self.costs.get((nest, tkey))
@@ -333,7 +329,7 @@ class _Search:
         score = None
         if cost.used <= cap:
             workers, imbalance = self.threads, 1.0
-            if dealt:
+            if outermost:
                 ext = self.ext
                 workers, imbalance = deal(tuple((ext[n], tiles[n]) for n in parallel), self.threads)
                 bw = self._bandwidth(level, workers)

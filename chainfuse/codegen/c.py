@@ -334,7 +334,7 @@ static inline void cf_bf16_pack_bt(int kc, int n, const uint16_t* restrict Bt, l
 #: Slots of the one array `<name>_packed` takes (longs): pointers, then the scalars, then arrays.
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
-    "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "end": 31,
+    "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "end": 32,
 }  # fmt: skip
 
 
@@ -425,7 +425,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         f"void {name}(const cf_elem* restrict A, const cf_elem* restrict B,\n"
         f"    const cf_elem* restrict D, cf_elem* restrict E, const long* sizes,\n"
         f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
-        f"    float* restrict work, long work_per_thread, int nthreads)"
+        f"    float* restrict work, long work_per_thread, int nthreads, long outer_m)"
     ):
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
         w.line("const long K = sizes[4], L = sizes[5];")
@@ -435,7 +435,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
         w.line("const long TK = K < T_K ? K : T_K;")
         w.line("const long AK = TK == K ? K : TK;")
-        w.line("const long mblocks = (M + T_M - 1) / T_M;")
+        w.line("/* the parallel blocks: a batch index and T_MO rows of m (the plan's outermost m")
+        w.line("   tile: the blocks its model deals to the cores), run as row blocks of T_M */")
+        w.line("const long T_MO = outer_m < T_M ? T_M : outer_m;")
+        w.line("const long mblocks = (M + T_MO - 1) / T_MO;")
         w.line("const long blocks = nb0 * nb1 * mblocks;")
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
         if spec.epilogue is Epilogue.SOFTMAX:
@@ -470,7 +473,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"{name}((const cf_elem*)a[0], (const cf_elem*)a[1], (const cf_elem*)a[2],"
             " (cf_elem*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27,"
-            " (float*)a[5], a[6], (int)a[7]);"
+            " (float*)a[5], a[6], (int)a[7], a[31]);"
         )
     return w.text()
 
@@ -489,13 +492,21 @@ def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
 
 
 def _block(w: Writer, spec: GemmChainSpec) -> None:
-    """The body of one (batch, m_o) block."""
+    """One parallel block: a batch index and T_MO rows of m (the plan's outermost m tile, the
+    blocks its model deals to the cores), run as row blocks of T_M."""
+    w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
+    w.line("const long mo = (blk % mblocks) * T_MO;")
+    w.line("const long mo_end = M - mo < T_MO ? M : mo + T_MO;")
+    with w.block("for (long m0 = mo; m0 < mo_end; m0 += T_M)"):
+        w.line("const int mc = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
+        _row_block(w, spec)
+
+
+def _row_block(w: Writer, spec: GemmChainSpec) -> None:
+    """The body of one (batch, m_o) row block of `mc` <= T_M rows from `m0`."""
     uk = spec.kernel.name
     softmax = spec.epilogue is Epilogue.SOFTMAX
     in_place = spec.dtype is DType.FLOAT32  # the micro-kernel reads fp32 slivers in place
-    w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
-    w.line("const long m0 = (blk % mblocks) * T_M;")
-    w.line("const int mc = (int)(M - m0 < T_M ? M - m0 : T_M);")
     w.line("const cf_elem* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
     w.line("const cf_elem* restrict B_b = B + b0 * sB0 + b1 * sB1;")
     w.line("const cf_elem* restrict D_b = D + b0 * sD0 + b1 * sD1;")

@@ -219,14 +219,16 @@ def test_torch_outputs_are_new_contiguous_tensors(layout: str) -> None:
 
 @pytest.mark.parametrize(("M", "threads"), [(768, 2), (1024, 2), (300, 3)])
 def test_row_blocks_keep_every_core_busy(M: int, threads: int) -> None:
-    # one head of M queries: the cores share the kernel's T_M row blocks, and a tail block
-    # holds fewer rows. Blocks of 512 of 768 rows on 2 cores leave one core a third idle
+    # one head of M queries: the cores share the kernel's blocks of rows (the plan's outermost
+    # m tile), and a tail block holds fewer rows. Blocks of 512 of 768 rows on 2 cores leave one core a third idle
     # (Mixer-B's token mixing: 0.81 ms at 2 threads that way, 0.48 ms predicted); the model
     # weighs blocks by their rows, so the plan must not pick such a split
     chain = chainfuse.attention_chain(1, 1, M, 384, 64, 64)
     kernel = compile(chain, threads=threads)
-    tm = kernel.spec.T_M
-    rows = [min(tm, M - i) for i in range(0, M, tm)]  # the blocks, dealt as the kernel deals
+    outer = kernel.plan.tiles_at(kernel.plan.levels[-1])  # the kernel's parallel blocks
+    assert outer is not None
+    tm = max(outer["m"], kernel.spec.T_M)
+    rows = [min(tm, M - i) for i in range(0, M, tm)]  # dealt as the kernel deals them
     share = -(-len(rows) // threads)
     busiest = max(sum(rows[w * share : (w + 1) * share]) for w in range(threads))
     # (m comes in multiples of 16 columns here: 300 rows on 3 cores cannot beat 112 + 112 + 76)
