@@ -312,30 +312,31 @@ def deal(dims: tuple[tuple[int, int], ...], cores: int) -> tuple[int, float]:
     busiest worker's work over the average, work counted in elements, so that tail blocks
     weigh what they hold: 768 rows in blocks of 512 on 2 cores leave one core 512 rows and the
     other 256 (imbalance 4/3, though each has one block)."""
-    trips = [_trips(n, t) for n, t in dims]
+    tiles = [max(1, min(t, n)) for n, t in dims]
+    trips = [-(-n // t) for (n, _), t in zip(dims, tiles, strict=True)]
     units = math.prod(trips)
     workers = max(1, min(cores, units))
-    share = -(-units // workers)
     if units == 1:
         return workers, 1.0
+    share = -(-units // workers)
+    # blocks and elements of everything inside each loop (the suffix products)
+    inner_blocks = [math.prod(trips[i + 1 :]) for i in range(len(dims))]
+    inner_elems = [math.prod(n for n, _ in dims[i + 1 :]) for i in range(len(dims))]
 
     def done(x: int) -> int:
         """Elements in the first `x` blocks (row-major)."""
-        total, scale = 0, 1
-        for i, ((n, t), k) in enumerate(zip(dims, trips, strict=True)):
-            inner = math.prod(trips[i + 1 :])
-            q, x = divmod(x, inner)
-            t = max(1, min(t, n))
-            rest = math.prod(e for e, _ in dims[i + 1 :])  # elements of all inner blocks
-            total += scale * min(q * t, n) * rest
+        total, scale = 0, 1  # scale: elements of the enclosing blocks x falls in
+        levels = zip(dims, tiles, trips, inner_blocks, inner_elems, strict=True)
+        for (n, _), t, k, blocks, elems in levels:
+            q, x = divmod(x, blocks)
+            total += scale * min(q * t, n) * elems
             if q >= k:
                 return total
             scale *= min(t, n - q * t)
         return total
 
-    total = math.prod(n for n, _ in dims)
     busiest = max(done(min(units, (w + 1) * share)) - done(w * share) for w in range(workers))
-    return workers, busiest * workers / total
+    return workers, busiest * workers / math.prod(n for n, _ in dims)
 
 
 def _is_plain(ix: Affine) -> bool:

@@ -209,6 +209,8 @@ _MATH = r"""
 #include <stdint.h>
 #include <string.h>
 
+#define CF_LOG2E 1.44269504088896341f
+
 /* exp of x <= 0 (erf's exp(-a^2)): range reduction to
    [-ln2/2, ln2/2] and a degree-7 polynomial (Cephes' expf coefficients, relative error < 1e-7).
    n = round(x / ln2) comes from the 1.5 * 2^23 shifter, whose low mantissa bits then hold
@@ -218,7 +220,7 @@ _MATH = r"""
 static inline float cf_exp_neg(float x)
 {
     const float xc = x < -88.0f ? -88.0f : x; /* a max that lets NaN through */
-    const float shifted = xc * 1.44269504088896341f + 12583039.0f; /* 0x1.8p23 + 127 */
+    const float shifted = xc * CF_LOG2E + 12583039.0f; /* 0x1.8p23 + 127 */
     const float n = shifted - 12583039.0f;
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
@@ -443,7 +445,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
         if spec.epilogue is Epilogue.SOFTMAX:
             w.line("/* the scores in base 2: exp(x) = 2^(x log2(e)) */")
-            w.line("const float scale2 = scale * 1.44269504088896341f;")
+            w.line("const float scale2 = scale * CF_LOG2E;")
         w.line("(void)scale;")
         w.line("/* mask strides (elements, 0 where it broadcasts): batch0, batch1, m, l */")
         w.line("const long sM0 = mask_strides[0], sM1 = mask_strides[1];")
@@ -480,8 +482,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
 
 def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
     """Aᵀ strips (op1's B operand): strip j holds m columns j*nr.. over k. `scaled`: times the
-    softmax scale and log2(e), so the scores come out scaled and in base 2 (one pass over the T_M x K block of A instead
-    of one over every T_M x T_L tile of scores)."""
+    softmax scale and log2(e), so the scores come out scaled and in base 2 (one pass over the
+    T_M x K block of A instead of one over every T_M x T_L tile of scores)."""
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
         w.line(f"float* restrict strip = At + (long)j * NR * {kc};")
@@ -702,7 +704,7 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (int c = 0; c < NR; ++c)"):
             w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
             if spec.mask is MaskKind.ADDITIVE:
-                w.line("v += CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]) * 1.44269504088896341f;")
+                w.line("v += CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]) * CF_LOG2E;")
             elif spec.mask is MaskKind.BOOL:
                 w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
             if spec.causal:
