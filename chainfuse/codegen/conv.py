@@ -15,11 +15,12 @@ The weights (the vector operand) are packed once per call into `nr`-channel pane
 the threads. The pixel operand is never gathered: a sliver of `mr` pixels of one output row
 whose windows lie inside the input is read in place by the strided micro-kernel,
 `A(i, p) = X[first pixel's tap + i*st*ws + p*ks]`; on channels-last data a whole row of taps
-(`S*C` consecutive floats per pixel) is one call. Only the slivers that touch the padding (and
-the pixels left over at the end of a row) are packed, several rows' worth together into full
-slivers. Results are channels-last rows, so Z is `[pixel][k1]` and a channels-last Y2 is
-written in place (NCHW goes through a row buffer and a transposing copy). Per thread, over a
-contiguous range of (n, band) blocks::
+is `S*C` consecutive floats per pixel, and one grouped call runs every row of taps whose input
+row exists (`R` runs of `S*C` steps, a row of X apart) into one register block. Only the
+slivers that touch the padding (and the pixels left over at the end of a row) are packed,
+several rows' worth together into full slivers. Results are channels-last rows, so Z is
+`[pixel][k1]` and a channels-last Y2 is written in place (NCHW goes through a row buffer and a
+transposing copy). Per thread, over a contiguous range of (n, band) blocks::
 
     for (n, band of T_P2 output rows of conv2) in this thread's range:    # parallel
         Z rows the band needs: [p2a*st2 - pad2, (p2b-1)*st2 - pad2 + R2)   # clipped to [0, P1)
@@ -31,9 +32,13 @@ contiguous range of (n, band) blocks::
     cf_conv_rows, per chunk of whole output rows (FLAT_PIXELS pixels; a 1x1 stride-1 conv
     without padding runs its pixels across rows):
         pack the chunk's edge slivers (all taps, zeros for the padding)
-        for blocks of nr output channels (as many as fit L1 with one group of taps):
-            for row of taps r, group of taps (all s and c if channels-last, else s x T_C):
-                for sliver of the chunk: C[sliver, block] (+)= A . W1p   (micro-kernel)
+        channels-last (S*C <= 2*KC):
+            for row, sliver of the chunk, block of nr output channels:
+                C[sliver, block] = A . W1p over every row of taps inside X   (one grouped call)
+        else:
+            for blocks of nr output channels (as many as fit L1 with one group of taps):
+                for tap (r, s), block of T_C channels, sliver of the chunk:
+                    C[sliver, block] (+)= A . W1p                              (micro-kernel)
 
 `Z` lives in the thread's workspace: the intermediate never reaches memory. Every size, stride,
 padding and tile is a run-time argument, so one compiled object serves every shape; what is
@@ -47,7 +52,10 @@ the cost of the busiest thread; the choice is a compile-time constant, so it is 
 Measured (1 thread, this repo's AMD EPYC, AVX2 6x16, min of interleaved runs against oneDNN
 channels-last): the in-place slivers took the paper chains from 0.81x to ~1.0x (conv1's gathers
 and 8x8 transposes were 15-45% of the time); packing the edge pixels of several rows into full
-slivers +6%; chunks of 64 slivers instead of 16 +5%.
+slivers +6%; chunks of 64 slivers instead of 16 +5%; a sliver meeting every output channel
+block while in L1, all its rows of taps in one call (instead of one call per row of taps, as
+many weight panels as fit L1 at a time) +1-4% on the paper chains, +6% on darknet-19-b (whose
+S*C = 384 took one call per tap before).
 """
 
 from __future__ import annotations
@@ -211,10 +219,11 @@ def code_tiles(shape: ConvChainShape, planned: dict[str, int], l1_bytes: int, nr
 
     The plan tiles conv2's output pixels as T_p2 x T_q2; the code keeps whole rows (so the row
     buffer is a plain sliding window), with as many pixels per band as the plan's tile:
-    `T_P2 = round(T_p2 * T_q2 / Q2)`, at least 1 (and 6 x nr pixels). A micro-kernel call reads
-    at most `KC` k steps, the most whose weight panel (`nr` floats each) fills half of L1: a
-    whole row of taps (S x C steps) when it fits and the input is channels-last, else one tap
-    with the channels split evenly into blocks of at most `KC` (no small last block).
+    `T_P2 = round(T_p2 * T_q2 / Q2)`, at least 1 (and 6 x nr pixels). `KC` is the number of k
+    steps whose weight panel (`nr` floats each) fills half of L1. On channels-last input a call
+    reads whole rows of taps (S x C steps each) when a row has at most `2 KC` steps (a sliver of
+    them stays in L1 while it meets every block of output channels); else each call reads one
+    tap with the channels split evenly into blocks of at most `KC` (no small last block).
     """
     pixels = planned.get("p2", 1) * planned.get("q2", 1)
     pixels = max(pixels, _MIN_STRIPS * nr)
@@ -269,7 +278,7 @@ _RUNTIME = r"""
 /* the run-time geometry (GEOMETRY in chainfuse/codegen/conv.py) and derived sizes */
 typedef struct {
     long N, C, H, W, K1, R1, S1, P1, Q1, st1, pad1, K2, R2, S2, P2, Q2, st2, pad2, TP2, CB1, CB2;
-    long KC;             /* most k steps of one micro-kernel call on a whole row of taps */
+    long KC;             /* k steps of a weight panel filling half of L1 (code_tiles) */
     long LDK1, LDK2;     /* floats per pixel of Z and of the result rows T: K rounded up to NR */
     long ZROWS;          /* rows of Z a band holds at most */
     long TMP;            /* floats of a chunk's packed edge slivers and their results */
@@ -356,10 +365,11 @@ static void cf_epilogue(float* out, long ldo, long npx, long K, const float* bia
    goes to out[((p - pa)*Q + q)*ldo + k]. Pixels on the micro-kernel's MR rows (slivers of MR
    pixels of one output row, or of consecutive pixels when the conv is a plain 1x1), output
    channels on its NR columns. A sliver whose windows lie inside the input is read in place by
-   the strided micro-kernel (no gather, no copy): A(i, p) = first pixel's tap + i*st*ws + p*ks,
-   a whole row of taps (s, c) per call when the input is channels-last (ws == C, cs == 1),
-   else one tap and channel block per call. A sliver touching the padding, or short, is packed
-   once with zeros (tmp, all taps) and runs one call per NR channels. */
+   the strided micro-kernel (no gather, no copy): A(i, p) = first pixel's tap + i*st*ws + p*ks.
+   When the input is channels-last (ws == C, cs == 1) a row of taps (s, c) is S*C consecutive
+   floats, and one grouped call runs all the rows of taps that fall inside the input; else
+   one call per tap and channel block. A sliver touching the padding, or short, is packed once
+   with zeros (tmp, all taps) and runs one call of every tap per NR channels (same rule). */
 static void cf_conv_rows(const cf_conv* cv, long pa, long pb, long Q, float* restrict out,
                          long ldo, float* restrict tmp)
 {
@@ -367,12 +377,8 @@ static void cf_conv_rows(const cf_conv* cv, long pa, long pb, long Q, float* res
     const long RSC = R * S * C;
     const int flat = R == 1 && S == 1 && st == 1 && pad == 0 && Q == cv->W
                      && cv->hs == cv->W * cv->ws;
-    const int rowmode = cv->cs == 1 && cv->ws == C && S * C <= cv->KC;
+    const int rowmode = cv->cs == 1 && cv->ws == C && S * C <= 2 * cv->KC;
     const long rs = flat ? cv->ws : st * cv->ws;
-    /* output channels in steps of jstep: as many NR-channel weight panels of one group of taps
-       as fit L1 (2*KC steps), so that each sliver of input serves them all while in L1 */
-    const long kc_most = rowmode ? S * C : CF_MIN(cv->CB, C);
-    const long jstep = NR * CF_MAX(1, 2 * cv->KC / kc_most);
     const long total = (pb - pa) * Q;
     /* a chunk: FLAT_PIXELS consecutive pixels (flat), else the whole rows that hold as many */
     const long step = flat ? FLAT_PIXELS : CF_MAX(1, (FLAT_PIXELS + Q - 1) / Q) * Q;
@@ -418,36 +424,66 @@ static void cf_conv_rows(const cf_conv* cv, long pa, long pb, long Q, float* res
                 }
             }
         }
-        for (long jo = 0; jo < K; jo += jstep) {
-            const long jend = CF_MIN(K, jo + jstep);
-            for (long r = 0; r < R; ++r) {
-                /* groups of taps: a whole row of taps (rowmode), else (s, channel block) */
-                const long groups_s = rowmode ? 1 : S;
-                for (long s = 0; s < groups_s; ++s) {
-                    for (long cc = 0; cc < C; cc += rowmode ? C : cv->CB) {
-                        const int kc = (int)(rowmode ? S * C : CF_MIN(cv->CB, C - cc));
-                        const long g = (r * S + s) * C + cc; /* the group's first k step */
-                        const int later = s > 0 || cc > 0;
-                        for (long rr = 0; rr < rows; ++rr) {
-                            const long p = p0 + rr;
-                            const long h = flat ? pa : p * st + r - pad;
-                            if (h < 0 || h >= cv->H) continue;
-                            const int acc = later || r > CF_MAX(0, pad - p * st);
-                            const float* row = cv->in + (h - cv->h0) * cv->hs + cc * cv->cs;
-                            float* o = out + (c0 + rr * len) * ldo;
-                            for (long i0 = lo_e; i0 < hi_f; i0 += MR) {
-                                const long w = flat ? c0 + i0 : i0 * st + s - pad;
-                                for (long jb = jo; jb < jend; jb += NR) {
-                                    UK_STRIDED(kc, row + w * cv->ws, rs, rowmode ? 1 : cv->cs,
-                                               cv->Wp + jb * RSC + g * NR, o + i0 * ldo + jb, ldo,
-                                               (int)CF_MIN(NR, K - jb), acc);
+        if (rowmode) {
+            /* a sliver meets every block of output channels while it is in L1 (the weights
+               stream from L2); one call runs all the rows of taps whose input rows exist */
+            for (long rr = 0; rr < rows; ++rr) {
+                const long p = p0 + rr;
+                const long r_lo = flat ? 0 : CF_MAX(0, pad - p * st);
+                const long r_hi = flat ? 1 : CF_MIN(R, cv->H + pad - p * st);
+                if (r_hi <= r_lo) continue;
+                const long h = flat ? pa : p * st + r_lo - pad;
+                const float* row = cv->in + (h - cv->h0) * cv->hs;
+                const float* wr = cv->Wp + r_lo * S * C * NR;
+                float* o = out + (c0 + rr * len) * ldo;
+                for (long i0 = lo_e; i0 < hi_f; i0 += MR) {
+                    const float* a = row + (flat ? c0 + i0 : i0 * st - pad) * cv->ws;
+                    for (long jb = 0; jb < K; jb += NR) {
+                        UK_GROUPED((int)(S * C), (int)(r_hi - r_lo), cv->hs, a, rs, 1,
+                                   wr + jb * RSC, o + i0 * ldo + jb, ldo, (int)CF_MIN(NR, K - jb),
+                                   0);
+                    }
+                }
+            }
+            for (long e = 0; e < edges; ++e) { /* every tap, padding included */
+                for (long jb = 0; jb < K; jb += NR) {
+                    UK((int)RSC, tmp + e * RSC * MR, cv->Wp + jb * RSC, Ce + e * MR * LDK + jb,
+                       LDK, MR, NR, 0);
+                }
+            }
+        } else {
+            /* one tap and block of CB channels per call, as many NR-channel blocks of weights
+               at a time as fit L1 (2*KC steps): each sliver serves them all while in L1 */
+            const long jstep = NR * CF_MAX(1, 2 * cv->KC / CF_MIN(cv->CB, C));
+            for (long jo = 0; jo < K; jo += jstep) {
+                const long jend = CF_MIN(K, jo + jstep);
+                for (long r = 0; r < R; ++r) {
+                    for (long s = 0; s < S; ++s) {
+                        for (long cc = 0; cc < C; cc += cv->CB) {
+                            const int kc = (int)CF_MIN(cv->CB, C - cc);
+                            const long g = (r * S + s) * C + cc; /* the group's first k step */
+                            const int later = s > 0 || cc > 0;
+                            for (long rr = 0; rr < rows; ++rr) {
+                                const long p = p0 + rr;
+                                const long h = flat ? pa : p * st + r - pad;
+                                if (h < 0 || h >= cv->H) continue;
+                                const int acc = later || r > CF_MAX(0, pad - p * st);
+                                const float* row = cv->in + (h - cv->h0) * cv->hs + cc * cv->cs;
+                                float* o = out + (c0 + rr * len) * ldo;
+                                for (long i0 = lo_e; i0 < hi_f; i0 += MR) {
+                                    const long w = flat ? c0 + i0 : i0 * st + s - pad;
+                                    for (long jb = jo; jb < jend; jb += NR) {
+                                        UK_STRIDED(kc, row + w * cv->ws, rs, cv->cs,
+                                                   cv->Wp + jb * RSC + g * NR, o + i0 * ldo + jb,
+                                                   ldo, (int)CF_MIN(NR, K - jb), acc);
+                                    }
                                 }
                             }
-                        }
-                        for (long e = 0; e < edges; ++e) { /* every tap, padding included */
-                            for (long jb = jo; jb < jend; jb += NR) {
-                                UK(kc, tmp + (e * RSC + g) * MR, cv->Wp + jb * RSC + g * NR,
-                                   Ce + e * MR * LDK + jb, LDK, MR, NR, later || r > 0);
+                            for (long e = 0; e < edges; ++e) { /* every tap, padding included */
+                                for (long jb = jo; jb < jend; jb += NR) {
+                                    UK(kc, tmp + (e * RSC + g) * MR, cv->Wp + jb * RSC + g * NR,
+                                       Ce + e * MR * LDK + jb, LDK, MR, NR, later || r > 0);
+                                }
                             }
                         }
                     }
@@ -484,6 +520,7 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     w.line(f"#define NR {ker.nr}")
     w.line(f"#define UK {uk}")
     w.line(f"#define UK_STRIDED {uk}_strided")
+    w.line(f"#define UK_GROUPED {uk}_grouped")
     w.line(f"#define HALO_KEEP {int(spec.halo is Halo.KEEP)}")
     w.line(f"#define RELU_MID {int(spec.relu_mid)}")
     w.line(f"#define RELU_OUT {int(spec.relu_out)}")

@@ -12,8 +12,10 @@ any of them the same way::
 - ``C`` is row-major with leading dimension ``ldc``; ``accumulate`` = 0 overwrites it (without
   reading it, so NaN garbage there is harmless), 1 adds to it.
 
-A kernel module supplies only the *full tile*, ``<name>_full(kc, Ap, Bp, C, ldc, accumulate)``,
-with every accumulator in a register. `MicroKernel.emit` wraps it: a full ``mr x nr`` block goes
+A kernel module supplies only the *full tile*, every accumulator in a register, in two forms:
+``<name>_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate)`` reads ``A(i, p) = A[i*rs + p*ks]``
+(a packed sliver is ``rs = 1, ks = mr``) and ``<name>_full_g(kc, ng, gs, A, rs, ks, ...)`` runs
+``ng`` such groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into one register block. `MicroKernel.emit` wraps it: a full ``mr x nr`` block goes
 straight to the fast path; a tail block (``m < mr`` or ``n < nr``) runs the same full tile into an
 aligned ``C_tile`` on the stack and copies its ``m x n`` corner out. Both paths round identically
 (the product is formed from zero, then added to ``C``), so results never depend on where a block
@@ -85,7 +87,7 @@ class MicroKernel:
     inner loop does (2 x lanes for an FMA kernel, lanes without FMA, 1 for scalar code);
     ``cflags`` are the compiler flags its intrinsics need (``-march=native`` makes them redundant
     on a host that can run it, but they let any x86 host compile it). ``full_tile`` emits the C of
-    ``<name>_full``, all headers and type definitions it uses included (guarded, so several kernels
+    ``<name>_full_s`` and ``<name>_full_g`` (module docstring), all headers and type definitions it uses included (guarded, so several kernels
     can share one translation unit).
 
     ``transpose`` (optional) emits ``<name>_transpose(src, lds, dst, ldd)``, a square block of
@@ -156,12 +158,15 @@ class MicroKernel:
         layout ``Ap[p*mr + i]``); ``<name>_strided(kc, A, rs, ks, Bp, C, ldc, n, accumulate)``
         reads a whole ``mr``-row sliver in place, ``A(i, p) = A[i*rs + p*ks]``: no packing where
         a sliver is used too few times to pay for it (short sequences), and row-major or
-        transposed operands alike. A partial sliver (``m < mr``) must be packed: its missing rows
-        would be read out of bounds.
+        transposed operands alike; ``<name>_grouped(kc, ng, gs, A, rs, ks, Bp, C, ldc, n,
+        accumulate)`` the same over ``ng`` runs of ``kc`` steps ``gs`` floats apart, Bp
+        contiguous (a convolution's rows of taps in one call: the block stays in registers). A
+        partial sliver (``m < mr``) must be packed: its missing rows would be read out of bounds.
         """
         mr, nr, name = self.mr, self.nr, self.name
         pad = " " * (len(name) + 20)
         spad = " " * (len(name) + 28)
+        gpad = " " * (len(name) + 27)
         wrapper = f"""
 static inline void {name}_full(int kc, const float* restrict Ap, const float* restrict Bp,
 {pad}float* restrict C, long ldc, int accumulate)
@@ -180,6 +185,26 @@ static inline void {name}(int kc, const float* restrict Ap, const float* restric
     float C_tile[{mr * nr}] __attribute__((aligned(64)));
     {name}_full(kc, Ap, Bp, C_tile, {nr}, 0);
     for (int i = 0; i < m; ++i) {{
+        for (int j = 0; j < n; ++j) {{
+            const float v = C_tile[i * {nr} + j];
+            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
+        }}
+    }}
+}}
+
+/* {name}_grouped: C[0:{mr}, 0:n] (+)= A . Bp over ng groups of kc steps, A(i, g*kc + p) =
+   A[g*gs + i*rs + p*ks] read in place (rows of a convolution's taps): one register block. */
+static inline void {name}_grouped(int kc, int ng, long gs, const float* restrict A, long rs,
+{gpad}long ks, const float* restrict Bp, float* restrict C, long ldc,
+{gpad}int n, int accumulate)
+{{
+    if (n == {nr}) {{
+        {name}_full_g(kc, ng, gs, A, rs, ks, Bp, C, ldc, accumulate);
+        return;
+    }}
+    float C_tile[{mr * nr}] __attribute__((aligned(64)));
+    {name}_full_g(kc, ng, gs, A, rs, ks, Bp, C_tile, {nr}, 0);
+    for (int i = 0; i < {mr}; ++i) {{
         for (int j = 0; j < n; ++j) {{
             const float v = C_tile[i * {nr} + j];
             C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
@@ -354,56 +379,77 @@ class VectorOps:
 
 
 def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
-    """``<name>_full_s`` as an outer-product loop: per k step, ``nr/lanes`` vector loads of Bp,
-    ``mr`` broadcasts of A (row ``i`` at ``A + i*rs``, step ``p`` at ``+ p*ks``), ``mr*nr/lanes``
-    FMAs into accumulators named ``c<i>_<j>``."""
+    """``<name>_full_s`` and ``<name>_full_g`` as outer-product loops: per k step, ``nr/lanes``
+    vector loads of Bp, ``mr`` broadcasts of A (row ``i`` at ``A + i*rs``, step ``p`` at
+    ``+ p*ks``), ``mr*nr/lanes`` FMAs into accumulators named ``c<i>_<j>``; ``_full_g`` runs
+    ``ng`` groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into the same accumulators."""
     mr, nr, name = kernel.mr, kernel.nr, kernel.name
     if nr % ops.lanes:
         raise ValueError(f"{name}: nr={nr} is not a multiple of {ops.lanes} lanes")
     nv = nr // ops.lanes
     acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(mr)]
-    lines = [
-        ops.preamble.rstrip("\n"),
-        "",
-        f"/* {name}_full_s: C[0:{mr}, 0:{nr}] (+)= A . Bp, {mr * nv} accumulators in registers */",
-        f"static inline void {name}_full_s(int kc, const float* restrict A, long rs, long ks,",
-        f"{' ' * (len(name) + 27)}const float* restrict Bp, float* restrict C, long ldc,",
-        f"{' ' * (len(name) + 27)}int accumulate)",
-        "{",
-    ]
-    for i in range(mr):
-        decls = ", ".join(f"{c} = {ops.zero}" for c in acc[i])
-        lines.append(f"    {ops.type} {decls};")
-    lines += [
-        "#pragma GCC unroll 4",
-        "    for (int p = 0; p < kc; ++p) {",
-        "        const float* restrict a = A + (long)p * ks;",
+    step = [
         f"        const float* restrict b = Bp + (long)p * {nr};",
-    ]
-    for j in range(nv):
-        lines.append(
+        *(
             f"        const {ops.type} b{j} = {ops.load.format(ptr=f'b + {j * ops.lanes}')};"
-        )
+            for j in range(nv)
+        ),
+    ]
     for i in range(mr):
-        lines.append(
-            f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=f'a + {i} * rs')};"
-        )
+        step.append(f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=f'a + {i} * rs')};")
         for j in range(nv):
-            fma = ops.fma.format(a=f"a{i}", b=f"b{j}", c=acc[i][j])
-            lines.append(f"        {acc[i][j]} = {fma};")
-    lines += ["    }", "    if (accumulate) {"]
+            step.append(
+                f"        {acc[i][j]} = {ops.fma.format(a=f'a{i}', b=f'b{j}', c=acc[i][j])};"
+            )
+    finish = ["    if (accumulate) {"]
     for i in range(mr):
         for j in range(nv):
             ptr = f"C + {i} * ldc + {j * ops.lanes}"
             add = ops.add.format(a=acc[i][j], b=ops.load.format(ptr=ptr))
-            lines.append(f"        {acc[i][j]} = {add};")
-    lines.append("    }")
+            finish.append(f"        {acc[i][j]} = {add};")
+    finish.append("    }")
     for i in range(mr):
         for j in range(nv):
-            ptr = f"C + {i} * ldc + {j * ops.lanes}"
-            lines.append(f"    {ops.store.format(ptr=ptr, v=acc[i][j])};")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+            finish.append(
+                f"    {ops.store.format(ptr=f'C + {i} * ldc + {j * ops.lanes}', v=acc[i][j])};"
+            )
+    finish.append("}")
+    zero = [
+        f"    {ops.type} " + ", ".join(f"{c} = {ops.zero}" for c in acc[i]) + ";" for i in range(mr)
+    ]
+    pad = " " * (len(name) + 27)
+    single = [
+        f"/* {name}_full_s: C[0:{mr}, 0:{nr}] (+)= A . Bp, {mr * nv} accumulators in registers */",
+        f"static inline void {name}_full_s(int kc, const float* restrict A, long rs, long ks,",
+        f"{pad}const float* restrict Bp, float* restrict C, long ldc,",
+        f"{pad}int accumulate)",
+        "{",
+        *zero,
+        "#pragma GCC unroll 4",
+        "    for (int p = 0; p < kc; ++p) {",
+        "        const float* restrict a = A + (long)p * ks;",
+        *step,
+        "    }",
+        *finish,
+    ]
+    grouped = [
+        f"/* {name}_full_g: the same over ng groups of kc steps, group g's A at A + g*gs, Bp",
+        "   contiguous over all ng*kc steps: one register block for several runs of A */",
+        f"static inline void {name}_full_g(int kc, int ng, long gs, const float* restrict A,",
+        f"{pad}long rs, long ks, const float* restrict Bp, float* restrict C,",
+        f"{pad}long ldc, int accumulate)",
+        "{",
+        *zero,
+        "    for (int g = 0; g < ng; ++g, A += gs, Bp += (long)kc * " + str(nr) + ") {",
+        "#pragma GCC unroll 4",
+        "        for (int p = 0; p < kc; ++p) {",
+        "            const float* restrict a = A + (long)p * ks;",
+        *("    " + line for line in step),
+        "        }",
+        "    }",
+        *finish,
+    ]
+    return "\n".join([ops.preamble.rstrip("\n"), "", *single, "", *grouped]) + "\n"
 
 
 # -- the registry ---------------------------------------------------------------------------------

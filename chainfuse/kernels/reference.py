@@ -46,4 +46,16 @@ static inline void {name}_full_s(int kc, const float* restrict A, long rs, long 
         }}
     }}
 }}
+
+/* {name}_full_g: the same over ng groups of kc steps, group g's A at A + g*gs and its steps at
+   Bp + g*kc*{nr}: one run into C, then the others added. */
+static inline void {name}_full_g(int kc, int ng, long gs, const float* restrict A, long rs,
+                                 long ks, const float* restrict Bp, float* restrict C, long ldc,
+                                 int accumulate)
+{{
+    for (int g = 0; g < ng; ++g) {{
+        {name}_full_s(kc, A + g * gs, rs, ks, Bp + (long)g * kc * {nr}, C, ldc,
+                      accumulate || g > 0);
+    }}
+}}
 """

@@ -71,25 +71,41 @@ int run(int kc, int m, int n, const float* A, long lda, int a_transposed, const 
     free(Bp);
     return 0;
 }}
+
+/* {kernel.mr} rows read in place, ng groups of kc steps (ng == 0: the one-group strided call) */
+int run_in_place(int kc, int ng, long gs, const float* A, long rs, long ks, const float* B,
+                 float* C, long ldc, int n, int accumulate)
+{{
+    const int steps = kc * (ng > 0 ? ng : 1);
+    float* Bp = malloc(sizeof(float) * (size_t)(steps > 0 ? steps : 1) * {kernel.nr});
+    if (!Bp) return -1;
+    {k}_pack_b(steps, n, B, n, Bp);
+    if (ng == 0) {k}_strided(kc, A, rs, ks, Bp, C, ldc, n, accumulate);
+    else {k}_grouped(kc, ng, gs, A, rs, ks, Bp, C, ldc, n, accumulate);
+    free(Bp);
+    return 0;
+}}
 """
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[MicroKernel], Run]]:
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Run]]:
     """One harness per kernel, compiled on first use and kept for the module."""
     built: dict[str, Run] = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("kernel-cache")))
 
-        def get(kernel: MicroKernel) -> Run:
+        def get(kernel: MicroKernel, entry: str = "run") -> Run:
             if kernel.name not in built:
                 result = build(_harness(kernel), f"test_{kernel.name}", kernel.cflags)
-                run = load(result.path).run
-                run.restype = ctypes.c_int
+                lib = load(result.path)
                 i, lg, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
-                run.argtypes = [i, i, i, ptr, lg, i, ptr, lg, i, ptr, lg, i]
-                built[kernel.name] = run
-            return built[kernel.name]
+                lib.run.argtypes = [i, i, i, ptr, lg, i, ptr, lg, i, ptr, lg, i]
+                lib.run_in_place.argtypes = [i, i, lg, ptr, lg, lg, ptr, ptr, lg, i, i]
+                lib.run.restype = lib.run_in_place.restype = ctypes.c_int
+                built[kernel.name] = lib.run
+                built[kernel.name + ".in_place"] = lib.run_in_place
+            return built[kernel.name if entry == "run" else f"{kernel.name}.{entry}"]
 
         yield get
 
@@ -110,7 +126,7 @@ def _assert_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, kc: int,
 @pytest.mark.parametrize("kc", [1, 7, 19, 64])  # 19: whole 8x8 transposed blocks + a tail
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
 def test_microkernel_matches_numpy(
-    compiled: Callable[[MicroKernel], Run],
+    compiled: Callable[..., Run],
     kernel: MicroKernel,
     kc: int,
     accumulate: int,
@@ -160,6 +176,48 @@ def test_microkernel_matches_numpy(
             outside = np.ones(C.shape, bool)
             outside[:m, :n] = False
             assert (C[outside] == sentinel).all(), f"{what}: wrote outside C[0:m, 0:n]"
+
+
+@pytest.mark.parametrize("accumulate", [0, 1])
+@pytest.mark.parametrize(
+    ("kc", "ng", "ks"), [(1, 0, 1), (19, 0, 3), (1, 1, 1), (7, 3, 1), (16, 2, 2)]
+)
+@pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
+def test_in_place_calls_match_numpy(
+    compiled: Callable[..., Run], kernel: MicroKernel, kc: int, ng: int, ks: int, accumulate: int
+) -> None:
+    """`_strided` (ng = 0) and `_grouped` read A(i, g*kc + p) = A[g*gs + i*rs + p*ks] in place:
+    rows, steps and groups at awkward strides in one buffer whose other elements are NaN."""
+    _runnable(kernel)
+    run = compiled(kernel, "in_place")
+    rng = np.random.default_rng(100 * kc + 10 * ng + accumulate)
+    mr, nr = kernel.mr, kernel.nr
+    groups = max(ng, 1)
+    rs = kc * ks + 3  # a row past the last step of the row before, and not a multiple of it
+    gs = mr * rs + 5
+    buf = np.full(groups * gs + 8, np.nan, np.float32)
+    A = rng.uniform(-1, 1, (mr, groups * kc)).astype(np.float32)
+    for g in range(groups):
+        for i in range(mr):
+            buf[g * gs + i * rs : g * gs + i * rs + kc * ks : ks] = A[i, g * kc : (g + 1) * kc]
+    for n in sorted({1, nr - 1, nr} - {0}):
+        what = f"{kernel.name} kc={kc} ng={ng} ks={ks} n={n} accumulate={accumulate}"
+        B = rng.uniform(-1, 1, (groups * kc, n)).astype(np.float32)
+        ldc = nr + 3
+        C = np.full((mr + 2, ldc), 7.0, np.float32)
+        C[:mr, :n] = rng.uniform(-1, 1, (mr, n)) if accumulate else np.nan
+        C0 = C[:mr, :n].astype(np.float64)
+        status = run(kc, ng, gs, _ptr(buf), rs, ks, _ptr(B), _ptr(C), ldc, n, accumulate)
+        assert status == 0
+        product = A.astype(np.float64) @ B.astype(np.float64)
+        scale = np.abs(A).astype(np.float64) @ np.abs(B).astype(np.float64)
+        if accumulate:
+            product += C0
+            scale += np.abs(C0)
+        _assert_close(C[:mr, :n], product, scale, groups * kc, what)
+        outside = np.ones(C.shape, bool)
+        outside[:mr, :n] = False
+        assert (C[outside] == 7.0).all(), f"{what}: wrote outside C[0:mr, 0:n]"
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
