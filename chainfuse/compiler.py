@@ -529,7 +529,8 @@ class ConvKernel(_Built):
     `x` [N, C, H, W], `w1` [K1, C, R1, S1], `w2` [K2, K1, R2, S2] (PyTorch's layouts), in NCHW
     or channels-last memory order (numpy arrays or torch CPU tensors, float32); biases [K1] /
     [K2] or None. The result has `x`'s kind and memory order. Every argument is passed by
-    pointer and strides: nothing is copied, in either order. `halo` says whether overlapping
+    pointer and strides, in either order: channels-last `x` is read in place, NCHW `x` a band
+    of rows at a time into a channels-last buffer per thread. `halo` says whether overlapping
     rows of the intermediate are kept or recomputed, `halo_reason` why, `tiles` the code tiles.
     """
 
@@ -719,8 +720,7 @@ def _conv_header(spec: ConvChainSpec, after: str | None) -> str:
         "conv1 runs per block of conv2's output pixels; parallel over n x row bands of conv2\n"
         "code tiles (run-time arguments): T_P2 = whole rows holding the plan's p2 x q2 pixels\n"
         "  at its code level; KC = most k steps a call reads (its weight panel fills half of L1),\n"
-        "  T_C / T_K1 = channel blocks of one tap when a row of taps exceeds KC or the input is\n"
-        "  not channels-last\n"
+        "  T_C / T_K1 = channel blocks of one tap when a row of taps exceeds 2 KC steps\n"
         f"halo: {spec.halo.value} ("
         + (
             "overlapping rows of Z stay in each thread's rolling row buffer"
@@ -729,5 +729,6 @@ def _conv_header(spec: ConvChainSpec, after: str | None) -> str:
         )
         + "), chosen by choose_halo's cost comparison (ConvKernel.halo_reason)\n"
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}): pixels x output "
-        "channels, input slivers read in place; layouts: any NCHW / channels-last strides"
+        "channels, input slivers read in place; layouts: any NCHW / channels-last strides "
+        "(NCHW input copied channels-last a band of rows at a time)"
     )

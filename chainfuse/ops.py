@@ -253,11 +253,13 @@ def conv_chain(
     fused into one kernel, then `after` ("relu" or None) on the result.
 
     `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
-    float32 numpy arrays or torch CPU tensors, in NCHW or channels-last memory order: both are
-    read in place through their strides, never copied (the micro-kernel reads slivers of pixels
-    where they are, a whole row of taps per call on channels-last input; only windows touching
-    the padding are packed). The result has `x`'s kind and memory order (numpy: NCHW), or is
-    written into `out` (channels-last: in place; NCHW: through a row buffer per output row).
+    float32 numpy arrays or torch CPU tensors, in NCHW or channels-last memory order, read
+    through their strides (no copy of a whole tensor): channels-last input in place (the
+    micro-kernel reads slivers of pixels where they are, all rows of taps in one call; only
+    windows touching the padding are packed), NCHW input row band by row band through a
+    channels-last buffer per thread. The result has `x`'s kind and memory order (numpy: NCHW),
+    or is written into `out` (channels-last: in place; NCHW: through a row buffer per output
+    row).
     """
     N, C, H, W = _conv_operand("x", x, 4)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)

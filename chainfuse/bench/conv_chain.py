@@ -1,9 +1,10 @@
 """`chainfuse bench conv-chain`: the paper's eight conv chains against PyTorch (oneDNN).
 
 For every workload (x between none / relu): compile the fused kernel, check it against the
-float64 reference, then time chainfuse (channels-last input and output, zero-copy) and PyTorch's
-`conv2d -> [relu] -> conv2d` in channels_last and in NCHW memory format, interleaved round-robin
-in this one process. 1 thread reports medians; more threads the best of the rounds (a shared
+float64 reference, then time chainfuse (channels-last input and output, zero-copy; and as
+`chainfuse_nchw` on NCHW input and output, which it reads and writes through channels-last row
+buffers) and PyTorch's `conv2d -> [relu] -> conv2d` in channels_last and in NCHW memory format,
+interleaved round-robin in this one process. 1 thread reports medians; more threads the best of the rounds (a shared
 machine only ever slows a run down). The headline speedup is over the faster of the two PyTorch
 formats.
 """
@@ -68,14 +69,17 @@ def torch_baselines(
     return {name: make(args) for name, args in formats.items()}
 
 
-def _chainfuse(kernel: ConvKernel, inputs: dict[str, Any]) -> tuple[Callable[[], object], Any]:
-    """The fused kernel on channels-last tensors, into a preallocated channels-last output."""
+def _chainfuse(
+    kernel: ConvKernel, inputs: dict[str, Any], channels_last: bool = True
+) -> tuple[Callable[[], object], Any]:
+    """The fused kernel on channels-last (or NCHW) tensors, into a preallocated output of the
+    same memory format."""
     import torch
 
-    cl = torch.channels_last
-    x = torch.from_numpy(inputs["X"]).contiguous(memory_format=cl)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.from_numpy(inputs["X"]).contiguous(memory_format=fmt)
     w1, w2 = torch.from_numpy(inputs["W1"]), torch.from_numpy(inputs["W2"])
-    out = torch.empty(kernel.chain.outputs[0].shape, dtype=torch.float32, memory_format=cl)
+    out = torch.empty(kernel.chain.outputs[0].shape, dtype=torch.float32, memory_format=fmt)
     return (lambda: kernel(x, w1, w2, out=out)), out
 
 
@@ -99,9 +103,15 @@ def run(
                 set_threads(n)
                 kernel = compile_conv(chain, hw, threads=n)  # planned for the threads it runs on
                 call, out = _chainfuse(kernel, inputs)
-                call()
-                reference.assert_close(out.numpy(), want, chain)
-                fns: dict[str, Callable[[], object]] = {"chainfuse": call, **baselines}
+                call_nchw, out_nchw = _chainfuse(kernel, inputs, channels_last=False)
+                for fn, result in ((call, out), (call_nchw, out_nchw)):
+                    fn()  # checked before it is timed
+                    reference.assert_close(result.numpy(), want, chain)
+                fns: dict[str, Callable[[], object]] = {
+                    "chainfuse": call,
+                    "chainfuse_nchw": call_nchw,
+                    **baselines,
+                }
                 _, planning_s = timed_plan(chain, hw, threads=n)
                 try:
                     simulated = simulate(chain, kernel.plan, hw)

@@ -70,8 +70,12 @@ def across_workloads(results: Sequence[Result]) -> list[tuple[str, int, float]]:
 
 def _suite_table(results: Sequence[Result], peak: float) -> list[str]:
     baselines = list(dict.fromkeys(b for r in results for b in r.baselines if b in r.ms))
+    # other forms of chainfuse timed next to the headline one (e.g. on NCHW input)
+    others = list(dict.fromkeys(k for r in results for k in r.ms
+                                if k != "chainfuse" and k not in r.baselines))  # fmt: skip
     levels = list(dict.fromkeys(lv for r in results for lv in r.predicted_bytes))
-    head = ["workload", "variant", "threads", "chainfuse ms", *(f"{b} ms" for b in baselines),
+    head = ["workload", "variant", "threads", "chainfuse ms", *(f"{k} ms" for k in others),
+            *(f"{b} ms" for b in baselines),
             "speedup (vs best)", "GFLOP/s", "% FP32 peak", "tiles", "predicted ms",
             *(f"{lv} MiB pred / sim" for lv in levels), "plan ms", "compile s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -79,6 +83,7 @@ def _suite_table(results: Sequence[Result], peak: float) -> list[str]:
         best = r.best_baseline()
         cells = [r.workload, r.variant, str(r.threads),
                  _fmt_ms(r.ms["chainfuse"], r.spread.get("chainfuse")),
+                 *(_fmt_ms(r.ms.get(k, math.nan), r.spread.get(k)) for k in others),
                  *(_fmt_ms(r.ms.get(b, math.nan), r.spread.get(b)) for b in baselines),
                  f"{r.speedup():.2f}x ({best})", f"{r.gflops():.1f}",
                  f"{r.gflops() / (peak * r.threads):.0%}", r.tiles, f"{r.predicted_ms:.3f}",

@@ -18,14 +18,18 @@ whose windows lie inside the input is read in place by the strided micro-kernel,
 is `S*C` consecutive floats per pixel, and one grouped call runs every row of taps whose input
 row exists (`R` runs of `S*C` steps, a row of X apart) into one register block. Only the
 slivers that touch the padding (and the pixels left over at the end of a row) are packed,
-several rows' worth together into full slivers. Results are channels-last rows, so Z is
-`[pixel][k1]` and a channels-last Y2 is written in place (NCHW goes through a row buffer and a
-transposing copy). Per thread, over a contiguous range of (n, band) blocks::
+several rows' worth together into full slivers. Input that is not channels-last (NCHW) is
+first copied, the rows each band reads, into a channels-last row buffer of the thread (through
+the micro-kernel's register transposes), so that every layout takes the same path. Results are
+channels-last rows, so Z is `[pixel][k1]` and a channels-last Y2 is written in place (NCHW goes
+through a row buffer and a transposing copy). Per thread, over a contiguous range of (n, band)
+blocks::
 
     for (n, band of T_P2 output rows of conv2) in this thread's range:    # parallel
         Z rows the band needs: [p2a*st2 - pad2, (p2b-1)*st2 - pad2 + R2)   # clipped to [0, P1)
         keep:      slide the rows the previous band already made to the front of Z
         recompute: forget them
+        (NCHW X: the rows of X they read -> Xc, channels-last)
         conv1 rows still missing -> Z, then Z = relu(Z + b1) while in cache   (cf_conv_rows)
         conv2 of the band from Z  -> Y2, then [relu](Y2 + b2)                 (cf_conv_rows)
 
@@ -55,7 +59,8 @@ and 8x8 transposes were 15-45% of the time); packing the edge pixels of several 
 slivers +6%; chunks of 64 slivers instead of 16 +5%; a sliver meeting every output channel
 block while in L1, all its rows of taps in one call (instead of one call per row of taps, as
 many weight panels as fit L1 at a time) +1-4% on the paper chains, +6% on darknet-19-b (whose
-S*C = 384 took one call per tap before).
+S*C = 384 took one call per tap before); NCHW input through the channels-last row buffer
+instead of strided reads of its channel planes: 54-81 -> 66-85 GFLOP/s on the paper chains.
 """
 
 from __future__ import annotations
@@ -282,6 +287,7 @@ typedef struct {
     long LDK1, LDK2;     /* floats per pixel of Z and of the result rows T: K rounded up to NR */
     long ZROWS;          /* rows of Z a band holds at most */
     long TMP;            /* floats of a chunk's packed edge slivers and their results */
+    long XROWS;          /* rows of X the conv1 rows of a band read at most */
 } cf_geo;
 
 /* The clean slivers of an output row of Q pixels, [*lo, *hi) in steps of MR from the first
@@ -316,6 +322,48 @@ static void cf_geo_init(cf_geo* G, const long* g)
     const long e1 = cf_edge_pixels(G->Q1, G->S1, G->st1, G->pad1, G->W) + MR;
     const long e2 = cf_edge_pixels(G->Q2, G->S2, G->st2, G->pad2, G->Q1) + MR;
     G->TMP = CF_MAX(e1 * (G->R1 * G->S1 * G->C + G->LDK1), e2 * (G->R2 * G->S2 * G->K1 + G->LDK2));
+    G->XROWS = CF_MIN(G->H, (G->ZROWS - 1) * G->st1 + G->R1);
+}
+
+/* dst[j*ldd + i] = src[i*lds + j] for i < rows, j < cols: TB x TB blocks through registers */
+static void cf_transpose(const float* restrict src, long lds, float* restrict dst, long ldd,
+                         long rows, long cols)
+{
+    long i = 0;
+#if TB
+    for (; i + TB <= rows; i += TB) {
+        long j = 0;
+        for (; j + TB <= cols; j += TB) {
+            UK_TRANSPOSE(src + i * lds + j, lds, dst + j * ldd + i, ldd);
+        }
+        for (; j < cols; ++j) {
+            for (long ii = i; ii < i + TB; ++ii) dst[j * ldd + ii] = src[ii * lds + j];
+        }
+    }
+#endif
+    for (; i < rows; ++i) {
+        for (long j = 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+    }
+}
+
+/* Rows [ha, hb) of one image of X, channel c of pixel (h, w) at x[c*cs + h*hs + w*ws] (NCHW or
+   any other order), as channels-last rows: out[((h - ha)*W + w)*C + c]; a row no window of R
+   rows at stride st (padding pad) reads is skipped */
+static void cf_rows_to_channels_last(const float* x, long cs, long hs, long ws, long C, long W,
+                                     long R, long st, long pad, long ha, long hb,
+                                     float* restrict out)
+{
+    for (long h = ha; h < hb; ++h) {
+        if ((h + pad) % st >= R) continue;
+        float* restrict o = out + (h - ha) * W * C;
+        if (ws == 1) { /* rows of pixels per channel (NCHW): transposed in blocks */
+            cf_transpose(x + h * hs, cs, o, C, C, W);
+            continue;
+        }
+        for (long w = 0; w < W; ++w) {
+            for (long c = 0; c < C; ++c) o[w * C + c] = x[c * cs + h * hs + w * ws];
+        }
+    }
 }
 
 /* One convolution as read by cf_conv_rows: input pixel (h, w), channel c at
@@ -521,6 +569,10 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     w.line(f"#define UK {uk}")
     w.line(f"#define UK_STRIDED {uk}_strided")
     w.line(f"#define UK_GROUPED {uk}_grouped")
+    tb = ker.transpose_block
+    w.line(f"#define TB {tb} /* the micro-kernel's register transpose: {tb} floats a side */")
+    if tb:
+        w.line(f"#define UK_TRANSPOSE {uk}_transpose")
     w.line(f"#define HALO_KEEP {int(spec.halo is Halo.KEEP)}")
     w.line(f"#define RELU_MID {int(spec.relu_mid)}")
     w.line(f"#define RELU_OUT {int(spec.relu_out)}")
@@ -531,13 +583,14 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     w.lines(_RUNTIME)
     w.line("")
     w.line("/* floats of workspace: returns the shared part (packed W1, W2), and writes one")
-    w.line("   thread's part (Z, the result rows T, a packed edge sliver) to *per_thread */")
+    w.line("   thread's part (Z, the result rows T, a packed edge sliver, channels-last rows of X)")
+    w.line("   to *per_thread */")
     with w.block(f"long {name}_workspace(const long* g, long* per_thread)"):
         w.line("cf_geo G;")
         w.line("cf_geo_init(&G, g);")
         w.line(
             "*per_thread = ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1) + ALIGN16((G.Q2 + MR) * G.LDK2)"
-            " + ALIGN16(G.TMP);"
+            " + ALIGN16(G.TMP) + ALIGN16(G.XROWS * G.W * G.C);"
         )
         w.line("return ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C) + ALIGN16(G.LDK2 * G.R2 * G.S2 * G.K1);")
     w.line("")
@@ -564,6 +617,11 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
         w.line("/* the result is written in place when its pixels are rows of K2 floats")
         w.line("   (channels-last), else through T and a transposing copy (NCHW) */")
         w.line("const int direct = (ys[1] == 1 || G.K2 == 1) && ys[2] == G.Q2 * ys[3];")
+        w.line(
+            "/* X is read in place when channels-last (a row of taps is S1*C consecutive floats),"
+        )
+        w.line("   else the rows each band needs are first copied channels-last into Xc */")
+        w.line("const int x_direct = xs[3] == G.C && (xs[1] == 1 || G.C == 1);")
         w.line("const long bands = (G.P2 + G.TP2 - 1) / G.TP2;")
         w.line("const long blocks = G.N * bands;")
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
@@ -573,8 +631,13 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
             w.line("float* restrict Z = work + (long)t * work_per_thread;")
             w.line("float* restrict T = Z + ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1);")
             w.line("float* restrict tmp = T + ALIGN16((G.Q2 + MR) * G.LDK2);")
+            w.line("float* restrict Xc = tmp + ALIGN16(G.TMP);")
             w.line("cf_conv c1 = {NULL, 0, xs[2], xs[3], xs[1], G.H, G.W, G.C, G.R1, G.S1,")
             w.line("              G.st1, G.pad1, G.K1, G.CB1, G.KC, W1p};")
+            with w.block("if (!x_direct)"):
+                w.line("c1.hs = G.W * G.C;")
+                w.line("c1.ws = G.C;")
+                w.line("c1.cs = 1;")
             w.line("cf_conv c2 = {Z, 0, G.Q1 * G.LDK1, G.LDK1, 1, G.P1, G.Q1, G.K1, G.R2, G.S2,")
             w.line("              G.st2, G.pad2, G.K2, G.CB2, G.KC, W2p};")
             w.line("const long first = (long)t * share;")
@@ -604,7 +667,16 @@ def _emit_band(w: Writer) -> None:
     w.line("zn = n;")
     with w.block("if (hi > from)"):
         w.line("/* conv1: Z rows [from, hi) of image n, then b1 and the relu while in cache */")
-        w.line("c1.in = X + n * xs[0];")
+        with w.block("if (x_direct)"):
+            w.line("c1.in = X + n * xs[0];")
+        with w.block("else"):
+            w.line("/* the rows of X these conv1 rows read, channels-last */")
+            w.line("const long ha = CF_MAX(0, from * G.st1 - G.pad1);")
+            w.line("const long hb = CF_MAX(ha, CF_MIN(G.H, (hi - 1) * G.st1 - G.pad1 + G.R1));")
+            w.line("cf_rows_to_channels_last(X + n * xs[0], xs[1], xs[2], xs[3], G.C, G.W, G.R1,")
+            w.line("                         G.st1, G.pad1, ha, hb, Xc);")
+            w.line("c1.in = Xc;")
+            w.line("c1.h0 = ha;")
         w.line("float* Zf = Z + (from - zbase) * row;")
         w.line("cf_conv_rows(&c1, from, hi, G.Q1, Zf, G.LDK1, tmp);")
         w.line("cf_epilogue(Zf, G.LDK1, (hi - from) * G.Q1, G.K1, b1, RELU_MID);")
@@ -619,9 +691,13 @@ def _emit_band(w: Writer) -> None:
             w.line("cf_conv_rows(&c2, p2, p2 + 1, G.Q2, T, G.LDK2, tmp);")
             w.line("cf_epilogue(T, G.LDK2, G.Q2, G.K2, b2, RELU_OUT);")
             w.line("float* Yr = Y + n * ys[0] + p2 * ys[2];")
-            with w.block("for (long k = 0; k < G.K2; ++k)"):
-                w.line("float* restrict y = Yr + k * ys[1];")
-                w.line("for (long q = 0; q < G.Q2; ++q) y[q * ys[3]] = T[q * G.LDK2 + k];")
+            with w.block("if (ys[3] == 1)"):
+                w.line("/* NCHW: a row of pixels per channel */")
+                w.line("cf_transpose(T, G.LDK2, Yr, ys[1], G.Q2, G.K2);")
+            with w.block("else"):
+                with w.block("for (long k = 0; k < G.K2; ++k)"):
+                    w.line("float* restrict y = Yr + k * ys[1];")
+                    w.line("for (long q = 0; q < G.Q2; ++q) y[q * ys[3]] = T[q * G.LDK2 + k];")
 
 
 def geometry(shape: ConvChainShape, tiles: ConvTiles) -> tuple[int, ...]:

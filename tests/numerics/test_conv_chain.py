@@ -173,6 +173,7 @@ def _tiles_test(examples: int):  # type: ignore[no-untyped-def]
         c_block=st.sampled_from([1, 5, 8, 16, 200]),
         k1_block=st.sampled_from([1, 7, 8, 64, 200]),
         kind=st.sampled_from(KINDS),
+        threads=st.sampled_from([1, 1, 2, 3]),
     )
     def check(
         drawn: tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]],
@@ -181,13 +182,20 @@ def _tiles_test(examples: int):  # type: ignore[no-untyped-def]
         c_block: int,
         k1_block: int,
         kind: str,
+        threads: int,
     ) -> None:
-        """Every halo policy and tile (bands of 1..9 rows, channel blocks with tails) is right."""
+        """Every halo policy and tile (bands of 1..9 rows, channel blocks with tails) is right,
+        on 1 to 3 threads (each with its own range of bands, row buffers and halo start)."""
         chain = drawn[0]
-        kernel = compile_conv(chain, halo=halo, tiles={"p2": band, "c": c_block, "k1": k1_block})
+        tiles = {"p2": band, "c": c_block, "k1": k1_block}
+        kernel = compile_conv(chain, halo=halo, tiles=tiles, threads=threads)
         assert kernel.halo is Halo(halo)
         inputs = reference.random_inputs(chain)
-        y = kernel(*[_as(kind, inputs[n]) for n in ("X", "W1", "W2")])
+        chainfuse.set_num_threads(threads)
+        try:
+            y = kernel(*[_as(kind, inputs[n]) for n in ("X", "W1", "W2")])
+        finally:
+            chainfuse.set_num_threads(None)
         reference.assert_close(_numpy(y), reference.run(chain, inputs)["Y2"], chain)
 
     return check
