@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 from typing import Any
+
+import numpy as np
 
 from chainfuse import ir
 from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
@@ -80,6 +83,25 @@ def _operands(names: str, x: Any, y: Any, z: Any) -> tuple[str, tuple[tuple[int,
     return dtype, tuple(_shape(n, a, float32=False) for n, a in zip(labels, (x, y, z), strict=True))
 
 
+def _no_work(like: Any, shape: tuple[int, ...], value: Any = 0, out: Any = None) -> Any:
+    """The result of a call with a zero-size dimension, where no kernel has anything to do (as in
+    PyTorch: an empty result, or zeros where a sum runs over nothing): `value` (0, or an array
+    that broadcasts to `shape`) as a new array of `like`'s kind and dtype, or written into
+    `out`."""
+    if out is None:
+        if type(like).__module__.split(".")[0] == "torch":
+            out = sys.modules["torch"].zeros(shape, dtype=like.dtype)
+        else:
+            out = np.zeros(shape, dtype=like.dtype)
+    elif tuple(out.shape) != shape or out.dtype != like.dtype:
+        raise ValueError(
+            f"out: expected shape {shape} and dtype {like.dtype}, got {tuple(out.shape)} "
+            f"{out.dtype}"
+        )
+    out[...] = value
+    return out
+
+
 # Kernels by the plain arguments of the chain builders and the thread count calls use now (the
 # plan is made for it): building and verifying a chain costs 300-500 us, far more than a small
 # call's kernel, and a call with known sizes should not pay it again.
@@ -117,12 +139,15 @@ def gemm_chain(
 
     float32, or bfloat16 in and out (fp32 arithmetic inside; `Kernel.arithmetic` says so).
     `between` is None, "relu", "gelu" or "softmax" (over L). Returns [b, M, N] ([M, N] for 2-D
-    inputs) of the inputs' kind; `out=` writes into a preallocated result.
+    inputs) of the inputs' kind; `out=` writes into a preallocated result. Zero-size
+    dimensions give what numpy's matmul gives (an empty result, or zeros for K = 0 or L = 0;
+    the mean of D's rows for K = 0 with softmax, whose scores are then all equal).
     """
     dtype, (sa, sb, sd) = _operands("A, B, D", A, B, D)
     if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
         raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
     flat = len(sa) == 2
+    user_out = out
     if flat:
         A, B, D = A[None], B[None], D[None]
         sa, sb, sd = (1, *sa), (1, *sb), (1, *sd)
@@ -139,6 +164,17 @@ def gemm_chain(
     N = sd[2]
     if between is not None and not isinstance(between, (str, Activation)):
         raise TypeError(f"between: expected None or an activation name, got {between!r}")
+    if 0 in (batch, M, N, K, L):
+        ir.gemm_chain(1, 1, 1, 1, 1, between, dtype)  # the errors a call with work would raise
+        value: Any = 0
+        if K == 0 and L > 0 and between == "softmax":  # equal scores: every row weighs 1/L
+            if type(D).__module__.split(".")[0] == "torch":
+                value = D.float().mean(-2, keepdim=True)
+            else:
+                value = np.asarray(D, np.float32).mean(-2, keepdims=True)
+        if flat:
+            return _no_work(A[0], (M, N), value if isinstance(value, int) else value[0], user_out)
+        return _no_work(A, (batch, M, N), value, out)
     kernel = _gemm_kernel((batch, M, N, K, L), between, dtype, get_num_threads())
     result = kernel(A, B, D, out=out)
     return result[0] if flat else result
@@ -159,7 +195,8 @@ def attention(
     v [.., seq_k, d_v]. `attn_mask` is boolean (True takes part) or additive float, and
     broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
-    masked gets zeros. `scale` defaults to 1/sqrt(d_qk).
+    masked gets zeros, and so does every query when there are no keys (seq_k = 0); an empty q
+    gives an empty result. `scale` defaults to 1/sqrt(d_qk).
     """
     dtype, (sq, sk, sv) = _operands("q, k, v", q, k, v)
     if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
@@ -189,6 +226,17 @@ def attention(
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale: expected a real number or None, got {scale!r}")
         scale = float(scale)
+    if 0 in (batch, heads, seq_q, seq_k, sv[3]):  # no work: PyTorch's empty result or zeros
+        full = (batch, heads, seq_q, seq_k)
+        if mask_shape is not None and (
+            len(mask_shape) > 4
+            or any(
+                m not in (1, f) for m, f in zip(reversed(mask_shape), reversed(full), strict=False)
+            )
+        ):
+            raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
+        result = _no_work(q, (batch, heads, seq_q, sv[3]))
+        return result[:, 0] if flat else result
     kernel = _attention_kernel((batch, heads, seq_q, seq_k, d_qk, sv[3]), bool(is_causal),
                                mask_kind, scale, mask_shape, dtype,
                                get_num_threads())  # fmt: skip
@@ -215,16 +263,18 @@ def _conv_kernel(sizes: tuple[int, ...], between: str | None, after: str | None)
     return compile_conv(chain, after=after)
 
 
-def _conv_operand(name: str, x: Any, ndim: int) -> tuple[int, ...]:
-    """Shape of a conv operand after the checks that need no sizes: kind, dtype, device, rank."""
+def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:
+    """Shape of a conv operand after the checks that need no sizes: kind, dtype, device, rank;
+    sizes positive (a batch of zero images allowed where `batch`)."""
     shape = _shape(name, x)
     device = getattr(x, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
     if len(shape) != ndim:
         raise ValueError(f"{name}: expected {ndim} dims, got shape {shape}")
-    if any(s <= 0 for s in shape):
-        raise ValueError(f"{name}: sizes must be positive, got shape {shape}")
+    if any(s <= 0 for s in shape[int(batch) :]) or shape[0] < 0:
+        what = "sizes after the batch" if batch else "sizes"
+        raise ValueError(f"{name}: {what} must be positive, got shape {shape}")
     return shape
 
 
@@ -261,7 +311,7 @@ def conv_chain(
     or is written into `out` (channels-last: in place; NCHW: through a row buffer per output
     row).
     """
-    N, C, H, W = _conv_operand("x", x, 4)
+    N, C, H, W = _conv_operand("x", x, 4, batch=True)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
     K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
     if C1 != C:
@@ -289,5 +339,8 @@ def conv_chain(
             f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
             f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
         )
+    if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
+        P2, Q2 = ir.conv_out_size(P1, R2, st2, pad2), ir.conv_out_size(Q1, S2, st2, pad2)
+        return _no_work(x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
     return _conv_kernel(sizes, between, after)(x, w1, w2, b1, b2, out=out)

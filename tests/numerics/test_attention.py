@@ -140,6 +140,31 @@ def test_torch_attention_matches_sdpa_in_float64(kind: str) -> None:
     reference.assert_close(ours.double().numpy(), theirs.numpy(), chain)
 
 
+def test_no_keys_give_zeros_and_no_queries_an_empty_result_like_pytorch() -> None:
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 5, 8, generator=g)
+    k, v = torch.randn(2, 3, 0, 8, generator=g), torch.randn(2, 3, 0, 6, generator=g)
+    for kw in ({}, {"is_causal": True}, {"attn_mask": torch.ones(5, 0, dtype=torch.bool)}):
+        ours = cft.attention(q, k, v, **kw)  # type: ignore[arg-type]
+        theirs = F.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+        assert ours.shape == theirs.shape == (2, 3, 5, 6) and not ours.any()
+    for shape_q, shape_kv in (((0, 3, 5, 8), (0, 3, 4, 8)), ((2, 3, 0, 8), (2, 3, 4, 8)),
+                              ((2, 0, 5, 8), (2, 0, 4, 8))):  # fmt: skip
+        q0, kv = torch.randn(shape_q, generator=g), torch.randn(shape_kv, generator=g)
+        ours = cft.attention(q0, kv, kv)
+        assert ours.shape == F.scaled_dot_product_attention(q0, kv, kv).shape
+    flat = chainfuse.ops.attention(np.zeros((2, 5, 8), np.float32), np.zeros((2, 0, 8), np.float32),
+                                   np.zeros((2, 0, 6), np.float32))  # fmt: skip
+    assert isinstance(flat, np.ndarray) and flat.shape == (2, 5, 6) and not flat.any()
+    with pytest.raises(ValueError, match=r"attn_mask: shape \(5, 3\) does not broadcast"):
+        cft.attention(q, k, v, attn_mask=torch.ones(5, 3, dtype=torch.bool))
+
+
 def test_large_magnitudes_stay_finite() -> None:
     chain = chainfuse.attention_chain(1, 1, 33, 65, 16, 8)
     inputs = reference.random_inputs(chain, scale=1e4)

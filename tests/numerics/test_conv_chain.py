@@ -318,7 +318,8 @@ def _args() -> tuple[np.ndarray[Any, Any], ...]:
     [
         (lambda x, w1, w2: (x, w1[:, :3], w2), r"w1: expected 4 input channels"),
         (lambda x, w1, w2: (x, w1, w2[:, :5]), r"w2: expected 6 input channels"),
-        (lambda x, w1, w2: (x[:, :, :0], w1, w2), r"x: sizes must be positive"),
+        (lambda x, w1, w2: (x[:, :, :0], w1, w2), r"x: sizes after the batch must be positive"),
+        (lambda x, w1, w2: (x, w1[:0], w2[:, :0]), r"w1: sizes must be positive"),
         (lambda x, w1, w2: (x[:, :, :2, :2], w1, w2), r"w1: kernel 3x3 is larger"),
         (lambda x, w1, w2: (x, w1, np.ones((5, 6, 9, 9), np.float32)), r"w2: kernel 9x9"),
         (lambda x, w1, w2: (x.astype(np.float64), w1, w2), r"x: expected dtype float32"),
@@ -350,6 +351,19 @@ def test_errors_bias_stride_padding_between_device() -> None:
     t = torch.from_numpy(x)
     with pytest.raises(ValueError, match="x: expected a NCHW or channels_last"):
         ops.conv_chain(t.transpose(2, 3), w1, w2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_images_give_an_empty_result(kind: str) -> None:
+    x, w1, w2 = _args()
+    y = ops.conv_chain(
+        _as(kind, x[:0]), _as(kind, w1), _as(kind, w2), stride=(2, 1), padding=(1, 0)
+    )
+    assert type(y) is type(_as(kind, x)) and tuple(y.shape) == (0, 5, 5, 5)
+    out = _as(kind, np.empty((0, 5, 5, 5), np.float32))
+    assert ops.conv_chain(_as(kind, x[:0]), w1, w2, stride=(2, 1), padding=(1, 0), out=out) is out
+    with pytest.raises(ValueError, match=r"out: expected shape \(0, 5, 5, 5\)"):
+        ops.conv_chain(x[:0], w1, w2, stride=(2, 1), padding=(1, 0), out=np.empty((0, 5, 9, 9)))
 
 
 def test_a_fused_block_too_big_for_l1_still_compiles() -> None:

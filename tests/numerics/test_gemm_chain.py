@@ -180,6 +180,51 @@ def test_ops_gemm_chain_numpy_and_2d() -> None:
         chainfuse.ops.gemm_chain(A, B.astype(np.float64), D)
 
 
+def _matmul_chain(A: np.ndarray, B: np.ndarray, D: np.ndarray, between: str | None) -> np.ndarray:
+    """between(A @ B) @ D in float64 with numpy's rules for zero-size dimensions."""
+    C = A.astype(np.float64) @ B.astype(np.float64)
+    if between == "relu":
+        C = np.maximum(C, 0.0)
+    elif between == "softmax" and C.shape[-1]:
+        C = np.exp(C - C.max(-1, keepdims=True))
+        C /= C.sum(-1, keepdims=True)
+    return C @ D.astype(np.float64)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("between", [None, "relu", "softmax"])
+@pytest.mark.parametrize(
+    "sizes", [(0, 6, 3, 5, 4), (2, 0, 3, 5, 4), (2, 6, 0, 5, 4), (2, 6, 3, 0, 4), (2, 6, 3, 5, 0)]
+)
+def test_zero_size_dimensions_match_numpy(
+    sizes: tuple[int, int, int, int, int], between: str | None, kind: str
+) -> None:
+    """(batch, M, N, K, L) with one of them 0: no kernel runs; the result is numpy's (empty, or
+    zeros for K = 0 or L = 0, or the mean of D's rows for K = 0 under softmax)."""
+    batch, M, N, K, L = sizes
+    rng = np.random.default_rng(7)
+    A, B, D = (rng.standard_normal(s).astype(np.float32) for s in [(batch, M, K), (batch, K, L),
+                                                                    (batch, L, N)])  # fmt: skip
+    want = _matmul_chain(A, B, D, between)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        got = chainfuse.ops.gemm_chain(*(torch.from_numpy(x) for x in (A, B, D)), between=between)
+        assert isinstance(got, torch.Tensor)
+        got = got.numpy()
+    else:
+        got = chainfuse.ops.gemm_chain(A, B, D, between=between)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if batch:  # 2-D operands, and into a preallocated result
+        out = np.full((M, N), np.nan, np.float32)
+        assert chainfuse.ops.gemm_chain(A[0], B[0], D[0], between=between, out=out) is out
+        np.testing.assert_allclose(out, want[0], rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match=rf"out: expected shape \({M}, {N}\)"):
+            chainfuse.ops.gemm_chain(A[0], B[0], D[0], out=np.empty((M + 1, N), np.float32))
+    with pytest.raises(ValueError, match="between"):
+        chainfuse.ops.gemm_chain(A, B, D, between="tanh")
+
+
 def test_softmax_is_safe_for_large_scores() -> None:
     # scores of magnitude ~1e4: exp without the running max would overflow to inf/NaN
     chain = chainfuse.gemm_chain(1, 9, 5, 4, 40, "softmax")
