@@ -113,7 +113,8 @@ def run(
             results.append(Result(
                 SUITE + ("-bf16" if bf16 else ""), name, "softmax", n, chain.flops() / 1e9,
                 ms={k: t.ms for k, t in timing.items()}, baselines=BASELINES,
-                spread={k: t.spread for k, t in timing.items()}, dtype=dtype,
+                spread={k: t.spread for k, t in timing.items()},
+                best_ms={k: t.best_ms for k, t in timing.items()}, dtype=dtype,
                 tiles=f"T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}",
                 predicted_ms=predicted_ms(chain, kernel.plan, n), **facts,
             ))  # fmt: skip
@@ -134,6 +135,9 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
             "paper_geomean_vs_sdpa": geomean(ratios),
             "paper_min_vs_sdpa": min(ratios, default=math.nan),
             "paper_at_or_above_80pct_peak": sum(r.gflops() >= 0.8 * peak * n for r in paper),
+            "paper_at_or_above_80pct_peak_fastest_call": sum(
+                r.best_gflops() >= 0.8 * peak * n for r in paper
+            ),
             "paper_count": len(paper),
             "short_min_vs_best_torch": min((r.speedup() for r in short), default=math.nan),
         }

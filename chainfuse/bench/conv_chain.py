@@ -123,6 +123,7 @@ def run(
                     ms={k: t.ms for k, t in timing.items()},
                     baselines=BASELINES,
                     spread={k: t.spread for k, t in timing.items()},
+                    best_ms={k: t.best_ms for k, t in timing.items()},
                     tiles=f"{kernel.tiles} halo={kernel.halo.value}",
                     predicted_ms=predicted_ms(chain, kernel.plan, n, hw),
                     predicted_bytes=dict(kernel.plan.bytes_per_level),

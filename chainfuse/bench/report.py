@@ -43,7 +43,7 @@ def _bytes_cell(r: Result, level: str) -> str:
 
 def summary_rows(results: Sequence[Result], peak: float) -> list[dict[str, Any]]:
     """Per suite and thread count: geomean and minimum speedup over the best baseline, and how
-    many cases reach 80 % of the FP32 peak."""
+    many cases reach 80 % of the FP32 peak (median, and fastest call)."""
     rows = []
     for suite in dict.fromkeys(r.suite for r in results):
         for n in sorted({r.threads for r in results if r.suite == suite}):
@@ -53,6 +53,9 @@ def summary_rows(results: Sequence[Result], peak: float) -> list[dict[str, Any]]
                 "suite": suite, "threads": n, "cases": len(sel),
                 "geomean_speedup": geomean(ratios), "min_speedup": min(ratios),
                 "at_or_above_80pct_peak": sum(r.gflops() >= 0.8 * peak * n for r in sel),
+                "at_or_above_80pct_peak_fastest_call": sum(
+                    r.best_gflops() >= 0.8 * peak * n for r in sel
+                ),
             })  # fmt: skip
     return rows
 
@@ -76,7 +79,7 @@ def _suite_table(results: Sequence[Result], peak: float) -> list[str]:
     levels = list(dict.fromkeys(lv for r in results for lv in r.predicted_bytes))
     head = ["workload", "variant", "threads", "chainfuse ms", *(f"{k} ms" for k in others),
             *(f"{b} ms" for b in baselines),
-            "speedup (vs best)", "GFLOP/s", "% FP32 peak", "tiles", "predicted ms",
+            "speedup (vs best)", "GFLOP/s", "% FP32 peak", "fastest call", "tiles", "predicted ms",
             *(f"{lv} MiB pred / sim" for lv in levels), "plan ms", "compile s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -86,7 +89,8 @@ def _suite_table(results: Sequence[Result], peak: float) -> list[str]:
                  *(_fmt_ms(r.ms.get(k, math.nan), r.spread.get(k)) for k in others),
                  *(_fmt_ms(r.ms.get(b, math.nan), r.spread.get(b)) for b in baselines),
                  f"{r.speedup():.2f}x ({best})", f"{r.gflops():.1f}",
-                 f"{r.gflops() / (peak * r.threads):.0%}", r.tiles, f"{r.predicted_ms:.3f}",
+                 f"{r.gflops() / (peak * r.threads):.0%}",
+                 f"{r.best_gflops() / (peak * r.threads):.0%}", r.tiles, f"{r.predicted_ms:.3f}",
                  *(_bytes_cell(r, lv) for lv in levels), f"{r.planning_ms:.1f}",
                  f"{r.compile_s:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -171,17 +175,21 @@ def write(
         "call; 1 thread reports the median (± the interquartile range over the median), more "
         "threads the best of the rounds. Every chainfuse result was checked against the "
         "float64 reference before it was timed. Speedup = the fastest baseline's time over "
-        "chainfuse's. Bytes: the plan's predicted bytes read from each level / the tile "
-        "simulator's count for the same plan.",
+        "chainfuse's. % FP32 peak: chainfuse's GFLOP/s (median) over the probe's peak times "
+        "the threads; `fastest call`: the same for chainfuse's fastest call of the rounds (the "
+        "probe is a best-of too: the two bracket what the code does on a quiet machine). Bytes: "
+        "the plan's predicted bytes read from each level / the tile simulator's count for the "
+        "same plan.",
         "",
     ]
     md += [f"> warning: {w}" for w in machine.warnings()]
     md += ["## Summary", "", "| suite | threads | cases | geomean speedup | min speedup | "
-           ">= 80% of FP32 peak |", "|---|---|---|---|---|---|"]  # fmt: skip
+           ">= 80% of FP32 peak (median / fastest call) |", "|---|---|---|---|---|---|"]  # fmt: skip
     for s in data["summary"]:
         md.append(f"| {s['suite']} | {s['threads']} | {s['cases']} | "
                   f"{s['geomean_speedup']:.2f}x | {s['min_speedup']:.2f}x | "
-                  f"{s['at_or_above_80pct_peak']} |")  # fmt: skip
+                  f"{s['at_or_above_80pct_peak']} / "
+                  f"{s.get('at_or_above_80pct_peak_fastest_call', 'n/a')} |")  # fmt: skip
     for key, value in extra.items():
         md += ["", f"`{key}`: `{json.dumps(value, default=str)}`"]
     for suite in dict.fromkeys(r.suite for r in results):

@@ -30,6 +30,7 @@ class Result:
     ms: dict[str, float]
     baselines: tuple[str, ...]
     spread: dict[str, float] = field(default_factory=dict)  # relative IQR per implementation
+    best_ms: dict[str, float] = field(default_factory=dict)  # fastest call per implementation
     dtype: str = "float32"
     tiles: str = ""  # the code-level tiles as people read them, e.g. "T_M=96 T_L=48 ..."
     predicted_ms: float = math.nan  # the plan's predicted time
@@ -51,6 +52,11 @@ class Result:
 
     def gflops(self, impl: str = "chainfuse") -> float:
         return self.gflop / (self.ms[impl] / 1e3)
+
+    def best_gflops(self, impl: str = "chainfuse") -> float:
+        """GFLOP/s of the fastest call (NaN when not recorded): next to the median's figure,
+        how much of the gap to the peak is the shared machine rather than the code."""
+        return self.gflop / (self.best_ms.get(impl, math.nan) / 1e3)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

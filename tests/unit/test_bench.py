@@ -29,7 +29,7 @@ def _result(suite: str = "gemm-chain", workload: str = "bert-base", threads: int
         suite, workload, "relu", threads, 0.8,
         ms=ms or {"chainfuse": 10.0, "torch_prealloc": 12.0, "numpy": 11.0},
         baselines=("torch_prealloc", "numpy"), spread={"chainfuse": 0.02},
-        tiles="T_M=96", predicted_ms=9.0, predicted_bytes={"L2": 1 << 20, "DRAM": 1 << 18},
+        best_ms={"chainfuse": 8.0}, tiles="T_M=96", predicted_ms=9.0, predicted_bytes={"L2": 1 << 20, "DRAM": 1 << 18},
         simulated_bytes={"L2": 1 << 20}, planning_ms=12.0, compile_s=0.5,
     )  # fmt: skip
 
@@ -45,6 +45,7 @@ def test_interleave_calls_every_function_round_robin() -> None:
     out = interleave(fns, rounds=4)
     assert calls == ["a", "b"] + ["a", "b"] * 4  # one warm-up each, then alternating
     assert set(out) == {"a", "b"} and all(t.samples == 4 and t.ms >= 0 for t in out.values())
+    assert all(0 <= t.best_ms <= t.ms for t in out.values())  # the fastest call, the median
     with pytest.raises(ValueError, match="rounds"):
         interleave(fns, rounds=0)
 
@@ -114,6 +115,9 @@ def test_report_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     assert len(data["results"]) == 3 and data["fidelity"][0]["tuning_gap"] == pytest.approx(0.1)
     summary = {(s["suite"], s["threads"]): s for s in data["summary"]}
     assert summary["gemm-chain", 1]["geomean_speedup"] == pytest.approx(1.1)
+    # 0.8 GFLOP in 10 ms median, 8 ms fastest call: 80 and 100 GFLOP/s of the 150 peak
+    assert "| 53% | 67% |" in md
+    assert summary["gemm-chain", 1]["at_or_above_80pct_peak_fastest_call"] == 0
 
 
 def test_progress_without_a_terminal_prints_one_line_per_step() -> None:
