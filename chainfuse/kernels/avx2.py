@@ -87,6 +87,7 @@ static inline void {name}_transpose_scaled(const float* restrict src, long lds,
     cflags=("-mavx2", "-mfma"),
     transpose=avx2_transpose8,
     transpose_block=8,
+    part_rows=4,
 )
 def avx2_fma_6x16_f32(kernel: MicroKernel) -> str:
     return emit_vector_tile(kernel, AVX2)

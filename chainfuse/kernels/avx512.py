@@ -45,6 +45,7 @@ AVX512 = VectorOps(
     registers=6 * 4 + 4 + 1,
     flops_per_instruction=2 * 16,
     cflags=("-mavx512f", "-mfma"),
+    part_rows=4,
 )
 def avx512_6x64_f32(kernel: MicroKernel) -> str:
     return emit_vector_tile(kernel, AVX512)

@@ -15,11 +15,14 @@ any of them the same way::
 A kernel module supplies only the *full tile*, every accumulator in a register, in two forms:
 ``<name>_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate)`` reads ``A(i, p) = A[i*rs + p*ks]``
 (a packed sliver is ``rs = 1, ks = mr``) and ``<name>_full_g(kc, ng, gs, A, rs, ks, ...)`` runs
-``ng`` such groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into one register block. `MicroKernel.emit` wraps it: a full ``mr x nr`` block goes
-straight to the fast path; a tail block (``m < mr`` or ``n < nr``) runs the same full tile into an
-aligned ``C_tile`` on the stack and copies its ``m x n`` corner out. Both paths round identically
-(the product is formed from zero, then added to ``C``), so results never depend on where a block
-falls. `pack_a` / `pack_b` emit the matching packing routines, zero-padding tails.
+``ng`` such groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into one register block
+(and, with ``part_rows``, ``<name>_full_p``: ``_full_s`` on that many rows). `MicroKernel.emit`
+wraps it: a full ``mr x nr`` block goes straight to the fast path; a tail block (``m < mr`` or
+``n < nr``) goes out of line (``<name>_tail``, so that call sites inline the full tile only),
+runs the full tile (or the part tile, for ``m <= part_rows``) into an aligned ``C_tile`` on
+the stack and copies its ``m x n`` corner out. All paths round identically (the product is
+formed from zero, then added to ``C``), so results never depend on where a block falls.
+`pack_a` / `pack_b` emit the matching packing routines, zero-padding tails.
 
 Adding an ISA is one module that defines a full-tile emitter, decorates it with `microkernel`, and
 is imported by ``chainfuse/kernels/__init__.py``.
@@ -96,6 +99,10 @@ class MicroKernel:
     with ``dst`` row ``j`` times ``scale[j]``: the packing of a transposed operand and the
     generated kernels' transposed stores (a softmax's normalisation included) use them for whole
     blocks (a scalar transpose is one store per element).
+
+    ``part_rows`` (optional, < ``mr``): the full tile also emits ``<name>_full_p``, the same on
+    the first ``part_rows`` rows only; a tail block of at most that many rows runs it and costs
+    those rows' FMAs, not ``mr`` rows' (N = 64 in rows of 6 leaves a tail of 4).
     """
 
     name: str
@@ -110,6 +117,7 @@ class MicroKernel:
     cflags: tuple[str, ...] = ()
     transpose: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
     transpose_block: int = 0
+    part_rows: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
@@ -129,6 +137,8 @@ class MicroKernel:
             raise ValueError(f"micro-kernel {self.name}: transpose and transpose_block go together")
         if self.transpose_block < 0 or (self.transpose_block and self.nr % self.transpose_block):
             raise ValueError(f"micro-kernel {self.name}: transpose_block must divide nr={self.nr}")
+        if isinstance(self.part_rows, bool) or not 0 <= self.part_rows < self.mr:
+            raise ValueError(f"micro-kernel {self.name}: part_rows must be in [0, mr={self.mr})")
 
     def applies(self, problem: Problem, hardware: Hardware) -> bool:
         """True when ``hardware`` has every ISA feature this kernel uses and it takes the dtype."""
@@ -167,7 +177,46 @@ class MicroKernel:
         pad = " " * (len(name) + 20)
         spad = " " * (len(name) + 28)
         gpad = " " * (len(name) + 27)
+        part = self.part_rows
+        tail = f"{name}_full_s(kc, A, rs, ks, Bp, C_tile, {nr}, 0);"
+        part_call = ""
+        if part:  # a block of at most `part` rows costs `part` rows' FMAs
+            part_call = f"""    if (m == {part} && n == {nr}) {{
+        {name}_full_p(kc, A, rs, ks, Bp, C, ldc, accumulate);
+        return;
+    }}
+"""
+            tail = (
+                f"if (m <= {part}) {name}_full_p(kc, A, rs, ks, Bp, C_tile, {nr}, 0);\n"
+                f"    else {tail}"
+            )
+        copy = f"""    for (int i = 0; i < m; ++i) {{
+        for (int j = 0; j < n; ++j) {{
+            const float v = C_tile[i * {nr} + j];
+            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
+        }}
+    }}"""
         wrapper = f"""
+/* the blocks smaller than {mr}x{nr}, out of line: every call site of the entry points below
+   inlines the full tile only (the tails' copies of it cost compile time, not speed) */
+static __attribute__((noinline)) void {name}_tail(int kc, const float* restrict A, long rs,
+    long ks, const float* restrict Bp, float* restrict C, long ldc, int m, int n, int accumulate)
+{{
+{part_call}    float C_tile[{mr * nr}] __attribute__((aligned(64)));
+    {tail}
+{copy}
+}}
+
+static __attribute__((noinline)) void {name}_grouped_tail(int kc, int ng, long gs,
+    const float* restrict A, long rs, long ks, const float* restrict Bp, float* restrict C,
+    long ldc, int n, int accumulate)
+{{
+    const int m = {mr};
+    float C_tile[{mr * nr}] __attribute__((aligned(64)));
+    {name}_full_g(kc, ng, gs, A, rs, ks, Bp, C_tile, {nr}, 0);
+{copy}
+}}
+
 static inline void {name}_full(int kc, const float* restrict Ap, const float* restrict Bp,
 {pad}float* restrict C, long ldc, int accumulate)
 {{
@@ -182,14 +231,7 @@ static inline void {name}(int kc, const float* restrict Ap, const float* restric
         {name}_full(kc, Ap, Bp, C, ldc, accumulate);
         return;
     }}
-    float C_tile[{mr * nr}] __attribute__((aligned(64)));
-    {name}_full(kc, Ap, Bp, C_tile, {nr}, 0);
-    for (int i = 0; i < m; ++i) {{
-        for (int j = 0; j < n; ++j) {{
-            const float v = C_tile[i * {nr} + j];
-            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
-        }}
-    }}
+    {name}_tail(kc, Ap, 1, {mr}, Bp, C, ldc, m, n, accumulate);
 }}
 
 /* {name}_grouped: C[0:{mr}, 0:n] (+)= A . Bp over ng groups of kc steps, A(i, g*kc + p) =
@@ -202,14 +244,7 @@ static inline void {name}_grouped(int kc, int ng, long gs, const float* restrict
         {name}_full_g(kc, ng, gs, A, rs, ks, Bp, C, ldc, accumulate);
         return;
     }}
-    float C_tile[{mr * nr}] __attribute__((aligned(64)));
-    {name}_full_g(kc, ng, gs, A, rs, ks, Bp, C_tile, {nr}, 0);
-    for (int i = 0; i < {mr}; ++i) {{
-        for (int j = 0; j < n; ++j) {{
-            const float v = C_tile[i * {nr} + j];
-            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
-        }}
-    }}
+    {name}_grouped_tail(kc, ng, gs, A, rs, ks, Bp, C, ldc, n, accumulate);
 }}
 
 /* {name}_strided: C[0:{mr}, 0:n] (+)= A . Bp, A(i, p) = A[i*rs + p*ks] read in place. */
@@ -221,14 +256,7 @@ static inline void {name}_strided(int kc, const float* restrict A, long rs, long
         {name}_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate);
         return;
     }}
-    float C_tile[{mr * nr}] __attribute__((aligned(64)));
-    {name}_full_s(kc, A, rs, ks, Bp, C_tile, {nr}, 0);
-    for (int i = 0; i < {mr}; ++i) {{
-        for (int j = 0; j < n; ++j) {{
-            const float v = C_tile[i * {nr} + j];
-            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
-        }}
-    }}
+    {name}_tail(kc, A, rs, ks, Bp, C, ldc, {mr}, n, accumulate);
 }}
 """
         return self.full_tile(self).rstrip("\n") + "\n" + wrapper
@@ -382,56 +410,70 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
     """``<name>_full_s`` and ``<name>_full_g`` as outer-product loops: per k step, ``nr/lanes``
     vector loads of Bp, ``mr`` broadcasts of A (row ``i`` at ``A + i*rs``, step ``p`` at
     ``+ p*ks``), ``mr*nr/lanes`` FMAs into accumulators named ``c<i>_<j>``; ``_full_g`` runs
-    ``ng`` groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into the same accumulators."""
+    ``ng`` groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into the same accumulators.
+    With ``kernel.part_rows``, also ``<name>_full_p``: ``_full_s`` on the first ``part_rows``
+    rows only (a tail block of that many rows or fewer costs that many rows' FMAs)."""
     mr, nr, name = kernel.mr, kernel.nr, kernel.name
     if nr % ops.lanes:
         raise ValueError(f"{name}: nr={nr} is not a multiple of {ops.lanes} lanes")
     nv = nr // ops.lanes
-    acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(mr)]
-    step = [
-        f"        const float* restrict b = Bp + (long)p * {nr};",
-        *(
-            f"        const {ops.type} b{j} = {ops.load.format(ptr=f'b + {j * ops.lanes}')};"
-            for j in range(nv)
-        ),
-    ]
-    for i in range(mr):
-        step.append(f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=f'a + {i} * rs')};")
-        for j in range(nv):
-            step.append(
-                f"        {acc[i][j]} = {ops.fma.format(a=f'a{i}', b=f'b{j}', c=acc[i][j])};"
-            )
-    finish = ["    if (accumulate) {"]
-    for i in range(mr):
-        for j in range(nv):
-            ptr = f"C + {i} * ldc + {j * ops.lanes}"
-            add = ops.add.format(a=acc[i][j], b=ops.load.format(ptr=ptr))
-            finish.append(f"        {acc[i][j]} = {add};")
-    finish.append("    }")
-    for i in range(mr):
-        for j in range(nv):
-            finish.append(
-                f"    {ops.store.format(ptr=f'C + {i} * ldc + {j * ops.lanes}', v=acc[i][j])};"
-            )
-    finish.append("}")
-    zero = [
-        f"    {ops.type} " + ", ".join(f"{c} = {ops.zero}" for c in acc[i]) + ";" for i in range(mr)
-    ]
     pad = " " * (len(name) + 27)
-    single = [
-        f"/* {name}_full_s: C[0:{mr}, 0:{nr}] (+)= A . Bp, {mr * nv} accumulators in registers */",
-        f"static inline void {name}_full_s(int kc, const float* restrict A, long rs, long ks,",
-        f"{pad}const float* restrict Bp, float* restrict C, long ldc,",
-        f"{pad}int accumulate)",
-        "{",
-        *zero,
-        "#pragma GCC unroll 4",
-        "    for (int p = 0; p < kc; ++p) {",
-        "        const float* restrict a = A + (long)p * ks;",
-        *step,
-        "    }",
-        *finish,
-    ]
+
+    def body(rows: int) -> tuple[list[str], list[str], list[str]]:
+        """(zeroed accumulators, one k step, the store) of a block of `rows` rows."""
+        acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(rows)]
+        step = [
+            f"        const float* restrict b = Bp + (long)p * {nr};",
+            *(
+                f"        const {ops.type} b{j} = {ops.load.format(ptr=f'b + {j * ops.lanes}')};"
+                for j in range(nv)
+            ),
+        ]
+        for i in range(rows):
+            step.append(
+                f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=f'a + {i} * rs')};"
+            )
+            for j in range(nv):
+                step.append(
+                    f"        {acc[i][j]} = {ops.fma.format(a=f'a{i}', b=f'b{j}', c=acc[i][j])};"
+                )
+        finish = ["    if (accumulate) {"]
+        for i in range(rows):
+            for j in range(nv):
+                ptr = f"C + {i} * ldc + {j * ops.lanes}"
+                add = ops.add.format(a=acc[i][j], b=ops.load.format(ptr=ptr))
+                finish.append(f"        {acc[i][j]} = {add};")
+        finish.append("    }")
+        for i in range(rows):
+            for j in range(nv):
+                ptr = f"C + {i} * ldc + {j * ops.lanes}"
+                finish.append(f"    {ops.store.format(ptr=ptr, v=acc[i][j])};")
+        finish.append("}")
+        zero = [
+            f"    {ops.type} " + ", ".join(f"{c} = {ops.zero}" for c in acc[i]) + ";"
+            for i in range(rows)
+        ]
+        return zero, step, finish
+
+    def single(rows: int, suffix: str, what: str) -> list[str]:
+        zero, step, finish = body(rows)
+        return [
+            f"/* {name}_{suffix}: C[0:{rows}, 0:{nr}] (+)= A . Bp, {rows * nv} accumulators in "
+            f"registers{what} */",
+            f"static inline void {name}_{suffix}(int kc, const float* restrict A, long rs, long ks,",
+            f"{pad}const float* restrict Bp, float* restrict C, long ldc,",
+            f"{pad}int accumulate)",
+            "{",
+            *zero,
+            "#pragma GCC unroll 4",
+            "    for (int p = 0; p < kc; ++p) {",
+            "        const float* restrict a = A + (long)p * ks;",
+            *step,
+            "    }",
+            *finish,
+        ]
+
+    zero, step, finish = body(mr)
     grouped = [
         f"/* {name}_full_g: the same over ng groups of kc steps, group g's A at A + g*gs, Bp",
         "   contiguous over all ng*kc steps: one register block for several runs of A */",
@@ -449,7 +491,10 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         "    }",
         *finish,
     ]
-    return "\n".join([ops.preamble.rstrip("\n"), "", *single, "", *grouped]) + "\n"
+    parts = [ops.preamble.rstrip("\n"), "", *single(mr, "full_s", ""), "", *grouped]
+    if kernel.part_rows:
+        parts += ["", *single(kernel.part_rows, "full_p", ": a tail block's rows")]
+    return "\n".join(parts) + "\n"
 
 
 # -- the registry ---------------------------------------------------------------------------------
@@ -518,6 +563,7 @@ def microkernel(
     cflags: tuple[str, ...] = (),
     transpose: Callable[[MicroKernel], str] | None = None,
     transpose_block: int = 0,
+    part_rows: int = 0,
     registry: Registry = REGISTRY,
 ) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
     """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
@@ -543,6 +589,7 @@ def microkernel(
             cflags=cflags,
             transpose=transpose,
             transpose_block=transpose_block,
+            part_rows=part_rows,
         )
         return registry.register(kernel)
 

@@ -55,6 +55,7 @@ static inline chainfuse_v8sf chainfuse_v8sf_splat(float x)
     nr=16,
     registers=4 * 2 + 2 + 1,
     flops_per_instruction=8,
+    part_rows=2,
 )
 def portable_4x16_f32(kernel: MicroKernel) -> str:
     return emit_vector_tile(kernel, VECTOR_EXTENSIONS)

@@ -137,7 +137,7 @@ def test_microkernel_matches_numpy(
     rng = np.random.default_rng(kc * 10 + accumulate)
     mr, nr = kernel.mr, kernel.nr
     sentinel = np.float32(7.0)
-    for m in sorted({1, mr - 1, mr} - {0}):
+    for m in sorted({1, kernel.part_rows, mr - 1, mr} - {0}):  # part_rows: its own tile
         for n in sorted({1, nr - 1, nr} - {0}):
             what = f"{kernel.name} kc={kc} m={m} n={n} accumulate={accumulate}"
             A = rng.uniform(-1, 1, (m, kc)).astype(np.float32)
@@ -322,3 +322,6 @@ def test_invalid_values_are_rejected() -> None:
         dataclasses.replace(reference_4x4_f32, name="not a name")
     with pytest.raises(ValueError):
         dataclasses.replace(reference_4x4_f32, mr=0)
+    for rows in (-1, 4, True):  # reference_4x4 has mr = 4: a part tile has fewer rows
+        with pytest.raises(ValueError, match="part_rows"):
+            dataclasses.replace(reference_4x4_f32, part_rows=rows)
