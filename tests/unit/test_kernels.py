@@ -121,6 +121,23 @@ def _assert_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, kc: int,
     assert not bad.any(), f"{what}: {int(bad.sum())} elements off; worst at {np.argwhere(bad)[0]}"
 
 
+def _assert_block(
+    C: np.ndarray, A: np.ndarray, B: np.ndarray, C0: np.ndarray | None, sentinel: float, what: str
+) -> None:
+    """C[0:m, 0:n] = A @ B (+ C0 when accumulating) within the GEMM bound, and every other
+    element of C still the sentinel (m, n: A's rows, B's columns)."""
+    m, n = A.shape[0], B.shape[1]
+    product = A.astype(np.float64) @ B.astype(np.float64)
+    scale = np.abs(A).astype(np.float64) @ np.abs(B).astype(np.float64)
+    if C0 is not None:
+        product += C0
+        scale += np.abs(C0)
+    _assert_close(C[:m, :n], product, scale, A.shape[1], what)
+    outside = np.ones(C.shape, bool)
+    outside[:m, :n] = False
+    assert (C[outside] == sentinel).all(), f"{what}: wrote outside C[0:{m}, 0:{n}]"
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["rowmajor", "transposed"])
 @pytest.mark.parametrize("accumulate", [0, 1])
 @pytest.mark.parametrize("kc", [1, 7, 19, 64])  # 19: whole 8x8 transposed blocks + a tail
@@ -167,15 +184,7 @@ def test_microkernel_matches_numpy(
                 _ptr(C), ldc, accumulate,
             )  # fmt: skip
             assert status == 0
-            product = A.astype(np.float64) @ B.astype(np.float64)
-            scale = np.abs(A).astype(np.float64) @ np.abs(B).astype(np.float64)
-            if accumulate:
-                product += C0
-                scale += np.abs(C0)
-            _assert_close(C[:m, :n], product, scale, kc, what)
-            outside = np.ones(C.shape, bool)
-            outside[:m, :n] = False
-            assert (C[outside] == sentinel).all(), f"{what}: wrote outside C[0:m, 0:n]"
+            _assert_block(C, A, B, C0 if accumulate else None, sentinel, what)
 
 
 @pytest.mark.parametrize("accumulate", [0, 1])
@@ -209,15 +218,7 @@ def test_in_place_calls_match_numpy(
         C0 = C[:mr, :n].astype(np.float64)
         status = run(kc, ng, gs, _ptr(buf), rs, ks, _ptr(B), _ptr(C), ldc, n, accumulate)
         assert status == 0
-        product = A.astype(np.float64) @ B.astype(np.float64)
-        scale = np.abs(A).astype(np.float64) @ np.abs(B).astype(np.float64)
-        if accumulate:
-            product += C0
-            scale += np.abs(C0)
-        _assert_close(C[:mr, :n], product, scale, groups * kc, what)
-        outside = np.ones(C.shape, bool)
-        outside[:mr, :n] = False
-        assert (C[outside] == 7.0).all(), f"{what}: wrote outside C[0:mr, 0:n]"
+        _assert_block(C, A, B, C0 if accumulate else None, 7.0, what)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
