@@ -41,6 +41,7 @@ __all__ = [
     "Softmax",
     "Tensor",
     "attention_chain",
+    "broadcasts",
     "conv_chain_spec",
     "from_einsum",
     "gemm_chain",
@@ -688,6 +689,14 @@ def _op_word(op: Op) -> str:
     return "gemm"
 
 
+def broadcasts(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    """True when `shape` broadcasts to `full` as PyTorch and numpy broadcast: at most as many
+    dims, each aligned from the right either 1 or equal."""
+    return len(shape) <= len(full) and all(
+        s in (1, f) for s, f in zip(reversed(shape), reversed(full), strict=False)
+    )
+
+
 def attention_chain(
     batch: int,
     heads: int,
@@ -722,9 +731,7 @@ def attention_chain(
               "O": (batch, heads, seq_q, head_dim_v)}  # fmt: skip
     if kind is not MaskKind.NONE:
         mshape = full if mask_shape is None else tuple(mask_shape)
-        if len(mshape) > 4 or any(
-            s not in (1, f) for s, f in zip(reversed(mshape), reversed(full), strict=False)
-        ):
+        if not broadcasts(mshape, full):
             raise ValueError(f"mask_shape {mshape} does not broadcast to {full}")
         names = ("b", "h", "m", "l")[4 - len(mshape) :]
         mask_acc = Access(

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from chainfuse import ir
-from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
+from chainfuse.compiler import ConvKernel, Kernel, _is_torch, compile, compile_conv
 from chainfuse.ir import Activation
 from chainfuse.runtime import get_num_threads
 
@@ -83,13 +83,15 @@ def _operands(names: str, x: Any, y: Any, z: Any) -> tuple[str, tuple[tuple[int,
     return dtype, tuple(_shape(n, a, float32=False) for n, a in zip(labels, (x, y, z), strict=True))
 
 
-def _no_work(like: Any, shape: tuple[int, ...], value: Any = 0, out: Any = None) -> Any:
+def _no_work(name: str, like: Any, shape: tuple[int, ...], value: Any = 0, out: Any = None) -> Any:
     """The result of a call with a zero-size dimension, where no kernel has anything to do (as in
     PyTorch: an empty result, or zeros where a sum runs over nothing): `value` (0, or an array
     that broadcasts to `shape`) as a new array of `like`'s kind and dtype, or written into
-    `out`."""
+    `out`. `like` (the argument `name`) must be on the CPU, as a call with work requires."""
+    if _is_torch(like) and like.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got device {like.device}")
     if out is None:
-        if type(like).__module__.split(".")[0] == "torch":
+        if _is_torch(like):
             out = sys.modules["torch"].zeros(shape, dtype=like.dtype)
         else:
             out = np.zeros(shape, dtype=like.dtype)
@@ -168,13 +170,15 @@ def gemm_chain(
         ir.gemm_chain(1, 1, 1, 1, 1, between, dtype)  # the errors a call with work would raise
         value: Any = 0
         if K == 0 and L > 0 and between == "softmax":  # equal scores: every row weighs 1/L
-            if type(D).__module__.split(".")[0] == "torch":
+            if _is_torch(D):
                 value = D.float().mean(-2, keepdim=True)
             else:
                 value = np.asarray(D, np.float32).mean(-2, keepdims=True)
         if flat:
-            return _no_work(A[0], (M, N), value if isinstance(value, int) else value[0], user_out)
-        return _no_work(A, (batch, M, N), value, out)
+            return _no_work(
+                "A", A[0], (M, N), value if isinstance(value, int) else value[0], user_out
+            )
+        return _no_work("A", A, (batch, M, N), value, out)
     kernel = _gemm_kernel((batch, M, N, K, L), between, dtype, get_num_threads())
     result = kernel(A, B, D, out=out)
     return result[0] if flat else result
@@ -228,14 +232,9 @@ def attention(
         scale = float(scale)
     if 0 in (batch, heads, seq_q, seq_k, sv[3]):  # no work: PyTorch's empty result or zeros
         full = (batch, heads, seq_q, seq_k)
-        if mask_shape is not None and (
-            len(mask_shape) > 4
-            or any(
-                m not in (1, f) for m, f in zip(reversed(mask_shape), reversed(full), strict=False)
-            )
-        ):
+        if mask_shape is not None and not ir.broadcasts(mask_shape, full):
             raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
-        result = _no_work(q, (batch, heads, seq_q, sv[3]))
+        result = _no_work("q", q, (batch, heads, seq_q, sv[3]))
         return result[:, 0] if flat else result
     kernel = _attention_kernel((batch, heads, seq_q, seq_k, d_qk, sv[3]), bool(is_causal),
                                mask_kind, scale, mask_shape, dtype,
@@ -341,6 +340,6 @@ def conv_chain(
         )
     if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
         P2, Q2 = ir.conv_out_size(P1, R2, st2, pad2), ir.conv_out_size(Q1, S2, st2, pad2)
-        return _no_work(x, (0, K2, P2, Q2), 0, out)
+        return _no_work("x", x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
     return _conv_kernel(sizes, between, after)(x, w1, w2, b1, b2, out=out)

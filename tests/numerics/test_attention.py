@@ -163,6 +163,9 @@ def test_no_keys_give_zeros_and_no_queries_an_empty_result_like_pytorch() -> Non
     assert isinstance(flat, np.ndarray) and flat.shape == (2, 5, 6) and not flat.any()
     with pytest.raises(ValueError, match=r"attn_mask: shape \(5, 3\) does not broadcast"):
         cft.attention(q, k, v, attn_mask=torch.ones(5, 3, dtype=torch.bool))
+    empty = torch.zeros(1, 2, 0, 8, device="meta")
+    with pytest.raises(ValueError, match="q: expected a CPU tensor, got device meta"):
+        cft.attention(empty, empty, empty)
 
 
 def test_large_magnitudes_stay_finite() -> None:
