@@ -307,8 +307,8 @@ def conv_chain(
     micro-kernel reads slivers of pixels where they are, all rows of taps in one call; only
     windows touching the padding are packed), NCHW input row band by row band through a
     channels-last buffer per thread. The result has `x`'s kind and memory order (numpy: NCHW),
-    or is written into `out` (channels-last: in place; NCHW: through a row buffer per output
-    row).
+    or is written into `out` (channels-last: in place; NCHW: a band of rows at a time through a
+    channels-last buffer per thread).
     """
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)

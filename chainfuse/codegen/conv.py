@@ -22,8 +22,8 @@ several rows' worth together into full slivers. Input that is not channels-last 
 first copied, the rows each band reads, into a channels-last row buffer of the thread (through
 the micro-kernel's register transposes), so that every layout takes the same path. Results are
 channels-last rows, so Z is `[pixel][k1]` and a channels-last Y2 is written in place (NCHW goes
-through a row buffer and a transposing copy). Per thread, over a contiguous range of (n, band)
-blocks::
+through a buffer of the band's rows and transposing copies). Per thread, over a contiguous range
+of (n, band) blocks::
 
     for (n, band of T_P2 output rows of conv2) in this thread's range:    # parallel
         Z rows the band needs: [p2a*st2 - pad2, (p2b-1)*st2 - pad2 + R2)   # clipped to [0, P1)
@@ -284,7 +284,7 @@ _RUNTIME = r"""
 typedef struct {
     long N, C, H, W, K1, R1, S1, P1, Q1, st1, pad1, K2, R2, S2, P2, Q2, st2, pad2, TP2, CB1, CB2;
     long KC;             /* k steps of a weight panel filling half of L1 (code_tiles) */
-    long LDK1, LDK2;     /* floats per pixel of Z and of the result rows T: K rounded up to NR */
+    long LDK1, LDK2;     /* floats per pixel of Z and of the band's result T: K rounded to NR */
     long ZROWS;          /* rows of Z a band holds at most */
     long TMP;            /* floats of a chunk's packed edge slivers and their results */
     long XROWS;          /* rows of X the conv1 rows of a band read at most */
@@ -583,13 +583,16 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     w.lines(_RUNTIME)
     w.line("")
     w.line("/* floats of workspace: returns the shared part (packed W1, W2), and writes one")
-    w.line("   thread's part (Z, the result rows T, a packed edge sliver, channels-last rows of X)")
+    w.line(
+        "   thread's part (Z, the band's result T, packed edge slivers, channels-last rows of X)"
+    )
     w.line("   to *per_thread */")
     with w.block(f"long {name}_workspace(const long* g, long* per_thread)"):
         w.line("cf_geo G;")
         w.line("cf_geo_init(&G, g);")
         w.line(
-            "*per_thread = ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1) + ALIGN16((G.Q2 + MR) * G.LDK2)"
+            "*per_thread = ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1)"
+            " + ALIGN16((G.TP2 * G.Q2 + MR) * G.LDK2)"
             " + ALIGN16(G.TMP) + ALIGN16(G.XROWS * G.W * G.C);"
         )
         w.line("return ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C) + ALIGN16(G.LDK2 * G.R2 * G.S2 * G.K1);")
@@ -630,7 +633,7 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
         with w.block("for (int t = 0; t < nthreads; ++t)"):
             w.line("float* restrict Z = work + (long)t * work_per_thread;")
             w.line("float* restrict T = Z + ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1);")
-            w.line("float* restrict tmp = T + ALIGN16((G.Q2 + MR) * G.LDK2);")
+            w.line("float* restrict tmp = T + ALIGN16((G.TP2 * G.Q2 + MR) * G.LDK2);")
             w.line("float* restrict Xc = tmp + ALIGN16(G.TMP);")
             w.line("cf_conv c1 = {NULL, 0, xs[2], xs[3], xs[1], G.H, G.W, G.C, G.R1, G.S1,")
             w.line("              G.st1, G.pad1, G.K1, G.CB1, G.KC, W1p};")
@@ -687,17 +690,19 @@ def _emit_band(w: Writer) -> None:
         w.line("cf_conv_rows(&c2, p2a, p2b, G.Q2, Yb, ys[3], tmp);")
         w.line("cf_epilogue(Yb, ys[3], (p2b - p2a) * G.Q2, G.K2, b2, RELU_OUT);")
     with w.block("else"):
+        w.line("/* the band into T (channels-last rows, as above), then row by row into Y */")
+        w.line("cf_conv_rows(&c2, p2a, p2b, G.Q2, T, G.LDK2, tmp);")
+        w.line("cf_epilogue(T, G.LDK2, (p2b - p2a) * G.Q2, G.K2, b2, RELU_OUT);")
         with w.block("for (long p2 = p2a; p2 < p2b; ++p2)"):
-            w.line("cf_conv_rows(&c2, p2, p2 + 1, G.Q2, T, G.LDK2, tmp);")
-            w.line("cf_epilogue(T, G.LDK2, G.Q2, G.K2, b2, RELU_OUT);")
+            w.line("const float* Tr = T + (p2 - p2a) * G.Q2 * G.LDK2;")
             w.line("float* Yr = Y + n * ys[0] + p2 * ys[2];")
             with w.block("if (ys[3] == 1)"):
                 w.line("/* NCHW: a row of pixels per channel */")
-                w.line("cf_transpose(T, G.LDK2, Yr, ys[1], G.Q2, G.K2);")
+                w.line("cf_transpose(Tr, G.LDK2, Yr, ys[1], G.Q2, G.K2);")
             with w.block("else"):
                 with w.block("for (long k = 0; k < G.K2; ++k)"):
                     w.line("float* restrict y = Yr + k * ys[1];")
-                    w.line("for (long q = 0; q < G.Q2; ++q) y[q * ys[3]] = T[q * G.LDK2 + k];")
+                    w.line("for (long q = 0; q < G.Q2; ++q) y[q * ys[3]] = Tr[q * G.LDK2 + k];")
 
 
 def geometry(shape: ConvChainShape, tiles: ConvTiles) -> tuple[int, ...]:
