@@ -90,8 +90,8 @@ class MicroKernel:
     inner loop does (2 x lanes for an FMA kernel, lanes without FMA, 1 for scalar code);
     ``cflags`` are the compiler flags its intrinsics need (``-march=native`` makes them redundant
     on a host that can run it, but they let any x86 host compile it). ``full_tile`` emits the C of
-    ``<name>_full_s`` and ``<name>_full_g`` (module docstring), all headers and type definitions it uses included (guarded, so several kernels
-    can share one translation unit).
+    ``<name>_full_s`` and ``<name>_full_g`` (module docstring), all headers and type definitions
+    it uses included (guarded, so several kernels can share one translation unit).
 
     ``transpose`` (optional) emits ``<name>_transpose(src, lds, dst, ldd)``, a square block of
     ``transpose_block`` floats a side transposed in registers, ``dst[j*ldd + i] =
