@@ -553,8 +553,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     )
             else:  # (whole slivers read in place below when direct_b)
                 w.line("cf_pack_at_panel(kc, lc, B_b + k0 * sBr + l0, sBr, Bt, !direct_b);")
+            w.line("/* whole strips of NR columns, a tail strip's too: Aᵀ is zero beyond mc, so its")
+            w.line("   columns of Pᵀ come out zero, and op2 reads no stale workspace there (stale")
+            w.line("   floats may be subnormal: a microcode assist per FMA on some cores) */")
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
-                w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
                 w.line(
                     "const float* restrict a = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
                 )
@@ -567,15 +569,15 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                         elif spec.b_transposed:
                             w.line(
                                 f"{uk}_strided(kc, B_b + (l0 + s * MR) * sBr + k0, sBr, 1, a, c,"
-                                " NR, n, k0 > 0);"
+                                " NR, NR, k0 > 0);"
                             )
                         else:
                             w.line(
                                 f"{uk}_strided(kc, B_b + k0 * sBr + l0 + s * MR, 1, sBr, a, c,"
-                                " NR, n, k0 > 0);"
+                                " NR, NR, k0 > 0);"
                             )
                     with w.block("else"):
-                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, n, k0 > 0);")
+                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, k0 > 0);")
                 if spec.epilogue is not Epilogue.NONE:
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
@@ -585,8 +587,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
             w.line("/* (whole slivers read in place below when direct_d) */")
             w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
+            w.line("/* whole strips again: Eᵀ has MPN columns, the store reads the first mc */")
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
-                w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
                 with w.block("for (int s = 0; s * MR < nc; ++s)"):
                     w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
                     w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
@@ -596,12 +598,12 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                         else:
                             w.line(
                                 f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl,"
-                                " Pt + (long)j * LPM * NR, c, LDE, n, l0 > 0);"
+                                " Pt + (long)j * LPM * NR, c, LDE, NR, l0 > 0);"
                             )
                     with w.block("else"):
                         w.line(
                             f"{uk}(lc, Dt + (long)s * SLIVER(lc), Pt + (long)j * LPM * NR, c, LDE,"
-                            " m, n, l0 > 0);"
+                            " m, NR, l0 > 0);"
                         )
     w.line(
         "/* E[m_o, :] = Eᵀ transposed"
