@@ -48,7 +48,7 @@ from chainfuse.codegen.conv import (
 )
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
-from chainfuse.kernels import Problem, select
+from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
@@ -360,9 +360,9 @@ def compile(
     m, l_ = first.output.loops[-2:]
     k, n = order[len(batch) + 2 :]
     ext = chain.extents
-    kernel = select(Problem(DType.FLOAT32, ext[m], ext[l_], ext[k]), hw)
     # the generated code computes the transposed chain: m runs along the micro-kernel's nr
-    # columns, l and n along its mr rows
+    # columns, l and n along its mr rows (op1 is the problem the kernel is ranked on)
+    kernel = select(Problem(DType.FLOAT32, ext[l_], ext[m], ext[k]), hw)
     quanta = {m: kernel.nr, l_: kernel.mr, n: kernel.mr}
     planned_for = threads if threads is not None else get_num_threads()
     chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta)
@@ -385,9 +385,17 @@ def compile(
         T_N=tiles[n],
         kernel=kernel,
         dtype=chain.dtype,
+        KC=_strip_steps(hw, kernel),
     )
     header = _header(chain, chosen, spec)
     return Kernel(chain, chosen, spec, shape, emit_gemm_chain(spec, header))
+
+
+def _strip_steps(hw: Hardware, kernel: MicroKernel) -> int:
+    """Reduction steps per micro-kernel call: the strip a row of calls shares (steps x nr
+    floats) fills at most half of L1, the rest left to the streamed slivers and the output; a
+    multiple of 8 steps, at least 8."""
+    return max(8, hw.levels[0].capacity // 2 // (4 * kernel.nr) // 8 * 8)
 
 
 def _remembered_plan(
@@ -666,7 +674,8 @@ def compile_conv(
     hw = resolve(hardware)
     shape = match_conv_chain(chain)
     ext = chain.extents
-    kernel = select(Problem(DType.FLOAT32, shape.K1, shape.P1 * shape.Q1, ext["c"]), hw)
+    # pixels run along the micro-kernel's mr rows, output channels along its nr columns
+    kernel = select(Problem(DType.FLOAT32, shape.P1 * shape.Q1, shape.K1, ext["c"]), hw)
     n_first = shape.N > 1
     order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
     structure = (order, 3 if n_first else 2)

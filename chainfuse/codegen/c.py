@@ -42,8 +42,11 @@ __all__ = [
 MAX_BATCH = 2  # batch loops the kernel takes (attention: batch and heads)
 DIRECT_STRIPS = 8  # row blocks of at most this many nr-strips read B and D slivers in place,
 DIRECT_STRIDE = 256  # if the slivers' rows are at most this many elements apart (measured: a
-# Mixer-C weight, rows 2-16 KiB apart, runs 12-24 % faster packed; attention's V, rows 256 B
-# apart, 7-16 % faster in place at 32-128 keys)
+# Mixer-C weight, rows 2-16 KiB apart, runs 12-24 % faster packed in 4 strips of 16; attention's
+# V, rows 256 B apart, 7-16 % faster in place at 32-128 keys)
+DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: Mixer-S-C's
+# weights, rows 8 KiB apart, 1.67 ms in place vs 2.84 ms packed in one strip of 64, 2.05 vs 2.36
+# ms in two of 32: a packed copy used once or twice does not pay for its writes)
 
 
 # Every MR-wide sliver of a kc x width panel given row-major, packed row by row: a panel's rows
@@ -101,6 +104,9 @@ class GemmChainSpec:
     mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
     causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
     dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16: fp32 arithmetic inside)
+    # reduction steps per micro-kernel call (0: a whole block's): the strip a row of calls
+    # shares, KC x nr floats, then stays in L1 while the slivers stream past it
+    KC: int = 0
 
     @property
     def name(self) -> str:
@@ -113,7 +119,7 @@ class GemmChainSpec:
         key = (
             f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
             f"{self.T_M},{self.T_L},{self.T_K},{self.T_N}|{self.kernel.name}|"
-            f"{self.mask.value}|{self.causal}|{self.dtype.value}"
+            f"{self.mask.value}|{self.causal}|{self.dtype.value}|{self.KC}"
         ).encode()
         short = {DType.FLOAT32: "f32", DType.BFLOAT16: "bf16"}[self.dtype]
         return (
@@ -364,6 +370,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(f"#define T_L {spec.T_L}")
     w.line(f"#define T_K {spec.T_K}")
     w.line(f"#define T_N {spec.T_N}")
+    kc = spec.KC if spec.KC > 0 else max(spec.T_K, spec.T_L)
+    w.line(f"#define KC {kc} /* reduction steps per micro-kernel call: KC x NR floats in L1 */")
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
     w.line(f"#define MPN {-(-spec.T_M // nr) * nr} /* T_M rounded up to whole nr strips */")
@@ -392,6 +400,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("#define PACK_BT cf_bf16_pack_bt")
         w.line("#define DIRECT_MC 0 /* bf16 slivers cannot be read in place by an fp32 kernel */")
         w.line(f"#define DIRECT_STRIDE {DIRECT_STRIDE}")
+        w.line(f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS}")
     else:
         w.line("typedef float cf_elem;")
         w.line("#define CF_LOAD(x) (x)")
@@ -403,6 +412,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             f"#define DIRECT_MC {DIRECT_STRIPS} * NR /* up to this many columns: no B/D packing */"
         )
         w.line(f"#define DIRECT_STRIDE {DIRECT_STRIDE} /* ... if their rows are this close */")
+        w.line(
+            f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS} /* ... or at most this many strips */"
+        )
     w.line("")
     w.lines(_PACK_PANEL)
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
@@ -516,11 +528,13 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("/* few column strips: a B or D sliver serves too few micro-kernel calls to pay for")
     w.line("   packing it; whole slivers are then read in place (tails are still packed). Not")
     w.line("   a sliver whose rows lie far apart (a new page per element read, re-read for")
-    w.line("   every strip): packing it row by row is cheaper */")
+    w.line("   every strip) unless it serves one or two strips: packing it row by row is")
+    w.line("   cheaper only when the packed copy is read several times */")
     w.line("const int direct = mc <= DIRECT_MC;")
-    far_b = "" if spec.b_transposed else " && sBr <= DIRECT_STRIDE"
+    w.line("const int few = mc <= DIRECT_FAR_STRIPS * NR;")
+    far_b = "" if spec.b_transposed else " && (few || sBr <= DIRECT_STRIDE)"
     w.line(f"const int direct_b = direct{far_b};")
-    w.line("const int direct_d = direct && sDl <= DIRECT_STRIDE;")
+    w.line("const int direct_d = direct && (few || sDl <= DIRECT_STRIDE);")
     if spec.mask is MaskKind.ADDITIVE:
         w.line("const cf_elem* mask_b = (const cf_elem*)mask_data + b0 * sM0 + b1 * sM1;")
     elif spec.mask is MaskKind.BOOL:
@@ -553,31 +567,43 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     )
             else:  # (whole slivers read in place below when direct_b)
                 w.line("cf_pack_at_panel(kc, lc, B_b + k0 * sBr + l0, sBr, Bt, !direct_b);")
-            w.line("/* whole strips of NR columns, a tail strip's too: Aᵀ is zero beyond mc, so its")
+            w.line(
+                "/* whole strips of NR columns, a tail strip's too: Aᵀ is zero beyond mc, so its"
+            )
             w.line("   columns of Pᵀ come out zero, and op2 reads no stale workspace there (stale")
             w.line("   floats may be subnormal: a microcode assist per FMA on some cores) */")
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
                 w.line(
-                    "const float* restrict a = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
+                    "const float* restrict aj = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
                 )
-                with w.block("for (int s = 0; s * MR < lc; ++s)"):
-                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                    w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
-                    with w.block("if (direct_b && m == MR)"):
-                        if not in_place:
-                            w.line("/* never: bf16 is packed */")
-                        elif spec.b_transposed:
+                w.line(
+                    "/* KC steps at a time: the strip's KC x NR floats stay in L1 for every sliver */"
+                )
+                with w.block("for (int kk = 0; kk < kc; kk += KC)"):
+                    w.line("const int kq = kc - kk < KC ? kc - kk : KC;")
+                    w.line("const int acc = k0 + kk > 0;")
+                    w.line("const float* restrict a = aj + (long)kk * NR;")
+                    with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                        w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                        w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
+                        with w.block("if (direct_b && m == MR)"):
+                            if not in_place:
+                                w.line("/* never: bf16 is packed */")
+                            elif spec.b_transposed:
+                                w.line(
+                                    f"{uk}_strided(kq, B_b + (l0 + s * MR) * sBr + k0 + kk, sBr, 1,"
+                                    " a, c, NR, NR, acc);"
+                                )
+                            else:
+                                w.line(
+                                    f"{uk}_strided(kq, B_b + (k0 + kk) * sBr + l0 + s * MR, 1, sBr,"
+                                    " a, c, NR, NR, acc);"
+                                )
+                        with w.block("else"):
                             w.line(
-                                f"{uk}_strided(kc, B_b + (l0 + s * MR) * sBr + k0, sBr, 1, a, c,"
-                                " NR, NR, k0 > 0);"
+                                f"{uk}(kq, Bt + (long)s * SLIVER(kc) + (long)kk * MR, a, c, NR, m,"
+                                " NR, acc);"
                             )
-                        else:
-                            w.line(
-                                f"{uk}_strided(kc, B_b + k0 * sBr + l0 + s * MR, 1, sBr, a, c,"
-                                " NR, NR, k0 > 0);"
-                            )
-                    with w.block("else"):
-                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, k0 > 0);")
                 if spec.epilogue is not Epilogue.NONE:
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
@@ -589,22 +615,29 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
             w.line("/* whole strips again: Eᵀ has MPN columns, the store reads the first mc */")
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
-                with w.block("for (int s = 0; s * MR < nc; ++s)"):
-                    w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
-                    w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
-                    with w.block("if (direct_d && m == MR)"):
-                        if not in_place:
-                            w.line("/* never: bf16 is packed */")
-                        else:
+                w.line(
+                    "/* KC steps at a time: the strip's KC x NR floats stay in L1 for every sliver */"
+                )
+                with w.block("for (int lk = 0; lk < lc; lk += KC)"):
+                    w.line("const int lq = lc - lk < KC ? lc - lk : KC;")
+                    w.line("const int acc = l0 + lk > 0;")
+                    w.line("const float* restrict p = Pt + (long)j * LPM * NR + (long)lk * NR;")
+                    with w.block("for (int s = 0; s * MR < nc; ++s)"):
+                        w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+                        w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
+                        with w.block("if (direct_d && m == MR)"):
+                            if not in_place:
+                                w.line("/* never: bf16 is packed */")
+                            else:
+                                w.line(
+                                    f"{uk}_strided(lq, D_b + (l0 + lk) * sDl + n0 + s * MR, 1, sDl,"
+                                    " p, c, LDE, NR, acc);"
+                                )
+                        with w.block("else"):
                             w.line(
-                                f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl,"
-                                " Pt + (long)j * LPM * NR, c, LDE, NR, l0 > 0);"
+                                f"{uk}(lq, Dt + (long)s * SLIVER(lc) + (long)lk * MR, p, c, LDE, m,"
+                                " NR, acc);"
                             )
-                    with w.block("else"):
-                        w.line(
-                            f"{uk}(lc, Dt + (long)s * SLIVER(lc), Pt + (long)j * LPM * NR, c, LDE,"
-                            " m, NR, l0 > 0);"
-                        )
     w.line(
         "/* E[m_o, :] = Eᵀ transposed"
         + (", each row over its softmax sum */" if softmax else " */")

@@ -7,7 +7,7 @@ here, plus one test parametrisation.
 
 from chainfuse.kernels import avx2, avx512, portable, reference
 from chainfuse.kernels.avx2 import avx2_fma_6x16_f32
-from chainfuse.kernels.avx512 import avx512_6x64_f32
+from chainfuse.kernels.avx512 import avx512_6x64_f32, avx512_12x32_f32
 from chainfuse.kernels.base import (
     REGISTRY,
     MicroKernel,
@@ -39,6 +39,7 @@ __all__ = [
     "avx2_fma_6x16_f32",
     "avx512",
     "avx512_6x64_f32",
+    "avx512_12x32_f32",
     "emit_vector_tile",
     "emit_with_packing",
     "microkernel",

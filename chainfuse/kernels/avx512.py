@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from chainfuse.hardware import Isa
 from chainfuse.ir import DType
+from chainfuse.kernels.avx2 import avx2_transpose8
 from chainfuse.kernels.base import MicroKernel, VectorOps, emit_vector_tile, microkernel
 
-__all__ = ["AVX512", "avx512_6x64_f32"]
+__all__ = ["AVX512", "avx512_6x64_f32", "avx512_12x32_f32"]
 
 AVX512 = VectorOps(
     type="__m512",
@@ -45,7 +46,26 @@ AVX512 = VectorOps(
     registers=6 * 4 + 4 + 1,
     flops_per_instruction=2 * 16,
     cflags=("-mavx512f", "-mfma"),
+    transpose=avx2_transpose8,  # (AVX-512F implies AVX2: the 8x8 ymm transposes serve here too)
+    transpose_block=8,
     part_rows=4,
 )
 def avx512_6x64_f32(kernel: MicroKernel) -> str:
+    return emit_vector_tile(kernel, AVX512)
+
+
+@microkernel(
+    name="avx512_12x32_f32",
+    isa=frozenset({Isa.AVX512F, Isa.FMA}),
+    dtypes=(DType.FLOAT32,),
+    mr=12,
+    nr=32,
+    registers=12 * 2 + 2 + 1,
+    flops_per_instruction=2 * 16,
+    cflags=("-mavx512f", "-mfma"),
+    transpose=avx2_transpose8,
+    transpose_block=8,
+    part_rows=6,
+)
+def avx512_12x32_f32(kernel: MicroKernel) -> str:
     return emit_vector_tile(kernel, AVX512)

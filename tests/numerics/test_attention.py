@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -262,7 +264,8 @@ def test_row_blocks_keep_every_core_busy(M: int, threads: int) -> None:
     # m comes in multiples of the micro-kernel's nr columns: 300 rows on 3 cores cannot beat
     # 112 + 112 + 76 in columns of 16, nor 128 + 128 + 44 in columns of 64
     nr = kernel.spec.kernel.nr
-    best = -(-(-(-M // nr)) // threads) * nr
+    strips = math.ceil(M / nr)
+    best = math.ceil(strips / threads) * nr
     assert busiest * threads / M <= max(1.15, best * threads / M), (kernel.spec, rows)
     x = reference.random_inputs(chain)
     chainfuse.set_num_threads(threads)

@@ -23,6 +23,7 @@ from chainfuse.kernels import (
     available,
     avx2_fma_6x16_f32,
     avx512_6x64_f32,
+    avx512_12x32_f32,
     emit_with_packing,
     portable_4x16_f32,
     reference_4x4_f32,
@@ -307,8 +308,16 @@ def test_select_without_isa_flags_is_portable_and_reference_always_applies() -> 
 def test_score_weighs_tail_waste() -> None:
     xeon = Hardware.preset("xeon-gold-6240")
     assert select(Problem(DType.FLOAT32, 512, 64, 64), xeon) == avx512_6x64_f32
-    # N = 16: a 64-wide block would compute 4x the useful work in its tail.
-    assert select(Problem(DType.FLOAT32, 512, 16, 64), xeon) == avx2_fma_6x16_f32
+    # the same block size: fewer operand loads per FMA (6x64) wins the tie
+    assert (
+        avx512_12x32_f32.score(Problem(DType.FLOAT32, 512, 64, 64), xeon)[:2]
+        == (avx512_6x64_f32.score(Problem(DType.FLOAT32, 512, 64, 64), xeon)[:2])
+    )
+    # N = 208 = 3 x 64 + 16: a 64-wide block computes 256 columns, a 32-wide one 224
+    assert select(Problem(DType.FLOAT32, 208, 208, 64), xeon) == avx512_12x32_f32
+    # N = 16: a 64-wide block would compute 4x the useful work in its tail; 16 columns of ymm
+    # or 32 of zmm take as many FMAs, and the larger block wins
+    assert select(Problem(DType.FLOAT32, 512, 16, 64), xeon) == avx512_12x32_f32
 
 
 def test_no_kernel_for_float64_is_a_clear_error() -> None:
