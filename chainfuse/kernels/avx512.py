@@ -45,7 +45,7 @@ AVX512 = VectorOps(
     nr=64,
     registers=6 * 4 + 4 + 1,
     flops_per_instruction=2 * 16,
-    cflags=("-mavx512f", "-mfma"),
+    cflags=("-mavx512f", "-mfma", "-mprefer-vector-width=512"),
     transpose=avx2_transpose8,  # (AVX-512F implies AVX2: the 8x8 ymm transposes serve here too)
     transpose_block=8,
     part_rows=4,
@@ -62,7 +62,7 @@ def avx512_6x64_f32(kernel: MicroKernel) -> str:
     nr=32,
     registers=12 * 2 + 2 + 1,
     flops_per_instruction=2 * 16,
-    cflags=("-mavx512f", "-mfma"),
+    cflags=("-mavx512f", "-mfma", "-mprefer-vector-width=512"),
     transpose=avx2_transpose8,
     transpose_block=8,
     part_rows=6,
