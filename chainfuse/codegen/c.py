@@ -456,6 +456,28 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long blocks = nb0 * nb1 * mblocks;")
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
         if spec.epilogue is Epilogue.SOFTMAX:
+            w.line(
+                "const int split = 1; /* (a softmax's shares of l would need their maxima merged) */"
+            )
+            w.line("const long LQ = L;")
+        else:
+            w.line(
+                "/* fewer blocks than threads, each one row block (an MLP's few tokens: one head of"
+            )
+            w.line(
+                "   64 rows is one strip of the micro-kernel): the threads of a block split its l"
+            )
+            w.line(
+                "   range, each into its own Eᵀ, and a second pass adds the shares up. Each thread"
+            )
+            w.line("   reads its share of B and D only */")
+            w.line(
+                "const int split = blocks < nthreads && (T_MO <= T_M || M <= T_M) ? (int)(nthreads / blocks) : 1;"
+            )
+            w.line(
+                "const long LQ = (L + (long)split * MR - 1) / ((long)split * MR) * MR; /* l per share */"
+            )
+        if spec.epilogue is Epilogue.SOFTMAX:
             w.line("/* the scores in base 2: exp(x) = 2^(x log2(e)) */")
             w.line("const float scale2 = scale * CF_LOG2E;")
         w.line("(void)scale;")
@@ -473,10 +495,17 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict Et = Dt + NPM / MR * SLIVER(T_L);")
             w.line("float* restrict col_max = Et + ALIGN16(N * LDE);")
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
-            w.line("const long first = (long)t * share;")
-            w.line("const long last = first + share < blocks ? first + share : blocks;")
+            w.line("const long first = split > 1 ? t / split : (long)t * share;")
+            w.line(
+                "const long last = split > 1 ? (t < blocks * split ? first + 1 : first)"
+                " : (first + share < blocks ? first + share : blocks);"
+            )
+            w.line("const long l_lo = split > 1 ? (t % split) * LQ : 0;")
+            w.line("const long l_hi = split > 1 && l_lo + LQ < L ? l_lo + LQ : L;")
             with w.block("for (long blk = first; blk < last; ++blk)"):
                 _block(w, spec)
+        if spec.epilogue is not Epilogue.SOFTMAX:
+            _split_sum(w, spec)
     w.line("")
     w.line("/* the same with every argument in one array, for callers that pay per argument")
     w.line("   (ctypes: ~0.2 us each): see PACKED in chainfuse.codegen.c for the layout */")
@@ -490,6 +519,38 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             " (float*)a[5], a[6], (int)a[7], a[31]);"
         )
     return w.text()
+
+
+def _split_sum(w: Writer, spec: GemmChainSpec) -> None:
+    """The second pass of a split l range: the threads of a block add their shares of Eᵀ into
+    the first share's, each over its own range of n, and store that range of E."""
+    with w.block("if (split > 1)"):
+        w.line("#pragma omp parallel for schedule(static, 1) num_threads(nthreads)")
+        with w.block("for (int t = 0; t < blocks * split; ++t)"):
+            w.line("const long blk = t / split, part = t % split;")
+            w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
+            w.line("const long mo = (blk % mblocks) * T_MO;")
+            w.line("const int mc = (int)(M - mo < T_MO ? M - mo : T_MO);")
+            w.line("const long NQ = (N + split - 1) / split;")
+            w.line("const long n_lo = part * NQ < N ? part * NQ : N;")
+            w.line("const long n_hi = n_lo + NQ < N ? n_lo + NQ : N;")
+            w.line("/* Eᵀ of the thread that ran share q of this block (region one's layout) */")
+            w.line(
+                "#define ET_OF(q) (work + (blk * split + (q)) * work_per_thread + ALIGN16(MPN * AK)"
+                " + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM) + NPM / MR * SLIVER(T_L))"
+            )
+            w.line("float* restrict et0 = ET_OF(0);")
+            with w.block("for (long q = 1; q < split; ++q)"):
+                w.line("const float* restrict etq = ET_OF(q);")
+                with w.block("for (long c2 = n_lo; c2 < n_hi; ++c2)"):
+                    w.line("#pragma omp simd")
+                    w.line("for (int i = 0; i < mc; ++i) et0[c2 * LDE + i] += etq[c2 * LDE + i];")
+            w.line("#undef ET_OF")
+            w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + mo * sEm;")
+            w.line(
+                f"if (n_hi > n_lo) {spec.name}_store_e(mc, n_hi - n_lo, et0 + n_lo * LDE, 0,"
+                " E_b + n_lo, sEm);"
+            )
 
 
 def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
@@ -549,9 +610,13 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("col_max[i] = -INFINITY;")
             w.line("col_sum[i] = 0.0f;")
     # causal: key blocks wholly after the block's last query are all masked, so they are skipped
-    bound = "L < m0 + mc ? L : m0 + mc" if spec.causal else "L"
+    bound = "L < m0 + mc ? L : m0 + mc" if spec.causal else "l_hi"
     w.line(f"const long l_end = {bound};")
-    with w.block("for (long l0 = 0; l0 < l_end; l0 += T_L)"):
+    if not softmax:
+        with w.block("if (l_end <= l_lo)"):
+            w.line("/* an empty share of l (split below): it adds zeros */")
+            w.line("for (long c2 = 0; c2 < N; ++c2) memset(Et + c2 * LDE, 0, MPN * sizeof(float));")
+    with w.block("for (long l0 = l_lo; l0 < l_end; l0 += T_L)"):
         w.line("const int lc = (int)(l_end - l0 < T_L ? l_end - l0 : T_L);")
         w.line("/* op1: Pᵀ[lc x mc] = Bᵀ[l_o, :] . Aᵀ[:, m_o], over k blocks */")
         with w.block("for (long k0 = 0; k0 < K; k0 += TK)"):
@@ -620,7 +685,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 )
                 with w.block("for (int lk = 0; lk < lc; lk += KC)"):
                     w.line("const int lq = lc - lk < KC ? lc - lk : KC;")
-                    w.line("const int acc = l0 + lk > 0;")
+                    w.line("const int acc = l0 + lk > l_lo;")
                     w.line("const float* restrict p = Pt + (long)j * LPM * NR + (long)lk * NR;")
                     with w.block("for (int s = 0; s * MR < nc; ++s)"):
                         w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
@@ -645,7 +710,11 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     if softmax:
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
-    w.line(f"{spec.name}_store_e(mc, N, Et, {'col_sum' if softmax else '0'}, E_b, sEm);")
+    if softmax:
+        w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm);")
+    else:
+        w.line("/* (split l: the second pass adds the shares up and stores them) */")
+        w.line(f"if (split == 1) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm);")
 
 
 def _store_e(w: Writer, spec: GemmChainSpec) -> None:

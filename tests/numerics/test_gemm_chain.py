@@ -253,6 +253,39 @@ def test_one_compiled_object_serves_many_sizes() -> None:
     assert len(kernels) - len(paths) >= 2  # at least two objects reused
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2),
+    M=st.integers(1, 70),
+    N=AWKWARD,
+    K=st.sampled_from([1, 7, 64, 129]),
+    L=st.one_of(st.sampled_from([1, 5, 6, 7, 13, 700]), st.integers(1, 300)),
+    between=st.sampled_from([None, "relu", "gelu"]),
+    tiles=TILES,
+    threads=st.integers(2, 5),
+)
+def test_fewer_blocks_than_threads_split_l(
+    b: int, M: int, N: int, K: int, L: int, between: str | None, tiles: dict[str, int] | None,
+    threads: int,
+) -> None:  # fmt: skip
+    # one or two blocks of rows on 2-5 threads: each block's threads take shares of l (some
+    # empty when l is short) into their own Eᵀ, summed by a second pass; wrong when a share is
+    # missed, counted twice, or an empty share adds stale workspace
+    chain = chainfuse.gemm_chain(b, M, N, K, L, between)
+    kernel = compile(chain, tiles=tiles, threads=threads)
+    kernel._alone = False  # these sizes would run on the calling thread alone (ALONE_S)
+    inputs = reference.random_inputs(chain)
+    chainfuse.set_num_threads(threads)
+    try:
+        out = kernel(*[inputs[t.name] for t in chain.inputs])
+        again = kernel(*[inputs[t.name] for t in chain.inputs])  # the workspace now holds data
+    finally:
+        chainfuse.set_num_threads(None)
+    expected = reference.run(chain, inputs)[chain.outputs[0].name]
+    reference.assert_close(out, expected, chain)
+    np.testing.assert_array_equal(out, again)
+
+
 @pytest.mark.parametrize("tiles", [None, {"m": 48, "l": 30, "k": 16, "n": 12}])
 def test_few_strips_with_rows_far_apart_are_packed_row_by_row(tiles: dict[str, int] | None) -> None:
     # 37 rows: few enough strips that near slivers are read in place; B's rows (301) and D's
