@@ -48,7 +48,7 @@ from chainfuse.codegen.conv import (
 )
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
-from chainfuse.kernels import MicroKernel, Problem, select
+from chainfuse.kernels import MicroKernel, Problem, select_weighted
 from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
@@ -361,8 +361,14 @@ def compile(
     k, n = order[len(batch) + 2 :]
     ext = chain.extents
     # the generated code computes the transposed chain: m runs along the micro-kernel's nr
-    # columns, l and n along its mr rows (op1 is the problem the kernel is ranked on)
-    kernel = select(Problem(DType.FLOAT32, ext[l_], ext[m], ext[k]), hw)
+    # columns, l and n along its mr rows; both GEMMs run with the kernel, weighed by flops
+    op1, op2 = (
+        Problem(DType.FLOAT32, ext[l_], ext[m], ext[k]),
+        Problem(DType.FLOAT32, ext[n], ext[m], ext[l_]),
+    )
+    kernel = select_weighted(
+        [(op1, ext[l_] * ext[m] * ext[k]), (op2, ext[n] * ext[m] * ext[l_])], hw
+    )
     quanta = {m: kernel.nr, l_: kernel.mr, n: kernel.mr}
     planned_for = threads if threads is not None else get_num_threads()
     chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta)
@@ -673,9 +679,18 @@ def compile_conv(
         raise ValueError(f"after: expected None or 'relu', got {after!r}")
     hw = resolve(hardware)
     shape = match_conv_chain(chain)
-    ext = chain.extents
-    # pixels run along the micro-kernel's mr rows, output channels along its nr columns
-    kernel = select(Problem(DType.FLOAT32, shape.P1 * shape.Q1, shape.K1, ext["c"]), hw)
+    # pixels run along the micro-kernel's mr rows, output channels along its nr columns; both
+    # convolutions run with the kernel, weighed by flops (a conv2 of 16 channels idles 3/4 of a
+    # 64-wide block)
+    px1, px2 = shape.P1 * shape.Q1, shape.P2 * shape.Q2
+    red1, red2 = shape.C * shape.R1 * shape.S1, shape.K1 * shape.R2 * shape.S2
+    kernel = select_weighted(
+        [
+            (Problem(DType.FLOAT32, px1, shape.K1, red1), px1 * shape.K1 * red1),
+            (Problem(DType.FLOAT32, px2, shape.K2, red2), px2 * shape.K2 * red2),
+        ],
+        hw,
+    )
     n_first = shape.N > 1
     order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
     structure = (order, 3 if n_first else 2)

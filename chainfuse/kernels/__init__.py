@@ -23,6 +23,7 @@ from chainfuse.kernels.base import (
     pack_b,
     register,
     select,
+    select_weighted,
 )
 from chainfuse.kernels.portable import portable_4x16_f32
 from chainfuse.kernels.reference import reference_4x4_f32
@@ -51,4 +52,5 @@ __all__ = [
     "reference_4x4_f32",
     "register",
     "select",
+    "select_weighted",
 ]

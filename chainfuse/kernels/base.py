@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from chainfuse.hardware import FMA_UNITS, Hardware, Isa
@@ -543,6 +543,28 @@ class Registry:
             )
         return max(candidates, key=lambda k: k.score(problem, hardware))
 
+    def select_weighted(
+        self, problems: Sequence[tuple[Problem, float]], hardware: Hardware
+    ) -> MicroKernel:
+        """One kernel for several GEMMs that run with it (a chain's two contractions), each
+        weighted by its flops: the highest time-weighted peak fraction, ``sum(w) / sum(w /
+        fraction)``, then the first problem's other criteria."""
+        if not problems:
+            raise ValueError("select_weighted: no problems given")
+        first = problems[0][0]
+        candidates = [k for k in self._kernels.values() if k.applies(first, hardware)]
+        if not candidates:
+            return self.select(first, hardware)  # the error that names what is registered
+        total = sum(w for _, w in problems)
+
+        def key(k: MicroKernel) -> tuple[float, ...]:
+            scores = [(k.score(p, hardware), w) for p, w in problems]
+            time = sum(w / sc[0] for sc, w in scores if sc[0] > 0)
+            fraction = total / time if time > 0 else 0.0
+            return (round(fraction, 9), *scores[0][0][1:])
+
+        return max(candidates, key=key)
+
 
 REGISTRY = Registry()
 
@@ -560,6 +582,11 @@ def available() -> tuple[MicroKernel, ...]:
 def select(problem: Problem, hardware: Hardware) -> MicroKernel:
     """The best applicable micro-kernel for ``problem`` on ``hardware`` (see `MicroKernel.score`)."""
     return REGISTRY.select(problem, hardware)
+
+
+def select_weighted(problems: Sequence[tuple[Problem, float]], hardware: Hardware) -> MicroKernel:
+    """The best applicable micro-kernel for several (problem, flops) run with one kernel."""
+    return REGISTRY.select_weighted(problems, hardware)
 
 
 def microkernel(

@@ -29,6 +29,7 @@ from chainfuse.kernels import (
     reference_4x4_f32,
     register,
     select,
+    select_weighted,
 )
 from chainfuse.runtime import build, find_compiler, load
 
@@ -318,6 +319,19 @@ def test_score_weighs_tail_waste() -> None:
     # N = 16: a 64-wide block would compute 4x the useful work in its tail; 16 columns of ymm
     # or 32 of zmm take as many FMAs, and the larger block wins
     assert select(Problem(DType.FLOAT32, 512, 16, 64), xeon) == avx512_12x32_f32
+
+
+def test_select_weighted_weighs_both_gemms_by_flops() -> None:
+    xeon = Hardware.preset("xeon-gold-6240")
+    # 510 rows: whole blocks of 6, not of 12 (which then idles 6 of 516 rows)
+    wide, narrow = Problem(DType.FLOAT32, 510, 64, 64), Problem(DType.FLOAT32, 510, 16, 64)
+    assert select_weighted([(wide, 1.0)], xeon) == select(wide, xeon) == avx512_6x64_f32
+    # a second GEMM of 16 columns as large as the first: a 64-wide block idles 3/4 of it
+    assert select_weighted([(wide, 1.0), (narrow, 1.0)], xeon) == avx512_12x32_f32
+    # ... but not when it is 0.1 % of the work
+    assert select_weighted([(wide, 1.0), (narrow, 0.001)], xeon) == avx512_6x64_f32
+    with pytest.raises(ValueError, match="no problems"):
+        select_weighted([], xeon)
 
 
 def test_no_kernel_for_float64_is_a_clear_error() -> None:
