@@ -48,7 +48,7 @@ from chainfuse.codegen.conv import (
 )
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
-from chainfuse.kernels import MicroKernel, Problem, select_weighted
+from chainfuse.kernels import Problem, select_weighted
 from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import build, get_num_threads, load, write_atomic
 
@@ -391,17 +391,9 @@ def compile(
         T_N=tiles[n],
         kernel=kernel,
         dtype=chain.dtype,
-        KC=_strip_steps(hw, kernel),
     )
     header = _header(chain, chosen, spec)
     return Kernel(chain, chosen, spec, shape, emit_gemm_chain(spec, header))
-
-
-def _strip_steps(hw: Hardware, kernel: MicroKernel) -> int:
-    """Reduction steps per micro-kernel call: the strip a row of calls shares (steps x nr
-    floats) fills at most half of L1, the rest left to the streamed slivers and the output; a
-    multiple of 8 steps, at least 8."""
-    return max(8, hw.levels[0].capacity // 2 // (4 * kernel.nr) // 8 * 8)
 
 
 def _remembered_plan(

@@ -104,9 +104,6 @@ class GemmChainSpec:
     mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
     causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
     dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16: fp32 arithmetic inside)
-    # reduction steps per micro-kernel call (0: a whole block's): the strip a row of calls
-    # shares, KC x nr floats, then stays in L1 while the slivers stream past it
-    KC: int = 0
 
     @property
     def name(self) -> str:
@@ -119,7 +116,7 @@ class GemmChainSpec:
         key = (
             f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
             f"{self.T_M},{self.T_L},{self.T_K},{self.T_N}|{self.kernel.name}|"
-            f"{self.mask.value}|{self.causal}|{self.dtype.value}|{self.KC}"
+            f"{self.mask.value}|{self.causal}|{self.dtype.value}"
         ).encode()
         short = {DType.FLOAT32: "f32", DType.BFLOAT16: "bf16"}[self.dtype]
         return (
@@ -370,8 +367,6 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(f"#define T_L {spec.T_L}")
     w.line(f"#define T_K {spec.T_K}")
     w.line(f"#define T_N {spec.T_N}")
-    kc = spec.KC if spec.KC > 0 else max(spec.T_K, spec.T_L)
-    w.line(f"#define KC {kc} /* reduction steps per micro-kernel call: KC x NR floats in L1 */")
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
     w.line(f"#define MPN {-(-spec.T_M // nr) * nr} /* T_M rounded up to whole nr strips */")
@@ -639,36 +634,27 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("   floats may be subnormal: a microcode assist per FMA on some cores) */")
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
                 w.line(
-                    "const float* restrict aj = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
+                    "const float* restrict a = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
                 )
-                w.line(
-                    "/* KC steps at a time: the strip's KC x NR floats stay in L1 for every sliver */"
-                )
-                with w.block("for (int kk = 0; kk < kc; kk += KC)"):
-                    w.line("const int kq = kc - kk < KC ? kc - kk : KC;")
-                    w.line("const int acc = k0 + kk > 0;")
-                    w.line("const float* restrict a = aj + (long)kk * NR;")
-                    with w.block("for (int s = 0; s * MR < lc; ++s)"):
-                        w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                        w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
-                        with w.block("if (direct_b && m == MR)"):
-                            if not in_place:
-                                w.line("/* never: bf16 is packed */")
-                            elif spec.b_transposed:
-                                w.line(
-                                    f"{uk}_strided(kq, B_b + (l0 + s * MR) * sBr + k0 + kk, sBr, 1,"
-                                    " a, c, NR, NR, acc);"
-                                )
-                            else:
-                                w.line(
-                                    f"{uk}_strided(kq, B_b + (k0 + kk) * sBr + l0 + s * MR, 1, sBr,"
-                                    " a, c, NR, NR, acc);"
-                                )
-                        with w.block("else"):
+                w.line("const int acc = k0 > 0;")
+                with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                    w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
+                    with w.block("if (direct_b && m == MR)"):
+                        if not in_place:
+                            w.line("/* never: bf16 is packed */")
+                        elif spec.b_transposed:
                             w.line(
-                                f"{uk}(kq, Bt + (long)s * SLIVER(kc) + (long)kk * MR, a, c, NR, m,"
-                                " NR, acc);"
+                                f"{uk}_strided(kc, B_b + (l0 + s * MR) * sBr + k0, sBr, 1, a, c,"
+                                " NR, NR, acc);"
                             )
+                        else:
+                            w.line(
+                                f"{uk}_strided(kc, B_b + k0 * sBr + l0 + s * MR, 1, sBr, a, c,"
+                                " NR, NR, acc);"
+                            )
+                    with w.block("else"):
+                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
                 if spec.epilogue is not Epilogue.NONE:
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
@@ -680,29 +666,21 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
             w.line("/* whole strips again: Eᵀ has MPN columns, the store reads the first mc */")
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
-                w.line(
-                    "/* KC steps at a time: the strip's KC x NR floats stay in L1 for every sliver */"
-                )
-                with w.block("for (int lk = 0; lk < lc; lk += KC)"):
-                    w.line("const int lq = lc - lk < KC ? lc - lk : KC;")
-                    w.line("const int acc = l0 + lk > l_lo;")
-                    w.line("const float* restrict p = Pt + (long)j * LPM * NR + (long)lk * NR;")
-                    with w.block("for (int s = 0; s * MR < nc; ++s)"):
-                        w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
-                        w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
-                        with w.block("if (direct_d && m == MR)"):
-                            if not in_place:
-                                w.line("/* never: bf16 is packed */")
-                            else:
-                                w.line(
-                                    f"{uk}_strided(lq, D_b + (l0 + lk) * sDl + n0 + s * MR, 1, sDl,"
-                                    " p, c, LDE, NR, acc);"
-                                )
-                        with w.block("else"):
+                w.line("const int acc = l0 > l_lo;")
+                w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+                with w.block("for (int s = 0; s * MR < nc; ++s)"):
+                    w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+                    w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
+                    with w.block("if (direct_d && m == MR)"):
+                        if not in_place:
+                            w.line("/* never: bf16 is packed */")
+                        else:
                             w.line(
-                                f"{uk}(lq, Dt + (long)s * SLIVER(lc) + (long)lk * MR, p, c, LDE, m,"
+                                f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl, p, c, LDE,"
                                 " NR, acc);"
                             )
+                    with w.block("else"):
+                        w.line(f"{uk}(lc, Dt + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
     w.line(
         "/* E[m_o, :] = Eᵀ transposed"
         + (", each row over its softmax sum */" if softmax else " */")
