@@ -108,6 +108,19 @@ DEFAULT_DRAM_BYTES = 8 * 1024**3
 FMA_UNITS = 2
 AMX_BF16_FLOPS_PER_CYCLE = 1024.0
 
+# Cores whose FP pipes are narrower than their widest vector ISA split each wide instruction into
+# halves, so one FMA instruction per pipe per cycle does only the pipes' width in lanes:
+# (vendor_id, cpu family, first model, last model) -> pipe width in bytes. AMD's Zen and Zen+
+# (family 0x17 below model 0x30) and Hygon's Dhyana run 256-bit AVX2 as two 128-bit halves;
+# Zen 4 (family 0x19 from model 0x10) runs AVX-512 as two 256-bit halves.
+FP_PIPE_BYTES: tuple[tuple[str, int, int, int, int], ...] = (
+    ("AuthenticAMD", 0x17, 0x00, 0x2F, 16),
+    ("HygonGenuine", 0x18, 0x00, 0xFF, 16),
+    ("AuthenticAMD", 0x19, 0x10, 0x1F, 32),
+    ("AuthenticAMD", 0x19, 0x60, 0x7F, 32),
+    ("AuthenticAMD", 0x19, 0xA0, 0xAF, 32),
+)
+
 # Where detect() reads; module constants so tests can point them at a fake tree.
 PROC_CPUINFO = Path("/proc/cpuinfo")
 PROC_MEMINFO = Path("/proc/meminfo")
@@ -273,6 +286,15 @@ class Hardware:
                 f"fall back on (known: {known})"
             )
         return found
+
+    def instruction_flops(self, dtype: DType | str) -> float:
+        """Flops of one arithmetic instruction of the widest vector ISA for `dtype`: the float32
+        lanes of a vector (times 2 with FMA), scaled by the dtype's peak over float32's. What a
+        micro-kernel's instructions are compared with: a core whose pipes split wide vectors
+        (`FP_PIPE_BYTES`) has a lower peak but the same instructions."""
+        lanes = max(1, self.vector_bytes // 4)
+        fused = 2 if self.isa & {Isa.FMA, Isa.AVX512F, Isa.NEON} else 1
+        return lanes * fused * self.peak(dtype) / self.peak(DType.FLOAT32)
 
     def level(self, name: str) -> MemoryLevel:
         for lv in self.levels:
@@ -601,12 +623,28 @@ def _vector_shape(isa: frozenset[Isa]) -> tuple[int, int]:
     return 0, 0
 
 
+def _fp_pipe_bytes(cpuinfo: str, vector_bytes: int) -> int:
+    """How many bytes of a vector one FP pipe computes per cycle: `vector_bytes`, unless the core
+    is listed in `FP_PIPE_BYTES` as splitting its widest vectors."""
+    vendor = _cpuinfo_field(cpuinfo, "vendor_id") or ""
+    try:
+        family = int(_cpuinfo_field(cpuinfo, "cpu family") or "")
+        model = int(_cpuinfo_field(cpuinfo, "model") or "")
+    except ValueError:
+        return vector_bytes
+    for who, fam, first, last, width in FP_PIPE_BYTES:
+        if vendor == who and family == fam and first <= model <= last:
+            return min(vector_bytes, width)
+    return vector_bytes
+
+
 def _peaks(
-    isa: frozenset[Isa], vector_bytes: int, clock_hz: float
+    isa: frozenset[Isa], vector_bytes: int, clock_hz: float, pipe_bytes: int | None = None
 ) -> tuple[tuple[DType, float], ...]:
-    """Per-core peaks from the assumptions next to `FMA_UNITS`; scalar code does 2 flops/cycle."""
+    """Per-core peaks from the assumptions next to `FMA_UNITS` (each pipe `pipe_bytes` wide,
+    by default the whole vector); scalar code does 2 flops/cycle."""
     fused = 2 if Isa.FMA in isa or Isa.AVX512F in isa or Isa.NEON in isa else 1
-    lanes32 = vector_bytes // 4
+    lanes32 = (vector_bytes if pipe_bytes is None else pipe_bytes) // 4
     fp32 = clock_hz * FMA_UNITS * fused * lanes32 if lanes32 else clock_hz * 2.0
     peaks = {DType.FLOAT32: fp32, DType.FLOAT64: fp32 / 2 if lanes32 else fp32}
     if Isa.AMX_BF16 in isa and Isa.AMX_TILE in isa:
@@ -649,7 +687,7 @@ def _detect_host() -> Hardware:
         isa=isa,
         vector_bytes=vector_bytes,
         vector_registers=vector_registers,
-        peak_flops=_peaks(isa, vector_bytes, clock),
+        peak_flops=_peaks(isa, vector_bytes, clock, _fp_pipe_bytes(cpuinfo, vector_bytes)),
         clock_hz=clock,
     )
 

@@ -35,7 +35,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from chainfuse.hardware import FMA_UNITS, Hardware, Isa
+from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import DType
 
 __all__ = [
@@ -149,7 +149,8 @@ class MicroKernel:
         -registers)``.
 
         - peak fraction estimate = (``flops_per_instruction`` / the flops of one arithmetic
-          instruction of ``hardware``, capped at 1) x (share of the padded ``mr x nr`` blocks
+          instruction of ``hardware``'s widest vector ISA, `Hardware.instruction_flops`, capped
+          at 1) x (share of the padded ``mr x nr`` blocks
           covering ``M x N`` that is useful work: tails compute whole blocks). A wide kernel loses
           to a narrower one where its tails would waste more than its width gains;
         - then the larger register block (fewer loads per FMA, fewer loop trips);
@@ -157,8 +158,7 @@ class MicroKernel:
           loads and ``mr`` broadcasts feed ``mr * nr`` / lanes FMAs: 6x64 before 12x32);
         - then fewer registers (room for the compiler). Remaining ties keep registration order.
         """
-        per_instruction = hardware.peak(problem.dtype) / (hardware.clock_hz * FMA_UNITS)
-        width = min(1.0, self.flops_per_instruction / per_instruction)
+        width = min(1.0, self.flops_per_instruction / hardware.instruction_flops(problem.dtype))
         padded_m = math.ceil(problem.M / self.mr) * self.mr
         padded_n = math.ceil(problem.N / self.nr) * self.nr
         useful = (problem.M * problem.N) / (padded_m * padded_n)

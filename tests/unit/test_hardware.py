@@ -273,6 +273,54 @@ def test_detect_reads_caches_isa_and_clock(
     assert "Fake Xeon" in hw.name
 
 
+@pytest.mark.parametrize(
+    ("vendor", "family", "model", "lanes"),
+    [
+        ("AuthenticAMD", 23, 1, 4),  # Zen (EPYC 7001): 256-bit AVX2 as two 128-bit halves
+        ("AuthenticAMD", 23, 8, 4),  # Zen+
+        ("HygonGenuine", 24, 0, 4),  # Dhyana, a Zen
+        ("AuthenticAMD", 23, 49, 8),  # Zen 2: whole 256-bit pipes
+        ("AuthenticAMD", 25, 1, 8),  # Zen 3
+        ("GenuineIntel", 6, 85, 8),
+    ],
+)
+def test_detect_peak_counts_the_fp_pipes_width(
+    fresh_detect: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    vendor: str,
+    family: int,
+    model: int,
+    lanes: int,
+) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir(parents=True)
+    (proc / "cpuinfo").write_text(
+        f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+        "model name\t: Fake\ncpu MHz\t\t: 2000.000\nflags\t\t: fpu avx avx2 fma\n\n"
+    )
+    _point_detect_at(monkeypatch, tmp_path)
+    hw = Hardware.detect()
+    assert hw.vector_bytes == 32, "the ISA's vectors stay 256-bit"
+    assert hw.peak(DType.FLOAT32) == 2e9 * 2 * 2 * lanes
+    assert hw.instruction_flops(DType.FLOAT32) == 16, "an FMA instruction does 8 lanes' flops"
+
+
+def test_zen4_avx512_runs_at_the_avx2_rate(
+    fresh_detect: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir(parents=True)
+    (proc / "cpuinfo").write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "cpu MHz\t\t: 2000.000\nflags\t\t: fpu avx avx2 fma avx512f\n\n"
+    )
+    _point_detect_at(monkeypatch, tmp_path)
+    hw = Hardware.detect()
+    assert hw.vector_bytes == 64
+    assert hw.peak(DType.FLOAT32) == 2e9 * 2 * 2 * 8
+
+
 # -- resolve() ------------------------------------------------------------------------------------
 
 

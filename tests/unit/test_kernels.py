@@ -306,6 +306,21 @@ def test_select_without_isa_flags_is_portable_and_reference_always_applies() -> 
     assert not avx2_fma_6x16_f32.applies(problem, bare)
 
 
+def test_select_on_split_fp_pipes_keeps_the_fma_kernel() -> None:
+    """A Zen-1-like core (256-bit AVX2 on 128-bit pipes) has half the peak of its vectors, but
+    its FMA instructions still do twice the work of the portable kernel's: no tie on width that
+    the portable 4-row block's smaller tails would break in its favour."""
+    zen1 = dataclasses.replace(
+        HOST,
+        isa=frozenset({Isa.AVX2, Isa.FMA}),
+        vector_bytes=32,
+        vector_registers=16,
+        peak_flops=((DType.FLOAT32, HOST.clock_hz * 2 * 2 * 4),),
+    )
+    for M in (64, 16, 512):
+        assert select(Problem(DType.FLOAT32, M, 64, 64), zen1) == avx2_fma_6x16_f32
+
+
 def test_score_weighs_tail_waste() -> None:
     xeon = Hardware.preset("xeon-gold-6240")
     assert select(Problem(DType.FLOAT32, 512, 64, 64), xeon) == avx512_6x64_f32
