@@ -29,6 +29,7 @@ import numpy as np
 from chainfuse import config
 from chainfuse.codegen.c import (
     PACKED,
+    Epilogue,
     GemmChainShape,
     GemmChainSpec,
     emit_gemm_chain,
@@ -371,7 +372,10 @@ def compile(
     )
     quanta = {m: kernel.nr, l_: kernel.mr, n: kernel.mr}
     planned_for = threads if threads is not None else get_num_threads()
-    chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta)
+    # with fewer row blocks than threads the kernel's threads split l (not a softmax's: its
+    # shares would need their maxima merged), in whole mr-row slivers
+    split = None if shape.epilogue is Epilogue.SOFTMAX else (l_, kernel.mr)
+    chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
     planned = chosen.tiles_at(_code_level(hw))
     assert planned is not None
     tiles = {**planned, **(tiles or {})}
@@ -402,13 +406,14 @@ def _remembered_plan(
     threads: int | None,
     structure: tuple[tuple[str, ...], int],
     quanta: Mapping[str, int],
+    split: tuple[str, int] | None = None,
 ) -> Plan:
     """`plan(...)` for the backend's structure, kept on disk next to the compiled kernels.
 
     Planning costs tens of milliseconds; a process that reuses a compiled kernel should not pay
     it again. The key holds everything the plan depends on, the planner's own source included.
     """
-    parts = [chain.to_json(), hw.to_json(), threads, structure, sorted(quanta.items())]
+    parts = [chain.to_json(), hw.to_json(), threads, structure, sorted(quanta.items()), split]
     parts.append(_planner_fingerprint())
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     path = config.cache_dir() / "plans" / key[:2] / f"{key[:32]}.json"
@@ -416,7 +421,8 @@ def _remembered_plan(
         return Plan.from_json(path.read_text())
     except (OSError, ValueError, KeyError):
         pass
-    chosen = plan(chain, hw, threads=threads, fuse=True, structures=[structure], quanta=quanta)
+    chosen = plan(chain, hw, threads=threads, fuse=True, structures=[structure], quanta=quanta,
+                  split=split)  # fmt: skip
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, chosen.to_json().encode())

@@ -48,6 +48,7 @@ from chainfuse.model import (
     estimate,
     least_flops,
     level_cost,
+    splits,
 )
 
 __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
@@ -93,6 +94,7 @@ class Plan:
     unfused_time_s: float
     bound: str
     considered: int
+    split: tuple[str, int] | None = None  # (loop, quantum) idle cores split (`model.deal`)
 
     @property
     def predicted_bytes(self) -> dict[str, int]:
@@ -134,6 +136,7 @@ class Plan:
             "unfused_time_s": self.unfused_time_s,
             "bound": self.bound,
             "considered": self.considered,
+            "split": list(self.split) if self.split is not None else None,
         }
         return json.dumps(data, indent=1)
 
@@ -164,6 +167,7 @@ class Plan:
             unfused_time_s=float(d["unfused_time_s"]),
             bound=d["bound"],
             considered=int(d["considered"]),
+            split=(str(d["split"][0]), int(d["split"][1])) if d.get("split") else None,
         )
 
     def __str__(self) -> str:
@@ -175,7 +179,8 @@ class Plan:
             f"  {kind}; order {' > '.join(self.order)}; shared prefix "
             f"{' > '.join(self.prefix) or '-'} (depth {self.depth})",
             f"  parallel over {', '.join(self.parallel) or '-'} on {self.threads} thread(s); "
-            f"register block {self.register_block[0]}x{self.register_block[1]}",
+            f"register block {self.register_block[0]}x{self.register_block[1]}"
+            + (f"; idle cores split {self.split[0]}" if self.split else ""),
         ]
         width = max(6, *(len(n) for n in loops))
         lines.append("  tiles  " + " ".join(f"{n:>{width}}" for n in loops) + "   holds")
@@ -282,6 +287,7 @@ class _Search:
     threads: int
     quanta: dict[str, int]
     fixed: dict[str, int]  # loops whose tile never changes (batch: 1, taps: whole)
+    split: tuple[str, int] | None = None  # (loop, quantum) that cores a deal leaves idle split
     evaluations: int = 0
     too_small: MemoryLevel | None = None  # the last level no tiles fitted, for the error
     memo: dict[tuple[object, ...], float | None] = field(default_factory=dict)
@@ -318,7 +324,8 @@ class _Search:
         inner levels assume every core busy."""
         tkey = tuple([tiles[n] for n in nest.order])
         outermost = level == len(self.levels) - 1
-        key = (nest, parallel if outermost else (), level, tkey)  # not id(nest): ids get reused
+        # (not id(nest): ids get reused)
+        key = (nest, parallel if outermost else (), level, tkey, self.split if outermost else None)
         if key in self.memo:
             return self.memo[key]
         cost = self.costs.get((nest, tkey))
@@ -331,7 +338,13 @@ class _Search:
             workers, imbalance = self.threads, 1.0
             if outermost:
                 ext = self.ext
-                workers, imbalance = deal(tuple((ext[n], tiles[n]) for n in parallel), self.threads)
+                # (whether the inner levels keep a block one code-level block, as a split
+                # needs, is not known yet: `estimate` checks it on the final tiles)
+                split = None
+                if self.split is not None and nest.fused:  # (unfused ops run on their own)
+                    split = (ext[self.split[0]], self.split[1])
+                dims = tuple((ext[n], tiles[n]) for n in parallel)
+                workers, imbalance = deal(dims, self.threads, split)
                 bw = self._bandwidth(level, workers)
             score = (cost.total / bw + cost.flops / self.peak / workers) * imbalance
         self.memo[key] = score
@@ -343,6 +356,8 @@ class _Search:
         relative 1e-9, below which a win does not matter)."""
         units = math.prod(self.ext[n] for n in parallel)
         workers = max(1, min(self.threads, units))
+        if self.split is not None and nest.fused:
+            workers = self.threads
         return least_flops(nest) / (self.peak * workers) >= best.time_s * (1 - 1e-9)
 
     def _free(self, nest: Nest) -> tuple[list[str], dict[str, tuple[str, ...]]]:
@@ -420,7 +435,26 @@ class _Search:
     def all_levels(
         self, nest: Nest, parallel: tuple[str, ...], rounds: int = 2
     ) -> dict[str, dict[str, int]] | None:
-        """Tiles for every cache level, outermost first, each within the one outside it."""
+        """Tiles for every cache level, outermost first, each within the one outside it.
+
+        The outermost tiles are costed with the split of idle cores (`split`) before the inner
+        levels are known; where the inner tiles then do not allow it (a block of several
+        code-level blocks), the search runs again without it, so that a plan never counts on
+        cores its kernel leaves idle."""
+        tiles = self._all_levels(nest, parallel, rounds)
+        if self.split is None or tiles is None or not nest.fused:
+            return tiles
+        if splits(nest, tiles, parallel, self.split) is not None:
+            return tiles
+        split, self.split = self.split, None
+        try:
+            return self._all_levels(nest, parallel, rounds)
+        finally:
+            self.split = split
+
+    def _all_levels(
+        self, nest: Nest, parallel: tuple[str, ...], rounds: int
+    ) -> dict[str, dict[str, int]] | None:
         out: dict[str, dict[str, int]] = {}
         upper: Mapping[str, int] = {}
         for level in range(len(self.hw.levels) - 2, -1, -1):
@@ -499,6 +533,7 @@ def plan(
     fuse: bool | None = None,
     structures: Sequence[tuple[tuple[str, ...], int]] | None = None,
     quanta: Mapping[str, int] | None = None,
+    split: tuple[str, int] | None = None,
 ) -> Plan:
     """Choose the block order, compute-at depth, tiles per level and parallel split of `chain`.
 
@@ -507,7 +542,9 @@ def plan(
     letting the model decide. `structures` restricts the fused (order, depth) candidates to
     those a backend implements; the model still chooses tiles and parallel split for them.
     `quanta` overrides the tile multiple of some loops (a backend that puts m on the
-    micro-kernel's columns wants m in multiples of nr).
+    micro-kernel's columns wants m in multiples of nr). `split` ((loop, quantum)) is a loop
+    the backend's kernel splits among the cores its deal of the parallel loops leaves idle, in
+    shares of whole quanta (`model.deal`); the fused plans are costed with it.
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
@@ -519,7 +556,11 @@ def plan(
     batch, taps = _roles(chain)
     ext = chain.extents
     fixed = {**dict.fromkeys(batch, 1), **{n: ext[n] for n in taps}}
-    search = _Search(chain, hw, nthreads, {**_quanta(chain, mr, nr), **(quanta or {})}, fixed)
+    if split is not None and split[0] not in ext:
+        raise ValueError(f"split: {split[0]!r} is not a loop of {chain.name}")
+    search = _Search(
+        chain, hw, nthreads, {**_quanta(chain, mr, nr), **(quanta or {})}, fixed, split
+    )
     if len(hw.levels) < 2:
         raise PlanningError(f"hardware {hw.name!r} needs at least one cache level and memory")
 
@@ -546,7 +587,7 @@ def plan(
             tiles_all = search.all_levels(nest, parallel, rounds=0)
             if tiles_all is None:
                 continue
-            cost = estimate(nest, tiles_all, hw, parallel, nthreads)
+            cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
             scored.append((cost, nest, tiles_all, parallel))
             if best is None or cost.time_s < best[0].time_s:
                 best = scored[-1]
@@ -565,7 +606,7 @@ def plan(
         refined.add(nest)
         if tiles_all is None:
             continue
-        cost = estimate(nest, tiles_all, hw, parallel, nthreads)
+        cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
         if cost.time_s < best[0].time_s:
             best = (cost, nest, tiles_all, parallel)
     if best is not None and best[1] not in refined:
@@ -574,7 +615,7 @@ def plan(
         _, nest, _, parallel = best
         tiles_all = search.all_levels(nest, parallel, rounds=2 if plain else 1)
         if tiles_all is not None:
-            cost = estimate(nest, tiles_all, hw, parallel, nthreads)
+            cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
             if cost.time_s <= best[0].time_s * (1 + 1e-9):
                 best = (cost, nest, tiles_all, parallel)
 
@@ -594,6 +635,14 @@ def plan(
     chosen = best if use_fused else unfused
     assert chosen is not None
     cost, nest, tiles_all, parallel = chosen
+    # the split, where it puts cores the deal of the parallel loops leaves idle to work
+    used_split = None
+    share = splits(nest, tiles_all, parallel, split) if nest.fused else None
+    if share is not None and split is not None:
+        outer = tiles_all[list(tiles_all)[-1]]
+        dims = tuple((ext[n], outer.get(n, ext[n])) for n in parallel)
+        if deal(dims, nthreads, share)[0] > deal(dims, nthreads)[0]:
+            used_split = split
     return Plan(
         chain=chain.name,
         hardware=hw.name,
@@ -612,6 +661,7 @@ def plan(
         unfused_time_s=unfused[0].time_s if unfused else math.inf,
         bound=cost.bound,
         considered=considered,
+        split=used_split,
     )
 
 

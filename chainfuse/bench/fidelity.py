@@ -141,7 +141,7 @@ def candidates(
         for lv, t in levels.items():  # inner levels never hold more than the code level
             if lv != level and _inner(hw, lv, level):
                 levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
-        c = estimate(nest, levels, hw, chosen.parallel, threads)
+        c = estimate(nest, levels, hw, chosen.parallel, threads, chosen.split)
         used = dict(c.used_per_level).get(level, 0)
         return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s))
 
@@ -259,7 +259,7 @@ def conv_candidates(
         for lv, t in levels.items():
             if lv != level and _inner(hw, lv, level):
                 levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
-        c = estimate(nest, levels, hw, chosen.parallel, threads)
+        c = estimate(nest, levels, hw, chosen.parallel, threads, chosen.split)
         used = dict(c.used_per_level).get(level, 0)
         return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s))
 

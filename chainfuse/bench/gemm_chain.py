@@ -180,7 +180,7 @@ def predicted_ms(chain: Any, plan: Any, threads: int, hw: Hardware | None = None
     hw = hw or resolve(None)
     nest = Nest(chain, plan.order, plan.depth, fused=plan.fused)
     tiles = {level: dict(t) for level, t in plan.tiles}
-    return estimate(nest, tiles, hw, plan.parallel, threads).time_s * 1e3
+    return estimate(nest, tiles, hw, plan.parallel, threads, plan.split).time_s * 1e3
 
 
 def tiles_text(kernel: Any) -> str:

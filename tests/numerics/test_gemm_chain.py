@@ -286,6 +286,26 @@ def test_fewer_blocks_than_threads_split_l(
     np.testing.assert_array_equal(out, again)
 
 
+def test_an_mlp_on_two_threads_is_one_block_with_l_split() -> None:
+    """40 tokens on 2 threads: the plan keeps them one block and counts on the kernel's threads
+    splitting l (each streams half of the weights once); the kernel does, and is correct."""
+    chain = chainfuse.gemm_chain(1, 40, 200, 300, 1000, "relu")
+    kernel = compile(chain, threads=2)
+    assert kernel.plan.split == ("l", kernel.spec.kernel.mr)
+    outer = kernel.plan.tiles_at(kernel.plan.levels[-1])
+    assert outer is not None and outer["m"] == 40
+    inputs = reference.random_inputs(chain)
+    chainfuse.set_num_threads(2)
+    try:
+        out = kernel(*[inputs[t.name] for t in chain.inputs])
+    finally:
+        chainfuse.set_num_threads(None)
+    reference.assert_close(out, reference.run(chain, inputs)[chain.outputs[0].name], chain)
+    # a softmax's shares of l would need their maxima merged: never split
+    attention = compile(chainfuse.gemm_chain(1, 40, 200, 300, 1000, "softmax"), threads=2)
+    assert attention.plan.split is None
+
+
 @pytest.mark.parametrize("tiles", [None, {"m": 48, "l": 30, "k": 16, "n": 12}])
 def test_few_strips_with_rows_far_apart_are_packed_row_by_row(tiles: dict[str, int] | None) -> None:
     # 37 rows: few enough strips that near slivers are read in place; B's rows (301) and D's

@@ -369,7 +369,42 @@ def test_deal_weighs_tail_blocks_by_what_they_hold(dims: list[tuple[int, int]], 
     assert imbalance == pytest.approx(want, rel=1e-12)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    dims=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 80)), min_size=1, max_size=2),
+    cores=st.integers(1, 9),
+    extent=st.integers(1, 300),
+    quantum=st.sampled_from([1, 4, 6]),
+)
+def test_deal_with_a_split_counts_the_kernels_shares(
+    dims: list[tuple[int, int]], cores: int, extent: int, quantum: int
+) -> None:
+    """With fewer blocks than cores each block's cores take contiguous shares of the split
+    loop, whole quanta each (the GEMM chain kernels' LQ); otherwise the split changes nothing."""
+    split = (extent, quantum)
+    workers, imbalance = deal(tuple(dims), cores, split)
+    _, blocks_imbalance = _deal_by_hand(tuple(dims), cores)
+    tiles = [max(1, min(t, n)) for n, t in dims]
+    units = math.prod(ceil(n, t) for (n, _), t in zip(dims, tiles, strict=True))
+    if units >= cores:
+        assert (workers, imbalance) == deal(tuple(dims), cores)
+        return
+    parts = cores // units
+    per = ceil(extent, parts * quantum) * quantum
+    shares = [min(per, extent - p * per) for p in range(parts) if p * per < extent]
+    assert workers == units * len(shares) <= cores
+    # the busiest worker: the largest block's largest share, over the average worker's work
+    average = 1 / (units * len(shares))
+    want = (blocks_imbalance / units) * (max(shares) / extent) / average
+    assert imbalance == pytest.approx(want, rel=1e-12)
+
+
 def test_deal_examples() -> None:
+    # an MLP's 64 tokens, l in two shares of whole quanta (2052 and 2044)
+    assert deal(((64, 64),), 2, (4096, 6)) == (2, 2052 * 2 / 4096)
+    assert deal(((100, 100),), 3, (100, 6)) == (3, 1.08)  # shares of 36, 36 and 28
+    assert deal(((64, 32),), 2, (4096, 6)) == deal(((64, 32),), 2)  # two blocks: no split
+    assert deal(((64, 64),), 4, (6, 6)) == (1, 1.0)  # one quantum: nothing to share
     assert deal(((768, 512),), 2) == (2, 4 / 3)  # one block of 512 rows, one of 256
     assert deal(((12, 1), (768, 512)), 2) == (2, 1.0)  # each core: 6 heads of both blocks
     assert deal(((768, 384),), 2) == (2, 1.0)

@@ -3,6 +3,7 @@ property that a larger cache never makes the optimum worse."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -79,7 +80,8 @@ def _check_plan(p: Plan, chain: Chain, hw: Hardware) -> None:
     assert outer_tiles is not None
     assert moved[hw.levels[-1].name] == level_cost(nest, outer_tiles).total
     tiles = {lvl: dict(t) for lvl, t in p.tiles}
-    again_cost = estimate(nest, tiles, hw, p.parallel, p.threads)  # the split is the one costed
+    # the parallel deal (and split of idle cores) is the one costed
+    again_cost = estimate(nest, tiles, hw, p.parallel, p.threads, p.split)
     assert again_cost.time_s == p.predicted_time_s
     # JSON round trip and text
     again = Plan.from_json(p.to_json())
@@ -93,6 +95,37 @@ def _check_plan(p: Plan, chain: Chain, hw: Hardware) -> None:
 @pytest.mark.parametrize(("name", "between"), WORKLOADS, ids=[f"{n}-{b}" for n, b in WORKLOADS])
 def test_paper_workload(name: str, between: str | None, hw: str) -> None:
     _check_plan(_plan(name, between, hw), _chain(name, between), _hardware(hw))
+
+
+def test_idle_cores_split_l_of_an_mlp() -> None:
+    """An MLP's 64 tokens on 2 cores: with a kernel that splits l among idle cores, one block of
+    all 64 rows (each core streams half of the weights once) beats two blocks of 32 (each core
+    streams all of them); the plan says so, costs it, and round-trips it."""
+    chain = gemm_chain(1, 64, 768, 768, 3072, "relu")
+    xeon = dataclasses.replace(Hardware.preset(XEON), cores=2)
+    # the structure and tile multiples the C backend plans for (m on the micro-kernel's columns)
+    structure = (("b", "m", "l", "k", "n"), 3)
+    kw = {
+        "threads": 2,
+        "fuse": True,
+        "structures": [structure],
+        "quanta": {"m": 16, "l": 6, "n": 6},
+    }
+    plain = plan(chain, xeon, **kw)  # type: ignore[arg-type]
+    split = plan(chain, xeon, split=("l", 6), **kw)  # type: ignore[arg-type]
+    assert plain.split is None
+    assert split.split == ("l", 6) and "idle cores split l" in str(split)
+    outer = split.tiles_at(split.levels[-1])
+    assert outer is not None and outer["m"] == 64, "one block of rows, its l shared"
+    # compute-bound either way on paper, but the weights come in once instead of twice
+    assert split.predicted_time_s <= plain.predicted_time_s
+    assert split.bytes_per_level[-1][1] < plain.bytes_per_level[-1][1]
+    _check_plan(split, chain, xeon)
+    with pytest.raises(ValueError, match="split: 'x' is not a loop"):
+        plan(chain, xeon, split=("x", 6))
+    # many rows: every core has blocks of its own, no split is recorded
+    many = plan(gemm_chain(12, 512, 64, 64, 512, "relu"), xeon, split=("l", 6), **kw)  # type: ignore[arg-type]
+    assert many.split is None
 
 
 def test_bert_base_is_fused_on_xeon() -> None:
