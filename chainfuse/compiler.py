@@ -20,7 +20,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,7 +51,7 @@ from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select_weighted
 from chainfuse.planner import Plan, PlanningError, plan
-from chainfuse.runtime import build, get_num_threads, load, write_atomic
+from chainfuse.runtime import build_recipe, get_num_threads, load, write_atomic
 
 __all__ = ["ConvKernel", "Kernel", "compile", "compile_conv"]
 
@@ -176,34 +176,54 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Built:
-    """Build (or find in the cache) and load a generated source; what both kernels record."""
+    """Build (or find in the cache) and load a generated source; what both kernels record.
+
+    The source is generated from the spec and the header (`recipe`) only when the cache does
+    not already hold its object (`build_recipe`), or when `source` is read."""
 
     compile_seconds: float
     cached: bool
     path: Path
+    _source: str | None = None
+    _make_source: Callable[[], str]
 
-    def _build(self, source: str, name: str, cflags: tuple[str, ...]) -> ctypes.CDLL:
+    def _build(
+        self, make_source: Callable[[], str], recipe: str, name: str, cflags: tuple[str, ...]
+    ) -> ctypes.CDLL:
         start = time.perf_counter()
-        result = build(source, name, cflags)
+        self._make_source = make_source
+        result = build_recipe(recipe, name, self._generate, cflags)
         self.compile_seconds = time.perf_counter() - start
         self.cached = result.cached
         self.path = result.path
         return load(result.path)
+
+    def _generate(self) -> str:
+        if self._source is None:
+            self._source = self._make_source()
+        return self._source
+
+    @property
+    def source(self) -> str:
+        """The generated C source of this kernel (the header names its chain and plan)."""
+        return self._generate()
 
 
 class Kernel(_Built):
     """A compiled chain: call it with the chain's inputs (in `chain.inputs` order)."""
 
     def __init__(
-        self, chain: Chain, plan_: Plan, spec: GemmChainSpec, shape: GemmChainShape, source: str
+        self, chain: Chain, plan_: Plan, spec: GemmChainSpec, shape: GemmChainShape, header: str
     ) -> None:
         self.chain = chain
         self.shape = shape
         self.plan = plan_
         self.spec = spec
-        self.source = source
         self.arithmetic = arithmetic(spec)
-        lib = self._build(source, spec.name, spec.kernel.cflags)
+        lib = self._build(
+            lambda: emit_gemm_chain(spec, header), f"{spec.name}\n{header}", spec.name,
+            spec.kernel.cflags,
+        )  # fmt: skip
         # one pointer argument: ctypes converts each argument of a call (~0.2 us apiece)
         self._fn = getattr(lib, f"{spec.name}_packed")
         self._fn.restype = None
@@ -397,7 +417,7 @@ def compile(
         dtype=chain.dtype,
     )
     header = _header(chain, chosen, spec)
-    return Kernel(chain, chosen, spec, shape, emit_gemm_chain(spec, header))
+    return Kernel(chain, chosen, spec, shape, header)
 
 
 def _remembered_plan(
@@ -554,7 +574,7 @@ class ConvKernel(_Built):
         shape: ConvChainShape,
         tiles: ConvTiles,
         halo_reason: str,
-        source: str,
+        header: str,
     ) -> None:
         self.chain = chain
         self.plan = plan_
@@ -563,9 +583,11 @@ class ConvKernel(_Built):
         self.tiles = tiles
         self.halo = spec.halo
         self.halo_reason = halo_reason
-        self.source = source
         self.name = spec.name
-        lib = self._build(source, spec.name, spec.kernel.cflags)
+        lib = self._build(
+            lambda: emit_conv_chain(spec, header), f"{spec.name}\n{header}", spec.name,
+            spec.kernel.cflags,
+        )  # fmt: skip
         self._fn = getattr(lib, spec.name)
         self._fn.restype = None
         longs = ctypes.POINTER(ctypes.c_long)
@@ -720,7 +742,7 @@ def compile_conv(
         decided = forced
     spec = ConvChainSpec(kernel, shape.relu_mid, after == "relu", decided)
     header = _conv_header(spec, after)
-    return ConvKernel(chain, chosen, spec, shape, code, reason, emit_conv_chain(spec, header))
+    return ConvKernel(chain, chosen, spec, shape, code, reason, header)
 
 
 def _conv_header(spec: ConvChainSpec, after: str | None) -> str:

@@ -512,11 +512,23 @@ def resolve(hardware: Hardware | str | None) -> Hardware:
 
 
 def _read(path: Path) -> str | None:
-    """A file's text, or None: detect() must never fail because /proc or /sys is missing."""
+    """A file's text, or None: detect() must never fail because /proc or /sys is missing.
+
+    Plain `os.read` calls: `Path.read_text` on /sys takes ~0.1 ms a file here (19 files, 2 ms
+    of every process that compiles a kernel), `os.read` a tenth of that."""
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        fd = os.open(path, os.O_RDONLY)
     except (OSError, ValueError):
         return None
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    except OSError:  # a directory, or a file that fails to read
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def _cpu_list(text: str) -> set[int]:

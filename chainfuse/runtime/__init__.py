@@ -7,7 +7,14 @@ Typical use::
     lib.gemm_f32_ab12cd34(..., get_num_threads())
 """
 
-from chainfuse.runtime.cache import BuildResult, build, cache_key, entry_path, write_atomic
+from chainfuse.runtime.cache import (
+    BuildResult,
+    build,
+    build_recipe,
+    cache_key,
+    entry_path,
+    write_atomic,
+)
 from chainfuse.runtime.cc import (
     BASE_FLAGS,
     INSTALL_HINT,
@@ -31,6 +38,7 @@ __all__ = [
     "CompilerFamily",
     "CompilerNotFoundError",
     "build",
+    "build_recipe",
     "cache_key",
     "entry_path",
     "find_compiler",

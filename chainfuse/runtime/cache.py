@@ -8,6 +8,15 @@ flags say ``-march=native``). Layout::
     <cache_dir>/<key[:2]>/<name>_<key[:16]>.so.sha256   digest of the .so (proves it is complete)
     <cache_dir>/<key[:2]>/<name>_<key[:16]>.c           the source it was built from
     <cache_dir>/<key[:2]>/<name>_<key[:16]>.so.lock     serialises builders of this entry
+    <cache_dir>/recipes/<r[:2]>/<r[:32]>.key            an entry's key by the digest r of what
+                                                        its source was generated from
+
+`build_recipe` is `build` for a source that a recipe determines (the generated kernels: a spec's
+name, which spells every field the code depends on, and the source's header): a process that
+finds the recipe's entry loads it without generating the source again (1-2 ms of every warm
+start) and generates it only to compile. The recipe's digest also covers the generator's own
+files (their sizes and modification times, as Python's bytecode cache does), so a changed
+generator builds again.
 
 Writes are atomic (a temp file in the same directory, then `os.replace`), so a reader sees a whole
 file or none. Concurrent builders of one entry (threads or processes) serialise on a
@@ -31,7 +40,7 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +49,7 @@ import filelock
 from chainfuse import config
 from chainfuse.runtime.cc import CompileError, Compiler, find_compiler, flags
 
-__all__ = ["BuildResult", "build", "cache_key", "entry_path", "write_atomic"]
+__all__ = ["BuildResult", "build", "build_recipe", "cache_key", "entry_path", "write_atomic"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _LIBS = ("-lm",)
@@ -98,6 +107,70 @@ def build(
         if not cached:
             _compile(cc, build_flags, source, so)
     return BuildResult(so, key, cached, time.perf_counter() - start)
+
+
+def build_recipe(
+    recipe: str,
+    name: str,
+    make_source: Callable[[], str],
+    extra_flags: Iterable[str] = (),
+    *,
+    compiler: Compiler | None = None,
+) -> BuildResult:
+    """`build` of ``make_source()``, a source that ``recipe`` determines, without calling
+    ``make_source`` when the entry the recipe names is already valid in the cache (module
+    docstring). With ``CHAINFUSE_DUMP`` set the source is always generated, to be dumped."""
+    start = time.perf_counter()
+    cc = compiler if compiler is not None else find_compiler()
+    extra = tuple(extra_flags)
+    build_flags = flags(cc, extra)
+    payload = {
+        "recipe": recipe,
+        "generator": _generator_fingerprint(),
+        "compiler": [cc.path, cc.family.value, cc.version],
+        "flags": list(build_flags) + list(_LIBS),
+        "host": _host_fingerprint(),
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    preferred = config.cache_dir()
+    index = preferred / "recipes" / digest[:2] / f"{digest[:32]}.key"
+    if config.dump_dir() is None:
+        try:
+            key = index.read_text(encoding="ascii").strip()
+        except (OSError, ValueError):
+            key = ""
+        if re.fullmatch(r"[0-9a-f]{64}", key):
+            so = entry_path(preferred, name, key)
+            if _valid(so):
+                return BuildResult(so, key, True, time.perf_counter() - start)
+    result = build(make_source(), name, extra, compiler=cc)
+    if result.path.parent.parent == preferred:  # (not an entry of the fallback directory)
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(index, result.key.encode())
+        except OSError:
+            pass  # an unwritable cache only costs generating the source next time
+    return BuildResult(result.path, result.key, result.cached, time.perf_counter() - start)
+
+
+@functools.cache
+def _generator_fingerprint() -> str:
+    """Sizes and modification times of the code generators' files (codegen, kernels) and
+    chainfuse's version: what a recipe's source also depends on."""
+    import chainfuse
+
+    root = Path(chainfuse.__file__).parent
+    parts = [chainfuse.__version__]
+    for folder in ("codegen", "codegen/templates", "kernels"):
+        try:
+            entries = sorted(os.scandir(root / folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_file() and entry.name.endswith((".py", ".c")):
+                st = entry.stat()
+                parts.append(f"{folder}/{entry.name}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def cache_key(source: str, compiler: Compiler, build_flags: Iterable[str]) -> str:

@@ -21,6 +21,7 @@ from chainfuse.runtime import (
     CompilerFamily,
     CompilerNotFoundError,
     build,
+    build_recipe,
     find_compiler,
     flags,
     get_num_threads,
@@ -211,6 +212,53 @@ def test_dump_dir_receives_the_source(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv(config.ENV_DUMP, str(dump))
     result = build(ADD_ONE, "add_one")
     assert (dump / f"add_one_{result.key[:16]}.c").read_text() == ADD_ONE
+
+
+def test_a_recipe_found_in_the_cache_is_not_generated_again(
+    _private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+
+    def make() -> str:
+        made.append(1)
+        return ADD_ONE
+
+    first = build_recipe("add one, v1", "add_one_r", make)
+    assert not first.cached and len(made) == 1
+    again = build_recipe("add one, v1", "add_one_r", make)
+    assert again.cached and again.path == first.path and len(made) == 1, "no source generated"
+    assert load(again.path).add_one(41) == 42
+    # another recipe is another index entry (here: the same source, so the same object)
+    other = build_recipe("add one, v2", "add_one_r", make)
+    assert other.path == first.path and len(made) == 2
+    # an index whose object is gone, truncated or named by garbage: generated and built again
+    data = first.path.read_bytes()
+    first.path.unlink()  # (a new file: the loaded copy stays mapped from the old one)
+    first.path.write_bytes(data[:100])
+    rebuilt = build_recipe("add one, v1", "add_one_r", make)
+    assert not rebuilt.cached and len(made) == 3 and len(rebuilt.path.read_bytes()) > 100
+    for index in (_private_cache / "recipes").glob("*/*.key"):
+        index.write_text("not a key\n")
+    assert build_recipe("add one, v1", "add_one_r", make).cached and len(made) == 4
+    # CHAINFUSE_DUMP wants every source: it is generated even when the object is cached
+    monkeypatch.setenv(config.ENV_DUMP, str(tmp_path / "dump"))
+    assert build_recipe("add one, v1", "add_one_r", make).cached and len(made) == 5
+    assert list((tmp_path / "dump").glob("add_one_r_*.c"))
+
+
+def test_a_warm_kernel_loads_without_generating_its_source(_private_cache: Path) -> None:
+    chain = chainfuse.gemm_chain(2, 17, 7, 65, 63, "relu")
+    cold = chainfuse.compile(chain)
+    code = """
+import chainfuse, chainfuse.compiler as c
+c.emit_gemm_chain = None  # a call would fail
+k = chainfuse.compile(chainfuse.gemm_chain(2, 17, 7, 65, 63, "relu"))
+print(k.cached, k.path)
+"""
+    child = subprocess.run([sys.executable, "-c", code], env=_child_env(_private_cache),
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert child.stdout.split() == ["True", str(cold.path)]
+    assert "relu" in cold.source and cold.source == cold.source  # generated on demand, kept
 
 
 def test_bad_kernel_name_is_rejected() -> None:
