@@ -727,7 +727,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 )
                 w.line(
                     "else if (l0 + T_L < l_end) cf_pf_set(&pf, B_b + l0 + T_L, sBr,"
-                    " (int)(K < TK ? K : TK), l_end - l0 - T_L < T_L ? l_end - l0 - T_L : T_L);"
+                    " (int)TK, l_end - l0 - T_L < T_L ? l_end - l0 - T_L : T_L);"
                 )
                 w.line("else cf_pf_set(&pf, D_b, 0, 0, 0);")
                 w.line(
