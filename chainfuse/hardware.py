@@ -293,8 +293,7 @@ class Hardware:
         micro-kernel's instructions are compared with: a core whose pipes split wide vectors
         (`FP_PIPE_BYTES`) has a lower peak but the same instructions."""
         lanes = max(1, self.vector_bytes // 4)
-        fused = 2 if self.isa & {Isa.FMA, Isa.AVX512F, Isa.NEON} else 1
-        return lanes * fused * self.peak(dtype) / self.peak(DType.FLOAT32)
+        return lanes * _fused(self.isa) * self.peak(dtype) / self.peak(DType.FLOAT32)
 
     def level(self, name: str) -> MemoryLevel:
         for lv in self.levels:
@@ -650,12 +649,17 @@ def _fp_pipe_bytes(cpuinfo: str, vector_bytes: int) -> int:
     return vector_bytes
 
 
+def _fused(isa: frozenset[Isa]) -> int:
+    """Flops per lane of one arithmetic instruction: 2 with fused multiply-add, else 1."""
+    return 2 if isa & {Isa.FMA, Isa.AVX512F, Isa.NEON} else 1
+
+
 def _peaks(
     isa: frozenset[Isa], vector_bytes: int, clock_hz: float, pipe_bytes: int | None = None
 ) -> tuple[tuple[DType, float], ...]:
     """Per-core peaks from the assumptions next to `FMA_UNITS` (each pipe `pipe_bytes` wide,
     by default the whole vector); scalar code does 2 flops/cycle."""
-    fused = 2 if Isa.FMA in isa or Isa.AVX512F in isa or Isa.NEON in isa else 1
+    fused = _fused(isa)
     lanes32 = (vector_bytes if pipe_bytes is None else pipe_bytes) // 4
     fp32 = clock_hz * FMA_UNITS * fused * lanes32 if lanes32 else clock_hz * 2.0
     peaks = {DType.FLOAT32: fp32, DType.FLOAT64: fp32 / 2 if lanes32 else fp32}
