@@ -384,11 +384,12 @@ static inline void cf_bf16_pack_at(int kc, int m, const uint16_t* restrict At, l
 }
 
 static inline void cf_bf16_pack_bt(int kc, int n, const uint16_t* restrict Bt, long ldbt,
-                                   float* restrict Bp)
+                                   float* restrict Bp, float scale)
 {
     for (int j = 0; j < NR; ++j) {
         const uint16_t* restrict col = Bt + j * ldbt;
-        for (int p = 0; p < kc; ++p) Bp[(long)p * NR + j] = j < n ? cf_from_bf16(col[p]) : 0.0f;
+        for (int p = 0; p < kc; ++p)
+            Bp[(long)p * NR + j] = j < n ? cf_from_bf16(col[p]) * scale : 0.0f;
     }
 }
 """
@@ -615,10 +616,8 @@ def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
         w.line(f"float* restrict strip = At + (long)j * NR * {kc};")
-        w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, strip);")
-        if scaled:
-            w.line("#pragma omp simd")
-            w.line(f"for (long x = 0; x < (long)NR * {kc}; ++x) strip[x] *= scale2;")
+        factor = "scale2" if scaled else "1.0f"
+        w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, strip, {factor});")
 
 
 def _block(w: Writer, spec: GemmChainSpec) -> None:

@@ -67,7 +67,7 @@ int run(int kc, int m, int n, const float* A, long lda, int a_transposed, const 
         return -1;
     }}
     if (a_transposed) {k}_pack_at(kc, m, A, lda, Ap); else {k}_pack_a(kc, m, A, lda, Ap);
-    if (b_transposed) {k}_pack_bt(kc, n, B, ldb, Bp); else {k}_pack_b(kc, n, B, ldb, Bp);
+    if (b_transposed) {k}_pack_bt(kc, n, B, ldb, Bp, 1.0f); else {k}_pack_b(kc, n, B, ldb, Bp);
     {k}(kc, Ap, Bp, C, ldc, m, n, accumulate);
     free(Ap);
     free(Bp);
