@@ -87,6 +87,12 @@ int run_in_place(int kc, int ng, long gs, const float* A, long rs, long ks, cons
     free(Bp);
     return 0;
 }}
+
+/* the transposed packing on its own: Bp (kc x nr) from Bt (n x kc), times scale */
+void run_pack_bt(int kc, int n, const float* Bt, long ldbt, float* Bp, float scale)
+{{
+    {k}_pack_bt(kc, n, Bt, ldbt, Bp, scale);
+}}
 """
 
 
@@ -105,8 +111,11 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...,
                 lib.run.argtypes = [i, i, i, ptr, lg, i, ptr, lg, i, ptr, lg, i]
                 lib.run_in_place.argtypes = [i, i, lg, ptr, lg, lg, ptr, ptr, lg, i, i]
                 lib.run.restype = lib.run_in_place.restype = ctypes.c_int
+                lib.run_pack_bt.argtypes = [i, i, ptr, lg, ptr, ctypes.c_float]
+                lib.run_pack_bt.restype = None
                 built[kernel.name] = lib.run
                 built[kernel.name + ".in_place"] = lib.run_in_place
+                built[kernel.name + ".pack_bt"] = lib.run_pack_bt
             return built[kernel.name if entry == "run" else f"{kernel.name}.{entry}"]
 
         yield get
@@ -221,6 +230,31 @@ def test_in_place_calls_match_numpy(
         status = run(kc, ng, gs, _ptr(buf), rs, ks, _ptr(B), _ptr(C), ldc, n, accumulate)
         assert status == 0
         _assert_block(C, A, B, C0 if accumulate else None, 7.0, what)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.125 * 1.4426950408889634])
+@pytest.mark.parametrize("kc", [1, 7, 8, 17, 64])
+@pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
+def test_pack_bt_transposes_and_scales_exactly(
+    compiled: Callable[..., Run], kernel: MicroKernel, kc: int, scale: float
+) -> None:
+    """`_pack_bt(kc, n, Bt, ldbt, Bp, scale)`: Bp[p*nr + j] = Bt[j, p] * scale rounded once
+    (attention's Qᵀ times its softmax scale in base 2), zeros in the columns past n; whole
+    register-transposed blocks, the steps after them and partial slivers alike."""
+    _runnable(kernel)
+    run = compiled(kernel, "pack_bt")
+    rng = np.random.default_rng(kc)
+    nr = kernel.nr
+    factor = np.float32(scale)
+    for n in sorted({1, nr - 1, nr} - {0}):
+        ldbt = kc + 5
+        Bt = np.full((n, ldbt), np.nan, np.float32)
+        Bt[:, :kc] = rng.uniform(-1e4, 1e4, (n, kc))
+        Bp = np.full((kc, nr), 7.0, np.float32)
+        run(kc, n, _ptr(Bt), ldbt, _ptr(Bp), float(factor))
+        want = np.zeros((kc, nr), np.float32)
+        want[:, :n] = Bt[:, :kc].T * factor
+        assert np.array_equal(Bp, want), f"{kernel.name} kc={kc} n={n} scale={scale}"
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
