@@ -747,7 +747,9 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     " (int)TK, l_end - l0 - T_L < T_L ? l_end - l0 - T_L : T_L);"
                 )
                 with w.block("else"):
-                    w.line("/* the next row block's A and B, packed first thing there */")
+                    w.line(
+                        "/* the next row block's A, and its B if another batch's: packed first */"
+                    )
                     w.line("long nm0 = m0 + T_M, nblk = blk;")
                     w.line("if (nm0 >= mo_end) { nblk = blk + 1; nm0 = (nblk % mblocks) * T_MO; }")
                     with w.block("if (nblk < last)"):
@@ -759,8 +761,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                             "cf_pf_set(&pf, A + q0 * sA0 + q1 * sA1 + nm0 * sAm, sAm, rows, TK);"
                         )
                         w.line(
-                            "cf_pf_then(&pf, B + q0 * sB0 + q1 * sB1 + l_lo, sBr, (int)TK,"
-                            " l_end - l_lo < T_L ? l_end - l_lo : T_L);"
+                            "if (q0 != b0 || q1 != b1) cf_pf_then(&pf, B + q0 * sB0 + q1 * sB1"
+                            " + l_lo, sBr, (int)TK, l_end - l_lo < T_L ? l_end - l_lo : T_L);"
                         )
                     w.line("else cf_pf_set(&pf, D_b, 0, 0, 0);")
                 w.line(

@@ -34,7 +34,7 @@ def avx2_transpose8(kernel: MicroKernel) -> str:
 
     Rows go in as 128-bit halves, row ``i`` and row ``i + 4`` side by side, so no shuffle crosses
     the 128-bit lanes: the usual last step, four ``vperm2f128`` pairs, is 8 uops each on Zen 1
-    (measured there: 11.7-13.7 ns against 13.1-14.2 ns an L1-resident block)."""
+    (measured there on an L1-resident block: 11.7-13.7 ns against 13.1-14.2 ns)."""
     name = kernel.name
     # row i's 4-float halves: r{i} holds row i's first half and row i+4's; r{i+4} their second
     # halves, so that the in-lane 4x4 transposes below leave whole columns in each register
