@@ -125,6 +125,58 @@ def test_truncated_entry_is_rebuilt(_private_cache: Path) -> None:
     assert load(third.path).add_one(1) == 2
 
 
+WITH_HEADERS = "#include <math.h>\n#include <string.h>\n" + ADD_ONE
+
+
+def _headers(cache: Path) -> list[Path]:
+    return sorted(cache.glob("pch/*/cf_system.h.gch"))
+
+
+@pytest.mark.skipif(find_compiler().family is not CompilerFamily.GCC, reason="gcc only")
+def test_system_headers_are_precompiled_once_and_reused(
+    _private_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first build of a source with #include lines notes that the header is wanted, the
+    second makes it next to its compile, the next passes it with -include; a damaged header
+    (garbage of another size on disk) is made again."""
+    first = build(WITH_HEADERS, "add_one")
+    assert load(first.path).add_one(1) == 2
+    assert _headers(_private_cache) == []
+    build(WITH_HEADERS.replace("+ 1", "+ 5"), "add_five")
+    (gch,) = _headers(_private_cache)
+    assert gch.stat().st_size > 0
+    commands: list[tuple[str, ...]] = []
+    real_run = subprocess.run
+
+    def spy(command: tuple[str, ...], **kwargs: object) -> object:
+        commands.append(tuple(command))
+        return real_run(command, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "run", spy)
+    second = build(WITH_HEADERS.replace("+ 1", "+ 2"), "add_two")
+    assert not second.cached and load(second.path).add_one(1) == 3
+    assert len(commands) == 1 and "-include" in commands[0]
+    assert str(gch.with_suffix("")) in commands[0]
+    gch.write_bytes(b"not a precompiled header")
+    commands.clear()
+    third = build(WITH_HEADERS.replace("+ 1", "+ 3"), "add_three")
+    assert load(third.path).add_one(1) == 4
+    assert "-include" not in commands[0]
+    assert gch.stat().st_size > 1000
+    commands.clear()
+    build(WITH_HEADERS.replace("+ 1", "+ 4"), "add_four")
+    assert "-include" in commands[0]
+
+
+def test_sources_without_includes_or_with_feature_macros_make_no_precompiled_header(
+    _private_cache: Path,
+) -> None:
+    for plus in range(1, 3):
+        build(ADD_ONE.replace("+ 1", f"+ {plus}"), "add_one")
+        build(f"#define _POSIX_C_SOURCE 199309L\n#include <time.h>\n/* {plus} */" + ADD_ONE, "k")
+    assert _headers(_private_cache) == []
+
+
 def test_unwritable_cache_dir_falls_back_with_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
