@@ -51,7 +51,7 @@ from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select_weighted
 from chainfuse.planner import Plan, PlanningError, plan
-from chainfuse.runtime import build_recipe, get_num_threads, load, write_atomic
+from chainfuse.runtime import build_recipe, files_fingerprint, get_num_threads, load, write_atomic
 
 __all__ = ["ConvKernel", "Kernel", "compile", "compile_conv"]
 
@@ -453,16 +453,12 @@ def _remembered_plan(
 
 @functools.cache
 def _planner_fingerprint() -> str:
-    """chainfuse's version and a hash of the modules a plan comes from: a changed model must not
-    be answered with plans remembered from the old one (the version alone does not move
-    between releases)."""
-    import chainfuse
+    """chainfuse's version and the files of the modules a plan comes from (`files_fingerprint`):
+    a changed model must not be answered with plans remembered from the old one (the version
+    alone does not move between releases)."""
     from chainfuse import footprint, model, planner
 
-    digest = hashlib.sha256(chainfuse.__version__.encode())
-    for module in (footprint, model, planner):
-        digest.update(Path(str(module.__file__)).read_bytes())
-    return digest.hexdigest()[:16]
+    return files_fingerprint(Path(str(m.__file__)) for m in (footprint, model, planner))[:16]
 
 
 def _code_level(hw: Hardware) -> str:

@@ -13,6 +13,7 @@ from chainfuse.runtime.cache import (
     build_recipe,
     cache_key,
     entry_path,
+    files_fingerprint,
     write_atomic,
 )
 from chainfuse.runtime.cc import (
@@ -41,6 +42,7 @@ __all__ = [
     "build_recipe",
     "cache_key",
     "entry_path",
+    "files_fingerprint",
     "find_compiler",
     "flags",
     "get_num_threads",

@@ -53,7 +53,15 @@ import filelock
 from chainfuse import config
 from chainfuse.runtime.cc import CompileError, Compiler, CompilerFamily, find_compiler, flags
 
-__all__ = ["BuildResult", "build", "build_recipe", "cache_key", "entry_path", "write_atomic"]
+__all__ = [
+    "BuildResult",
+    "build",
+    "build_recipe",
+    "cache_key",
+    "entry_path",
+    "files_fingerprint",
+    "write_atomic",
+]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _LIBS = ("-lm",)
@@ -164,16 +172,29 @@ def _generator_fingerprint() -> str:
     import chainfuse
 
     root = Path(chainfuse.__file__).parent
-    parts = [chainfuse.__version__]
+    files: list[Path] = []
     for folder in ("codegen", "codegen/templates", "kernels"):
         try:
             entries = sorted(os.scandir(root / folder), key=lambda e: e.name)
         except OSError:
             continue
-        for entry in entries:
-            if entry.is_file() and entry.name.endswith((".py", ".c")):
-                st = entry.stat()
-                parts.append(f"{folder}/{entry.name}:{st.st_size}:{st.st_mtime_ns}")
+        files += [Path(e.path) for e in entries if e.is_file() and e.name.endswith((".py", ".c"))]
+    return files_fingerprint(files)
+
+
+def files_fingerprint(files: Iterable[Path]) -> str:
+    """A digest of chainfuse's version and the names, sizes and modification times of `files`
+    (what Python's bytecode cache trusts): a changed file changes it, without reading any."""
+    import chainfuse
+
+    parts = [chainfuse.__version__]
+    for path in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            parts.append(f"{path.parent.name}/{path.name}:missing")
+            continue
+        parts.append(f"{path.parent.name}/{path.name}:{st.st_size}:{st.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

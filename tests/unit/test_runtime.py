@@ -22,6 +22,7 @@ from chainfuse.runtime import (
     CompilerNotFoundError,
     build,
     build_recipe,
+    files_fingerprint,
     find_compiler,
     flags,
     get_num_threads,
@@ -311,6 +312,23 @@ print(k.cached, k.path)
                            capture_output=True, text=True, check=True)  # fmt: skip
     assert child.stdout.split() == ["True", str(cold.path)]
     assert "relu" in cold.source and cold.source == cold.source  # generated on demand, kept
+
+
+def test_files_fingerprint_moves_with_a_file_and_only_then(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 1\n")
+    b.write_text("y = 2\n")
+    first = files_fingerprint([a, b])
+    assert files_fingerprint([a, b]) == first
+    a.write_text("x = 10\n")  # another size
+    second = files_fingerprint([a, b])
+    assert second != first
+    stat = a.stat()
+    a.write_text("x = 11\n")  # the same size, a later time
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert files_fingerprint([a, b]) != second
+    b.unlink()
+    assert files_fingerprint([a, b]) not in (first, second)
 
 
 def test_bad_kernel_name_is_rejected() -> None:
