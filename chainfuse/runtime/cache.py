@@ -282,10 +282,10 @@ class _SystemHeader:
     is wanted, so that a first compile in an empty cache costs what it did) starts gcc on it
     next to its own compile (a second core does it in the compile's shadow) and installs it
     atomically when both are done; a build that cannot take the header's lock at once
-    (another process is making it) compiles without. The headers keep their include guards, so the source's own
-    ``#include`` lines then cost nothing. Not for clang (its precompiled headers take other
-    flags), nor for a source that defines a reserved macro (a feature-test macro must precede
-    the headers it changes).
+    (another process is making it) compiles without. The headers keep their include guards,
+    so the source's own ``#include`` lines then cost nothing. Not for clang (its precompiled
+    headers take other flags), nor for a source that defines a reserved macro (a feature-test
+    macro must precede the headers it changes).
     """
 
     def __init__(self, cc: Compiler, build_flags: tuple[str, ...], source: str, root: Path):
@@ -313,23 +313,27 @@ class _SystemHeader:
             lock.acquire(timeout=0)
         except (OSError, filelock.Timeout):
             return  # unwritable, or another process is making it: compile without
+        if self._whole():  # made while we looked
+            lock.release()
+            self._use = ("-include", str(self._header))
+            return
+        tmp: Path | None = None
         try:
-            if self._whole():  # made while we looked
-                lock.release()
-                self._use = ("-include", str(self._header))
-                return
             write_atomic(self._header, text.encode())
             fd, name = tempfile.mkstemp(dir=self._header.parent, suffix=".gch.tmp")
             os.close(fd)
+            tmp = Path(name)
             flags = [f for f in build_flags if f != "-shared"]
             command = [cc.path, *flags, "-x", "c-header", "-o", name, str(self._header)]
             process = subprocess.Popen(
                 command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
         except OSError:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             lock.release()
             return
-        self._making = (process, Path(name), lock)
+        self._making = (process, tmp, lock)
 
     def _whole(self) -> bool:
         """The header is there with the size recorded when it was made (gcc reads a damaged
