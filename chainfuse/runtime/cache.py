@@ -242,13 +242,14 @@ def _compile(cc: Compiler, build_flags: tuple[str, ...], source: str, so: Path) 
     os.close(fd)
     tmp = Path(tmp_name)
     header = _SystemHeader(cc, build_flags, source, so.parent.parent)
-    command = (cc.path, *build_flags, *header.flags(), "-o", str(tmp), str(src), *_LIBS)
+    output = ("-o", str(tmp), str(src), *_LIBS)
+    command = (cc.path, *build_flags, *header.flags(), *output)
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0 and header.flags():
             # again without the precompiled header; if that builds, gcc could not read the
             # header (corrupted on disk): drop it
-            command = (cc.path, *build_flags, "-o", str(tmp), str(src), *_LIBS)
+            command = (cc.path, *build_flags, *output)
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode == 0:
                 header.discard()
