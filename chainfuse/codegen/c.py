@@ -68,10 +68,9 @@ static void cf_pack_at_panel(int kc, int width, const cf_elem* restrict At, long
                ask for the rows ahead, so that several rows' misses overlap */
             for (int c = 0; c < width; c += 64 / (int)sizeof(cf_elem))
                 __builtin_prefetch(row + PANEL_AHEAD * ldat + c);
-            for (int s = 0; s < full; s += MR) {
-                float* restrict dst = Ap + (long)(s / MR) * SLIVER(kc) + (long)p * MR;
+            float* restrict dst = Ap + (long)p * MR; /* row p of sliver 0, then of the next */
+            for (int s = 0; s < full; s += MR, dst += SLIVER(kc))
                 for (int i = 0; i < MR; ++i) dst[i] = CF_LOAD(row[s + i]);
-            }
         }
     }
     if (full < width) PACK_AT(kc, width - full, At + full, ldat, Ap + (long)(full / MR) * SLIVER(kc));
