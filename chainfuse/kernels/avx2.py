@@ -92,7 +92,9 @@ static inline void {name}_transpose_scaled(const float* restrict src, long lds,
     nr=16,
     registers=6 * 2 + 2 + 1,
     flops_per_instruction=2 * 8,
-    cflags=("-mavx2", "-mfma"),
+    # 256-bit vectors for the loops gcc vectorises too (the softmax's): its Zen 1 tuning picks
+    # 128-bit ones, and 16 xmm registers spill there (attention 0.97-0.99 of the time)
+    cflags=("-mavx2", "-mfma", "-mprefer-vector-width=256"),
     transpose=avx2_transpose8,
     transpose_block=8,
     part_rows=4,
