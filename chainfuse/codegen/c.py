@@ -303,9 +303,9 @@ static inline float cf_exp_neg(float x)
    ln2 range reduction. n = round(x) from the same shifter, 2^f for f = x - n in [-1/2, 1/2] by
    a degree-5 polynomial (coefficients fitted for chainfuse: least squares on Chebyshev nodes,
    reweighted towards the minimax relative error; 1.9e-7 evaluated in float32), in Estrin's
-   form: three dependent FMAs instead of Horner's five, for the loop over a score strip waits on
-   that chain (Zen 1: 0.985 of an attention's time). x < -126.5 (and -inf) gives 0, NaN stays
-   NaN. About 13 instructions per vector. */
+   form: three dependent FMAs instead of Horner's five, for the loop over a score strip waits
+   on that chain (Zen 1, interleaved: 0.98-1.0 of an attention's time). x < -126.5 (and -inf)
+   gives 0, NaN stays NaN. About 13 instructions per vector. */
 static inline float cf_exp2_neg(float x)
 {
     const float xc = x < -127.0f ? -127.0f : x; /* a max that lets NaN through */
