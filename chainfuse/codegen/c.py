@@ -705,7 +705,11 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 w.line(
                     "const float* restrict a = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
                 )
-                w.line("const int acc = k0 > 0;")
+                if spec.epilogue is Epilogue.RELU:
+                    w.line("/* the relu as each block of the last k block is stored */")
+                    w.line("const int acc = (k0 > 0) | (k0 + kc >= K ? RELU_AT_STORE : 0);")
+                else:
+                    w.line("const int acc = k0 > 0;")
                 with w.block("for (int s = 0; s * MR < lc; ++s)"):
                     w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
                     w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
@@ -726,7 +730,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                         w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
                     if not spec.b_transposed:
                         w.line("cf_pf_step(&pf, pf_rows);")
-                if spec.epilogue is not Epilogue.NONE:
+                if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
                         _epilogue_strip(w, spec)
@@ -863,16 +867,14 @@ def _e_row(w: Writer, softmax: bool, row: str) -> None:
 
 
 def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
-    """f on strip `j` of the score tile (`lc` rows of NR columns), once its k blocks are done."""
-    if spec.epilogue in (Epilogue.RELU, Epilogue.GELU):
-        w.line(f"/* {spec.epilogue.value} on the strip */")
+    """f on strip `j` of the score tile (`lc` rows of NR columns), once its k blocks are done
+    (a relu is not here: the micro-kernel applies it as it stores, `RELU_AT_STORE`)."""
+    if spec.epilogue is Epilogue.GELU:
+        w.line("/* gelu on the strip */")
         w.line("float* restrict p = Pt + (long)j * LPM * NR;")
         w.line("#pragma omp simd")
         with w.block("for (int x = 0; x < lc * NR; ++x)"):
-            if spec.epilogue is Epilogue.RELU:
-                w.line("p[x] = p[x] > 0.0f ? p[x] : 0.0f;")
-            else:
-                w.line("p[x] = 0.5f * p[x] * (1.0f + cf_erf(p[x] * 0.70710678118654752f));")
+            w.line("p[x] = 0.5f * p[x] * (1.0f + cf_erf(p[x] * 0.70710678118654752f));")
         return
     w.line("/* online softmax down each column (a row of the scores): new max, rescale what the")
     w.line("   sum and Eᵀ hold by exp(old max - new max), exponentiate the strip */")

@@ -9,8 +9,10 @@ any of them the same way::
 
 - ``Ap`` holds ``kc`` steps of ``mr`` contiguous floats: ``A[i, p] = Ap[p*mr + i]``;
 - ``Bp`` holds ``kc`` steps of ``nr`` contiguous floats: ``B[p, j] = Bp[p*nr + j]``;
-- ``C`` is row-major with leading dimension ``ldc``; ``accumulate`` = 0 overwrites it (without
-  reading it, so NaN garbage there is harmless), 1 adds to it.
+- ``C`` is row-major with leading dimension ``ldc``; ``accumulate`` bit 0 clear overwrites it
+  (without reading it, so NaN garbage there is harmless), set adds to it; bit 1 (``RELU_AT_STORE``)
+  stores ``v > 0 ? v : 0`` of what it would store (a ReLU on the finished block while it is in
+  registers, instead of a pass over it in memory).
 
 A kernel module supplies only the *full tile*, every accumulator in a register, in two forms:
 ``<name>_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate)`` reads ``A(i, p) = A[i*rs + p*ks]``
@@ -198,7 +200,8 @@ class MicroKernel:
         copy = f"""    for (int i = 0; i < m; ++i) {{
         for (int j = 0; j < n; ++j) {{
             const float v = C_tile[i * {nr} + j];
-            C[i * ldc + j] = accumulate ? C[i * ldc + j] + v : v;
+            const float r = accumulate & 1 ? C[i * ldc + j] + v : v;
+            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r > 0.0f ? r : 0.0f) : r;
         }}
     }}"""
         wrapper = f"""
@@ -264,7 +267,11 @@ static inline void {name}_strided(int kc, const float* restrict A, long rs, long
     {name}_tail(kc, A, rs, ks, Bp, C, ldc, {mr}, n, accumulate);
 }}
 """
-        return self.full_tile(self).rstrip("\n") + "\n" + wrapper
+        flag = """#ifndef RELU_AT_STORE
+#define RELU_AT_STORE 2 /* accumulate's bit: v > 0 ? v : 0 of the block as it is stored */
+#endif
+"""
+        return flag + self.full_tile(self).rstrip("\n") + "\n" + wrapper
 
 
 # -- packing --------------------------------------------------------------------------------------
@@ -400,7 +407,8 @@ class VectorOps:
     """How one SIMD ISA spells the handful of operations a broadcast-FMA full tile uses.
 
     Each op is a C expression template: ``load``/``broadcast`` take ``{ptr}``, ``store`` takes
-    ``{ptr}`` and ``{v}``, ``fma`` computes ``{a}*{b} + {c}``, ``add`` ``{a} + {b}``.
+    ``{ptr}`` and ``{v}``, ``fma`` computes ``{a}*{b} + {c}``, ``add`` ``{a} + {b}``, ``relu``
+    ``{v} > 0 ? {v} : 0`` lane by lane (NaN gives 0).
     ``preamble`` holds the includes and (guarded) typedefs/helpers the templates rely on.
     """
 
@@ -413,6 +421,7 @@ class VectorOps:
     broadcast: str
     fma: str
     add: str
+    relu: str
 
 
 def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
@@ -446,12 +455,17 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
                 step.append(
                     f"        {acc[i][j]} = {ops.fma.format(a=f'a{i}', b=f'b{j}', c=acc[i][j])};"
                 )
-        finish = ["    if (accumulate) {"]
+        finish = ["    if (accumulate & 1) {"]
         for i in range(rows):
             for j in range(nv):
                 ptr = f"C + {i} * ldc + {j * ops.lanes}"
                 add = ops.add.format(a=acc[i][j], b=ops.load.format(ptr=ptr))
                 finish.append(f"        {acc[i][j]} = {add};")
+        finish.append("    }")
+        finish.append("    if (accumulate & RELU_AT_STORE) {")
+        for i in range(rows):
+            for j in range(nv):
+                finish.append(f"        {acc[i][j]} = {ops.relu.format(v=acc[i][j])};")
         finish.append("    }")
         for i in range(rows):
             for j in range(nv):

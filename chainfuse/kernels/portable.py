@@ -36,6 +36,11 @@ static inline chainfuse_v8sf chainfuse_v8sf_splat(float x)
 {
     return (chainfuse_v8sf){x, x, x, x, x, x, x, x};
 }
+static inline chainfuse_v8sf chainfuse_v8sf_relu(chainfuse_v8sf v)
+{
+    for (int i = 0; i < 8; ++i) v[i] = v[i] > 0.0f ? v[i] : 0.0f;
+    return v;
+}
 #endif
 """,
     zero="chainfuse_v8sf_splat(0.0f)",
@@ -44,6 +49,7 @@ static inline chainfuse_v8sf chainfuse_v8sf_splat(float x)
     broadcast="chainfuse_v8sf_splat(*({ptr}))",
     fma="{a} * {b} + {c}",
     add="{a} + {b}",
+    relu="chainfuse_v8sf_relu({v})",
 )
 
 

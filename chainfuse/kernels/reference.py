@@ -42,7 +42,8 @@ static inline void {name}_full_s(int kc, const float* restrict A, long rs, long 
     }}
     for (int i = 0; i < {mr}; ++i) {{
         for (int j = 0; j < {nr}; ++j) {{
-            C[i * ldc + j] = accumulate ? C[i * ldc + j] + acc[i][j] : acc[i][j];
+            const float r = accumulate & 1 ? C[i * ldc + j] + acc[i][j] : acc[i][j];
+            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r > 0.0f ? r : 0.0f) : r;
         }}
     }}
 }}
@@ -54,8 +55,9 @@ static inline void {name}_full_g(int kc, int ng, long gs, const float* restrict 
                                  int accumulate)
 {{
     for (int g = 0; g < ng; ++g) {{
+        const int relu = g == ng - 1 ? accumulate & RELU_AT_STORE : 0; /* the last run's */
         {name}_full_s(kc, A + g * gs, rs, ks, Bp + (long)g * kc * {nr}, C, ldc,
-                      accumulate || g > 0);
+                      (accumulate & 1) | (g > 0) | relu);
     }}
 }}
 """

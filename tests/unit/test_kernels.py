@@ -133,16 +133,24 @@ def _assert_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, kc: int,
 
 
 def _assert_block(
-    C: np.ndarray, A: np.ndarray, B: np.ndarray, C0: np.ndarray | None, sentinel: float, what: str
+    C: np.ndarray,
+    A: np.ndarray,
+    B: np.ndarray,
+    C0: np.ndarray | None,
+    sentinel: float,
+    what: str,
+    relu: bool = False,
 ) -> None:
-    """C[0:m, 0:n] = A @ B (+ C0 when accumulating) within the GEMM bound, and every other
-    element of C still the sentinel (m, n: A's rows, B's columns)."""
+    """C[0:m, 0:n] = A @ B (+ C0 when accumulating; its relu with `relu`) within the GEMM
+    bound, and every other element of C still the sentinel (m, n: A's rows, B's columns)."""
     m, n = A.shape[0], B.shape[1]
     product = A.astype(np.float64) @ B.astype(np.float64)
     scale = np.abs(A).astype(np.float64) @ np.abs(B).astype(np.float64)
     if C0 is not None:
         product += C0
         scale += np.abs(C0)
+    if relu:  # (relu moves an error no further: |relu(x) - relu(y)| <= |x - y|)
+        product = np.maximum(product, 0.0)
     _assert_close(C[:m, :n], product, scale, A.shape[1], what)
     outside = np.ones(C.shape, bool)
     outside[:m, :n] = False
@@ -150,7 +158,7 @@ def _assert_block(
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rowmajor", "transposed"])
-@pytest.mark.parametrize("accumulate", [0, 1])
+@pytest.mark.parametrize("accumulate", [0, 1, 2, 3])  # bit 1: RELU_AT_STORE
 @pytest.mark.parametrize("kc", [1, 7, 19, 64])  # 19: whole 8x8 transposed blocks + a tail
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
 def test_microkernel_matches_numpy(
@@ -183,7 +191,7 @@ def test_microkernel_matches_numpy(
                 b_src[:, :n] = B
             ldc = nr + 3
             C = np.full((mr + 2, ldc), sentinel, np.float32)
-            if accumulate:
+            if accumulate & 1:
                 C[:m, :n] = rng.uniform(-1, 1, (m, n))
             else:
                 C[:m, :n] = np.nan  # overwriting must not read C
@@ -195,10 +203,10 @@ def test_microkernel_matches_numpy(
                 _ptr(C), ldc, accumulate,
             )  # fmt: skip
             assert status == 0
-            _assert_block(C, A, B, C0 if accumulate else None, sentinel, what)
+            _assert_block(C, A, B, C0 if accumulate & 1 else None, sentinel, what, accumulate > 1)
 
 
-@pytest.mark.parametrize("accumulate", [0, 1])
+@pytest.mark.parametrize("accumulate", [0, 1, 2, 3])
 @pytest.mark.parametrize(
     ("kc", "ng", "ks"), [(1, 0, 1), (19, 0, 3), (1, 1, 1), (7, 3, 1), (16, 2, 2)]
 )
@@ -225,11 +233,11 @@ def test_in_place_calls_match_numpy(
         B = rng.uniform(-1, 1, (groups * kc, n)).astype(np.float32)
         ldc = nr + 3
         C = np.full((mr + 2, ldc), 7.0, np.float32)
-        C[:mr, :n] = rng.uniform(-1, 1, (mr, n)) if accumulate else np.nan
+        C[:mr, :n] = rng.uniform(-1, 1, (mr, n)) if accumulate & 1 else np.nan
         C0 = C[:mr, :n].astype(np.float64)
         status = run(kc, ng, gs, _ptr(buf), rs, ks, _ptr(B), _ptr(C), ldc, n, accumulate)
         assert status == 0
-        _assert_block(C, A, B, C0 if accumulate else None, 7.0, what)
+        _assert_block(C, A, B, C0 if accumulate & 1 else None, 7.0, what, accumulate > 1)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.125 * 1.4426950408889634])
