@@ -4,7 +4,8 @@ The chains it takes: `E = f(A . B) . D` with up to two batch loops, where f is n
 gelu or a (scaled) row softmax over l, and B may be stored transposed (attention's Kᵀ). The
 block order is the plan's: batch loops and m outermost (split across threads), then l; inside an
 l block op1 runs over k blocks into the score tile, f is applied to the tile while it is in
-cache, and op2 runs over n blocks accumulating into E::
+cache (a relu by the micro-kernel as it stores op1's last k block), and op2 runs over n blocks
+accumulating into E::
 
     for (b, m_o) in this thread's share:            # prefix, parallel
         pack A[b, m_o, :]                           # once per row block
