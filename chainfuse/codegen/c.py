@@ -7,7 +7,7 @@ l block op1 runs over k blocks into the score tile, f is applied to the tile whi
 cache (a relu by the micro-kernel as it stores op1's last k block), and op2 runs over n blocks
 accumulating into E::
 
-    for (b, m_o) in this thread's share:            # prefix, parallel
+    for (b, m_o) claimed by this thread:            # prefix, parallel
         pack A[b, m_o, :]                           # once per row block
         for l_o:                                    # prefix
             for k_o: C_t (+)= A[m_o, k_o] . B[k_o, l_o]      # op1 blocks, micro-kernel
@@ -19,6 +19,13 @@ Tiles (`T_M`, `T_L`, `T_K`, `T_N`) and the micro-kernel are compiled in; every s
 is a run-time argument, so a new batch or sequence length with the same tiles reuses the object.
 Tails need no padding of user tensors: packing zero-fills partial register blocks and the
 micro-kernel writes only the valid corner.
+
+The code computes the chain transposed (Pᵀ = Bᵀ . Aᵀ: m along the micro-kernel's nr columns), so
+that op1's output tile is already op2's packed operand. op2 then either accumulates Eᵀ, stored
+transposed into E at the end of the row block (a softmax's rescaled rows, bf16 output, threads
+that split l), or, for float32 chains whose n tiles are whole nr-column strips, adds into E
+directly with m along the rows (`_PACK_STRIPS`). Row blocks are claimed by the threads from a
+shared counter (`_CLAIM`).
 """
 
 from __future__ import annotations
@@ -78,6 +85,61 @@ static void cf_pack_at_panel(int kc, int width, const cf_elem* restrict At, long
 }
 """
 
+
+# op2 straight into E (float32 chains without a softmax, whose threads do not split l): the
+# micro-kernel's rows are m, read in place from Pᵀ's nr-column strips (A(i, p) = strip[p*nr +
+# i]: each strip splits into mr-row blocks and a short one), its columns n from D packed in
+# nr-column strips, and it adds into E's rows directly. No Eᵀ accumulator and no transposing
+# pass over it. Each output element still sums over l in the same order: bit-identical.
+_PACK_STRIPS = """\
+/* Dp[(s*kc + p)*NR + j] = D[p*ldd + s*NR + j] for the nr-column strips s of a kc x width
+   panel, row by row (each row of D read once, contiguously), the tail strip zero-padded */
+static void cf_pack_b_panel(int kc, int width, const float* restrict D, long ldd,
+                            float* restrict Dp)
+{
+    for (int p = 0; p < kc; ++p) {
+        const float* restrict row = D + p * ldd;
+        for (int s = 0; s * NR < width; ++s) {
+            float* restrict dst = Dp + ((long)s * kc + p) * NR;
+            const int n = width - s * NR < NR ? width - s * NR : NR;
+            if (n == NR) {
+                for (int j = 0; j < NR; ++j) dst[j] = row[s * NR + j];
+            } else {
+                for (int j = 0; j < NR; ++j) dst[j] = j < n ? row[s * NR + j] : 0.0f;
+            }
+        }
+    }
+}
+"""
+
+
+def _to_e(spec: GemmChainSpec) -> bool:
+    """Whether op2 may write E directly (`_PACK_STRIPS`): float32 E (accumulated in place), no
+    softmax (whose rows are rescaled as it goes, in Eᵀ), and n blocks of whole nr-column strips
+    (the planner sizes T_N in mr rows: Mixer-C's 258 = 43 x 6 would pad 14 columns of 272,
+    measured 4 % slower)."""
+    return (
+        spec.dtype is DType.FLOAT32
+        and spec.epilogue is not Epilogue.SOFTMAX
+        and spec.T_N % spec.kernel.nr == 0
+    )
+
+
+# The parallel blocks are claimed from a shared counter as threads come free, not dealt out in
+# equal shares: on a shared host a thread whose core another process holds runs at a fraction of
+# the speed, and a static share makes every other thread wait for it.
+_CLAIM = """\
+/* the next block index from a counter the threads share: blocks are claimed in order as threads
+   come free, not dealt out in fixed shares, so a thread slowed by another process on its core
+   runs fewer and the others do not wait for it (an OpenMP pragma, no omp.h) */
+static inline long cf_claim(long* next)
+{
+    long v;
+    #pragma omp atomic capture
+    v = (*next)++;
+    return v;
+}
+"""
 
 # The panels of B and D a GEMM chain packs lie far apart in memory (an MLP's weights: rows whole
 # rows of the weight apart, several MiB that come from DRAM on every call), and packing one waits
@@ -435,6 +497,14 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line("#define LDE (MPN + 16)")
     w.line(f"#define LPM {-(-spec.T_L // mr) * mr} /* T_L rounded up to whole mr strips */")
     w.line(f"#define NPM {-(-spec.T_N // mr) * mr}")
+    if _to_e(spec):
+        w.line(f"#define NPN {-(-spec.T_N // nr) * nr} /* T_N rounded up to whole nr strips */")
+        w.line("/* floats of packed D: Dᵀ slivers, or D's nr-column strips when op2 writes E */")
+        w.line(
+            "#define DTF (NPM / MR * SLIVER(T_L) > NPN * T_L ? NPM / MR * SLIVER(T_L) : NPN * T_L)"
+        )
+    else:
+        w.line("#define DTF (NPM / MR * SLIVER(T_L)) /* floats of packed Dᵀ */")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
     w.line("/* floats from one packed MR-row sliver of a kc-step panel to the next: whole cache")
     w.line("   lines, an odd number of them, so that the slivers a panel's row-by-row packing")
@@ -472,6 +542,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         )
     w.line("")
     w.lines(_PACK_PANEL)
+    w.lines(_CLAIM)
+    if _to_e(spec):
+        w.lines(_PACK_STRIPS)
     if not spec.b_transposed:
         w.lines(_PREFETCH)
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
@@ -481,7 +554,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long AK = TK == K ? K : TK;")
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
-            " + NPM / MR * SLIVER(T_L) + ALIGN16(N * LDE) + 2 * ALIGN16(MPN);"
+            " + DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN);"
         )
     w.line("")
     _store_e(w, spec)
@@ -511,7 +584,6 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long T_MO = outer_m < T_M ? T_M : outer_m;")
         w.line("const long mblocks = (M + T_MO - 1) / T_MO;")
         w.line("const long blocks = nb0 * nb1 * mblocks;")
-        w.line("const long share = (blocks + nthreads - 1) / nthreads;")
         if spec.epilogue is Epilogue.SOFTMAX:
             w.line(
                 "const int split = 1; /* (a softmax's shares of l would need their maxima merged) */"
@@ -542,6 +614,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long sM0 = mask_strides[0], sM1 = mask_strides[1];")
         w.line("const long sMm = mask_strides[2], sMl = mask_strides[3];")
         w.line("(void)mask_data; (void)sM0; (void)sM1; (void)sMm; (void)sMl;")
+        w.line("/* the next block to claim (split == 1): see cf_claim */")
+        w.line("long next_blk = 0;")
         w.line("/* one iteration per thread, so its index names its workspace: no omp.h needed */")
         w.line("#pragma omp parallel for schedule(static, 1) num_threads(nthreads)")
         with w.block("for (int t = 0; t < nthreads; ++t)"):
@@ -549,18 +623,22 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict Bt = At + ALIGN16(MPN * AK);")
             w.line("float* restrict Pt = Bt + LPM / MR * SLIVER(TK);")
             w.line("float* restrict Dt = Pt + ALIGN16(MPN * LPM);")
-            w.line("float* restrict Et = Dt + NPM / MR * SLIVER(T_L);")
+            w.line("float* restrict Et = Dt + DTF;")
             w.line("float* restrict col_max = Et + ALIGN16(N * LDE);")
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
-            w.line("const long first = split > 1 ? t / split : (long)t * share;")
             w.line(
-                "const long last = split > 1 ? (t < blocks * split ? first + 1 : first)"
-                " : (first + share < blocks ? first + share : blocks);"
+                "/* split: share t % split of block t / split; else blocks claimed one by one */"
+            )
+            w.line(
+                "const long last = split > 1 ? (t < blocks * split ? t / split + 1 : 0) : blocks;"
             )
             w.line("const long l_lo = split > 1 ? (t % split) * LQ : 0;")
             w.line("const long l_hi = split > 1 && l_lo + LQ < L ? l_lo + LQ : L;")
-            with w.block("for (long blk = first; blk < last; ++blk)"):
+            w.line("long nxt = split > 1 ? t / split : cf_claim(&next_blk);")
+            with w.block("for (long blk = nxt; blk < last; blk = nxt)"):
+                w.line("nxt = split > 1 ? blk + 1 : -1; /* -1: the next one not claimed yet */")
                 _block(w, spec)
+                w.line("if (nxt < 0) nxt = cf_claim(&next_blk);")
         if spec.epilogue is not Epilogue.SOFTMAX:
             _split_sum(w, spec)
     w.line("")
@@ -594,7 +672,7 @@ def _split_sum(w: Writer, spec: GemmChainSpec) -> None:
             w.line("/* Eᵀ of the thread that ran share q of this block (region one's layout) */")
             w.line(
                 "#define ET_OF(q) (work + (blk * split + (q)) * work_per_thread + ALIGN16(MPN * AK)"
-                " + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM) + NPM / MR * SLIVER(T_L))"
+                " + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM) + DTF)"
             )
             w.line("float* restrict et0 = ET_OF(0);")
             with w.block("for (long q = 1; q < split; ++q)"):
@@ -667,6 +745,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     # causal: key blocks wholly after the block's last query are all masked, so they are skipped
     bound = "L < m0 + mc ? L : m0 + mc" if spec.causal else "l_hi"
     w.line(f"const long l_end = {bound};")
+    if _to_e(spec):
+        w.line("/* op2 straight into E (see cf_pack_b_panel), unless the threads split l or D is")
+        w.line("   read in place */")
+        w.line("const int to_e = split == 1 && !direct_d && l_end > l_lo;")
     if not softmax:
         with w.block("if (l_end <= l_lo)"):
             w.line("/* an empty share of l (split below): it adds zeros */")
@@ -739,7 +821,11 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
             w.line("/* (whole slivers read in place below when direct_d) */")
-            w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
+            if _to_e(spec):
+                w.line("if (to_e) cf_pack_b_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt);")
+                w.line("else cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
+            else:
+                w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
             if not spec.b_transposed:
                 w.line("/* the panel packed next: D's next n block, or B's for the next l block */")
                 w.line("cf_pf pf;")
@@ -756,7 +842,13 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                         "/* the next row block's A, and its B if another batch's: packed first */"
                     )
                     w.line("long nm0 = m0 + T_M, nblk = blk;")
-                    w.line("if (nm0 >= mo_end) { nblk = blk + 1; nm0 = (nblk % mblocks) * T_MO; }")
+                    with w.block("if (nm0 >= mo_end)"):
+                        w.line(
+                            "/* claimed now, so that its panels are fetched while this one ends */"
+                        )
+                        w.line("if (nxt < 0) nxt = cf_claim(&next_blk);")
+                        w.line("nblk = nxt;")
+                        w.line("nm0 = (nblk % mblocks) * T_MO;")
                     with w.block("if (nblk < last)"):
                         w.line(
                             "const long q0 = nblk / (nb1 * mblocks), q1 = (nblk / mblocks) % nb1;"
@@ -773,25 +865,13 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 w.line(
                     "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((nc + MR - 1) / MR));"
                 )
-            w.line("/* whole strips again: Eᵀ has MPN columns, the store reads the first mc */")
-            with w.block("for (int j = 0; j * NR < mc; ++j)"):
-                w.line("const int acc = l0 > l_lo;")
-                w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
-                with w.block("for (int s = 0; s * MR < nc; ++s)"):
-                    w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
-                    w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
-                    with w.block("if (direct_d && m == MR)"):
-                        if not in_place:
-                            w.line("/* never: bf16 is packed */")
-                        else:
-                            w.line(
-                                f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl, p, c, LDE,"
-                                " NR, acc);"
-                            )
-                    with w.block("else"):
-                        w.line(f"{uk}(lc, Dt + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
-                    if not spec.b_transposed:
-                        w.line("cf_pf_step(&pf, pf_rows);")
+            if _to_e(spec):
+                with w.block("if (to_e)"):
+                    _op2_to_e(w, spec)
+                with w.block("else"):
+                    _op2_to_et(w, spec)
+            else:
+                _op2_to_et(w, spec)
     w.line(
         "/* E[m_o, :] = Eᵀ transposed"
         + (", each row over its softmax sum */" if softmax else " */")
@@ -803,7 +883,58 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm);")
     else:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")
-        w.line(f"if (split == 1) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm);")
+        cond = "split == 1 && !to_e" if _to_e(spec) else "split == 1"
+        w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm);")
+
+
+def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
+    """op2 of one l block and n block into the Eᵀ accumulator: rows n (Dᵀ slivers, or D read
+    in place), columns m (Pᵀ's strips)."""
+    uk = spec.kernel.name
+    in_place = spec.dtype is DType.FLOAT32
+    w.line("/* whole strips again: Eᵀ has MPN columns, the store reads the first mc */")
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int acc = l0 > l_lo;")
+        w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        with w.block("for (int s = 0; s * MR < nc; ++s)"):
+            w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+            w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
+            with w.block("if (direct_d && m == MR)"):
+                if not in_place:
+                    w.line("/* never: bf16 is packed */")
+                else:
+                    w.line(
+                        f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl, p, c, LDE,"
+                        " NR, acc);"
+                    )
+            with w.block("else"):
+                w.line(f"{uk}(lc, Dt + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
+            if not spec.b_transposed:
+                w.line("cf_pf_step(&pf, pf_rows);")
+
+
+def _op2_to_e(w: Writer, spec: GemmChainSpec) -> None:
+    """op2 of one l block and n block straight into E (`_PACK_STRIPS`): rows m, mr at a time
+    within each of Pᵀ's nr-column strips, columns n from D's packed nr-column strips."""
+    uk = spec.kernel.name
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int acc = l0 > l_lo;")
+        w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        with w.block("for (int s = 0; s * NR < nc; ++s)"):
+            w.line("const int n = nc - s * NR < NR ? nc - s * NR : NR;")
+            w.line("const float* restrict d = Dt + (long)s * lc * NR;")
+            with w.block("for (int r = 0; r < NR && j * NR + r < mc; r += MR)"):
+                w.line("int m = NR - r < MR ? NR - r : MR;")
+                w.line("if (mc - j * NR - r < m) m = mc - j * NR - r;")
+                w.line("float* restrict e = E_b + (j * NR + r) * sEm + n0 + s * NR;")
+                w.line(
+                    f"if (m == MR && n == NR) {uk}_strided(lc, p + r, 1, NR, d, e, sEm, NR, acc);"
+                )
+                w.line("/* (a short block's tail reads the kernel's mr rows, or its part: rows")
+                w.line("   of the next strip's rows at worst, inside the workspace, discarded) */")
+                w.line(f"else {uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
+                if not spec.b_transposed:
+                    w.line("cf_pf_step(&pf, pf_rows);")
 
 
 def _store_e(w: Writer, spec: GemmChainSpec) -> None:

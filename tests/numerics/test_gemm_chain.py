@@ -312,3 +312,62 @@ def test_few_strips_with_rows_far_apart_are_packed_row_by_row(tiles: dict[str, i
     # (263) are too far apart for that, so their panels are packed row by row, tails included
     _check(chainfuse.gemm_chain(2, 37, 263, 29, 301, between="relu"), tiles)
     _check(chainfuse.gemm_chain(1, 37, 263, 29, 301, between="softmax"), tiles)
+
+
+# n tiles of whole nr-column strips and row blocks of more than DIRECT_MC rows: op2 adds into E
+# directly, m by mr-row blocks inside each of Pᵀ's strips (the last strip's rows cut anywhere);
+# row blocks of fewer rows (M = 270 and 300 end in one) take the Eᵀ path in the same call
+TO_E_TILES = st.sampled_from(
+    [
+        {"m": 160, "l": 40, "k": 24, "n": 32},
+        {"m": 144, "l": 17, "k": 64, "n": 16},
+        {"m": 200, "l": 96, "k": 7, "n": 48},
+    ]
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2),
+    M=st.sampled_from([129, 133, 143, 150, 157, 161, 270, 300, 321]),
+    N=st.one_of(st.sampled_from([1, 16, 17, 63, 64, 65, 80]), st.integers(1, 140)),
+    K=st.sampled_from([1, 7, 64, 65]),
+    L=AWKWARD,
+    between=st.sampled_from([None, "relu", "gelu"]),
+    tiles=TO_E_TILES,
+    pad=st.sampled_from([0, 3]),
+)
+def test_op2_into_e_directly(
+    b: int, M: int, N: int, K: int, L: int, between: str | None, tiles: dict[str, int], pad: int
+) -> None:
+    chain = chainfuse.gemm_chain(b, M, N, K, L, between)
+    kernel = compile(chain, tiles=tiles)
+    assert "cf_pack_b_panel(lc, nc" in kernel.source  # the path is compiled in
+    inputs = reference.random_inputs(chain)
+    # E's rows `pad` floats further apart than N: the kernel adds into E through its strides
+    wide = np.full((b, M, N + pad), np.nan, dtype=np.float32)
+    out = wide[:, :, :N]
+    kernel(*[inputs[t.name] for t in chain.inputs], out=out)
+    reference.assert_close(out, reference.run(chain, inputs)[chain.outputs[0].name], chain)
+    assert np.isnan(wide[:, :, N:]).all()  # nothing written between the rows
+
+
+@pytest.mark.parametrize("between", [None, "softmax"])
+def test_blocks_claimed_by_threads_give_the_one_thread_result(between: str | None) -> None:
+    # 5 x 5 row blocks claimed one at a time by 1, 2 and 3 threads: whichever thread runs a
+    # block, it computes it the same way, so the outputs are bit-identical
+    chain = chainfuse.gemm_chain(5, 300, 40, 33, 90, between)
+    kernel = compile(chain, tiles={"m": 64, "l": 48, "k": 16, "n": 24}, threads=3)
+    kernel._alone = False  # (small enough to run on the calling thread alone otherwise)
+    inputs = reference.random_inputs(chain)
+    args = [inputs[t.name] for t in chain.inputs]
+    outs = []
+    for threads in (1, 2, 3):
+        chainfuse.set_num_threads(threads)
+        try:
+            outs.append(kernel(*args))
+        finally:
+            chainfuse.set_num_threads(None)
+    reference.assert_close(outs[0], reference.run(chain, inputs)[chain.outputs[0].name], chain)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
