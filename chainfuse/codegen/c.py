@@ -796,21 +796,27 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 with w.block("for (int s = 0; s * MR < lc; ++s)"):
                     w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
                     w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
-                    with w.block("if (direct_b && m == MR)"):
-                        if not in_place:
-                            w.line("/* never: bf16 is packed */")
-                        elif spec.b_transposed:
-                            w.line(
-                                f"{uk}_strided(kc, B_b + (l0 + s * MR) * sBr + k0, sBr, 1, a, c,"
-                                " NR, NR, acc);"
-                            )
-                        else:
-                            w.line(
-                                f"{uk}_strided(kc, B_b + k0 * sBr + l0 + s * MR, 1, sBr, a, c,"
-                                " NR, NR, acc);"
-                            )
-                    with w.block("else"):
+                    if not in_place:
                         w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
+                    else:
+                        w.line("/* one call site for a sliver in place or packed: one inlined")
+                        w.line("   copy of the micro-kernel (each costs compile time) */")
+                        with w.block("if (m == MR)"):
+                            if spec.b_transposed:
+                                place = "B_b + (l0 + s * MR) * sBr + k0", "sBr", "1"
+                            else:
+                                place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
+                            w.line(
+                                f"const float* restrict bs = direct_b ? {place[0]}"
+                                " : Bt + (long)s * SLIVER(kc);"
+                            )
+                            w.line(f"const long rs = direct_b ? {place[1]} : 1;")
+                            w.line(f"const long ks = direct_b ? {place[2]} : MR;")
+                            w.line(f"{uk}_strided(kc, bs, rs, ks, a, c, NR, NR, acc);")
+                        w.line(
+                            f"else {uk}_tail(kc, Bt + (long)s * SLIVER(kc), 1, MR, a, c, NR, m,"
+                            " NR, acc);"
+                        )
                     if not spec.b_transposed:
                         w.line("cf_pf_step(&pf, pf_rows);")
                 if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
@@ -899,16 +905,19 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (int s = 0; s * MR < nc; ++s)"):
             w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
             w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
-            with w.block("if (direct_d && m == MR)"):
-                if not in_place:
-                    w.line("/* never: bf16 is packed */")
-                else:
-                    w.line(
-                        f"{uk}_strided(lc, D_b + l0 * sDl + n0 + s * MR, 1, sDl, p, c, LDE,"
-                        " NR, acc);"
-                    )
-            with w.block("else"):
+            if not in_place:
                 w.line(f"{uk}(lc, Dt + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
+            else:
+                w.line("/* one call site for a sliver in place or packed (see op1) */")
+                with w.block("if (m == MR)"):
+                    w.line(
+                        "const float* restrict ds = direct_d ? D_b + l0 * sDl + n0 + s * MR"
+                        " : Dt + (long)s * SLIVER(lc);"
+                    )
+                    w.line(f"{uk}_strided(lc, ds, 1, direct_d ? sDl : MR, p, c, LDE, NR, acc);")
+                w.line(
+                    f"else {uk}_tail(lc, Dt + (long)s * SLIVER(lc), 1, MR, p, c, LDE, m, NR, acc);"
+                )
             if not spec.b_transposed:
                 w.line("cf_pf_step(&pf, pf_rows);")
 
