@@ -153,6 +153,9 @@ def test_bad_arguments_name_the_tensor() -> None:
         ro = np.empty((1, 8, 4), dtype=np.float32)
         ro.flags.writeable = False
         kernel(inputs["A"], inputs["B"], inputs["D"], out=ro)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="A: expected a CPU tensor, got device meta"):
+        kernel(torch.empty(1, 8, 5, device="meta"), inputs["B"], inputs["D"])
     with pytest.raises(ValueError, match=r"tiles\['m'\] must be a positive integer"):
         compile(chain, tiles={"m": 0})
     a, b, d = inputs["A"], inputs["B"], inputs["D"]
