@@ -374,3 +374,15 @@ def test_blocks_claimed_by_threads_give_the_one_thread_result(between: str | Non
     reference.assert_close(outs[0], reference.run(chain, inputs)[chain.outputs[0].name], chain)
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
+
+
+@pytest.mark.parametrize("between", [None, "relu", "gelu"])
+def test_op2_into_e_directly_with_b_stored_transposed(between: str | None) -> None:
+    # B given [b, l, k] (read in place as Bᵀ slivers, no prefetch cursor): op2 still adds into E
+    chain = chainfuse.from_einsum(
+        "bmk,blk->bml", "bml,bln->bmn", sizes=dict(b=2, m=150, k=33, l=70, n=40), between=between
+    )
+    tiles = {"m": 160, "l": 40, "k": 24, "n": 32}
+    kernel = compile(chain, tiles=tiles)
+    assert kernel.spec.b_transposed and "cf_pack_b_panel(lc, nc" in kernel.source
+    _check(chain, tiles)
