@@ -799,24 +799,12 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     if not in_place:
                         w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
                     else:
-                        w.line("/* one call site for a sliver in place or packed: one inlined")
-                        w.line("   copy of the micro-kernel (each costs compile time) */")
-                        with w.block("if (m == MR)"):
-                            if spec.b_transposed:
-                                place = "B_b + (l0 + s * MR) * sBr + k0", "sBr", "1"
-                            else:
-                                place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
-                            w.line(
-                                f"const float* restrict bs = direct_b ? {place[0]}"
-                                " : Bt + (long)s * SLIVER(kc);"
-                            )
-                            w.line(f"const long rs = direct_b ? {place[1]} : 1;")
-                            w.line(f"const long ks = direct_b ? {place[2]} : MR;")
-                            w.line(f"{uk}_strided(kc, bs, rs, ks, a, c, NR, NR, acc);")
-                        w.line(
-                            f"else {uk}_tail(kc, Bt + (long)s * SLIVER(kc), 1, MR, a, c, NR, m,"
-                            " NR, acc);"
-                        )
+                        if spec.b_transposed:
+                            place = "B_b + (l0 + s * MR) * sBr + k0", "sBr", "1"
+                        else:
+                            place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
+                        packed = "Bt + (long)s * SLIVER(kc)"
+                        _sliver_call(w, uk, "kc", "direct_b", place, packed, "a, c, NR")
                     if not spec.b_transposed:
                         w.line("cf_pf_step(&pf, pf_rows);")
                 if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
@@ -893,6 +881,21 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm);")
 
 
+def _sliver_call(
+    w: Writer, uk: str, kc: str, direct: str, place: tuple[str, str, str], packed: str, rest: str
+) -> None:
+    """One call site of the micro-kernel for an mr-row sliver of the A operand, read in place
+    when `direct` (at `place`: pointer, row and step strides) or packed at `packed`; `rest` is
+    the B operand, C and ldc. One inlined copy of the register block instead of two (each costs
+    compile time); a short sliver (m < MR) is always packed."""
+    ptr, rs, ks = place
+    with w.block("if (m == MR)"):
+        w.line(f"const float* restrict as = {direct} ? {ptr} : {packed};")
+        rows = rs if rs == "1" else f"{direct} ? {rs} : 1"
+        w.line(f"{uk}_strided({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, NR, acc);")
+    w.line(f"else {uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);")
+
+
 def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
     """op2 of one l block and n block into the Eᵀ accumulator: rows n (Dᵀ slivers, or D read
     in place), columns m (Pᵀ's strips)."""
@@ -908,16 +911,9 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
             if not in_place:
                 w.line(f"{uk}(lc, Dt + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
             else:
-                w.line("/* one call site for a sliver in place or packed (see op1) */")
-                with w.block("if (m == MR)"):
-                    w.line(
-                        "const float* restrict ds = direct_d ? D_b + l0 * sDl + n0 + s * MR"
-                        " : Dt + (long)s * SLIVER(lc);"
-                    )
-                    w.line(f"{uk}_strided(lc, ds, 1, direct_d ? sDl : MR, p, c, LDE, NR, acc);")
-                w.line(
-                    f"else {uk}_tail(lc, Dt + (long)s * SLIVER(lc), 1, MR, p, c, LDE, m, NR, acc);"
-                )
+                place = "D_b + l0 * sDl + n0 + s * MR", "1", "sDl"
+                packed = "Dt + (long)s * SLIVER(lc)"
+                _sliver_call(w, uk, "lc", "direct_d", place, packed, "p, c, LDE")
             if not spec.b_transposed:
                 w.line("cf_pf_step(&pf, pf_rows);")
 
