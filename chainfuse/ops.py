@@ -148,6 +148,7 @@ def gemm_chain(
     dtype, (sa, sb, sd) = _operands("A, B, D", A, B, D)
     if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
         raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
+    _inference_only("A, B, D", A, B, D)
     flat = len(sa) == 2
     user_out = out
     if flat:
@@ -191,6 +192,9 @@ def attention(
     attn_mask: Any = None,
     is_causal: bool = False,
     scale: float | None = None,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
 ) -> Any:
     """`softmax(q kᵀ * scale + mask) v`, fused, for numpy arrays or torch CPU tensors, float32
     or bfloat16 (then an additive mask is bfloat16 too, as in PyTorch).
@@ -201,17 +205,49 @@ def attention(
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros, and so does every query when there are no keys (seq_k = 0); an empty q
     gives an empty result. `scale` defaults to 1/sqrt(d_qk).
+
+    `enable_gqa` (grouped-query attention, PyTorch's rule): k and v may have fewer heads than
+    q, a divisor of them; key head j serves query heads j*g .. j*g + g-1 (g = q's heads / k's),
+    read in place, never repeated in memory. `dropout_p` is accepted for SDPA's signature and
+    must be 0 (inference). torch inputs that require grad are refused while grad mode is on:
+    the kernel has no backward, and a result silently cut from the graph would be wrong later.
     """
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(
+            f"is_causal: expected a bool, got {is_causal!r} (dropout_p and enable_gqa are "
+            "keyword-only here: SDPA's fifth positional argument is dropout_p)"
+        )
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa: expected a bool, got {enable_gqa!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        raise ValueError(
+            f"dropout_p: expected 0.0, got {dropout_p!r}: chainfuse's attention is for inference "
+            "(no dropout, no backward)"
+        )
     dtype, (sq, sk, sv) = _operands("q, k, v", q, k, v)
     if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
         raise ValueError(f"q, k, v: expected all 3-D or all 4-D, got shapes {sq}, {sk}, {sv}")
+    _inference_only("q, k, v, attn_mask", q, k, v, attn_mask)
     flat = len(sq) == 3
-    if flat:
+    # 3-D inputs: [batch, seq, dim] as one head per batch, or, with enable_gqa, their first
+    # dim as the heads (PyTorch groups dim -3, whatever it is)
+    lifted = flat and bool(enable_gqa) and sk[0] != sq[0]
+    if lifted:
+        q, k, v = q[None], k[None], v[None]
+        sq, sk, sv = (1, *sq), (1, *sk), (1, *sv)
+    elif flat:
         q, k, v = q[:, None], k[:, None], v[:, None]
         sq, sk, sv = (sq[0], 1, *sq[1:]), (sk[0], 1, *sk[1:]), (sv[0], 1, *sv[1:])
     batch, heads, seq_q, d_qk = sq
-    if sk[:2] != (batch, heads) or sv[:2] != (batch, heads):
+    kv_heads = sk[1]
+    if sv[:2] != sk[:2] or sk[0] != batch:
         raise ValueError(f"q, k, v: batch and heads differ: {sq[:2]}, {sk[:2]}, {sv[:2]}")
+    if kv_heads != heads and not (enable_gqa and kv_heads > 0 and heads % kv_heads == 0):
+        want = "a divisor of q's heads" if enable_gqa else "q's heads (or pass enable_gqa=True)"
+        raise ValueError(
+            f"k, v: expected {want}, got {kv_heads} heads against q's {heads} "
+            f"(shapes {tuple(sq)}, {tuple(sk)}, {tuple(sv)})"
+        )
     if sk[3] != d_qk:
         raise ValueError(f"k: expected head dim {d_qk} (q's), got {sk[3]}")
     seq_k = sk[2]
@@ -223,7 +259,7 @@ def attention(
         mask_shape = _shape("attn_mask", attn_mask, float32=False)
         mask_dtype = str(getattr(attn_mask, "dtype", ""))
         mask_kind = "bool" if mask_dtype in ("bool", "torch.bool") else "additive"
-        if flat and len(mask_shape) == 3:  # [batch, seq_q, seq_k] masks of 3-D inputs
+        if flat and not lifted and len(mask_shape) == 3:  # [batch, seq_q, seq_k], 3-D inputs
             attn_mask = attn_mask[:, None]
             mask_shape = (mask_shape[0], 1, *mask_shape[1:])
     if scale is not None:
@@ -235,13 +271,77 @@ def attention(
         if mask_shape is not None and not ir.broadcasts(mask_shape, full):
             raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
         result = _no_work("q", q, (batch, heads, seq_q, sv[3]))
-        return result[:, 0] if flat else result
-    kernel = _attention_kernel((batch, heads, seq_q, seq_k, d_qk, sv[3]), bool(is_causal),
-                               mask_kind, scale, mask_shape, dtype,
-                               get_num_threads())  # fmt: skip
-    inputs = [q, k, v] if attn_mask is None else [q, k, v, attn_mask]
-    out = kernel(*inputs)
-    return out[:, 0] if flat else out
+        return result[0] if lifted else result[:, 0] if flat else result
+    causal = bool(is_causal)
+    if kv_heads != heads:
+        out = _grouped(q, k, v, attn_mask, causal, scale, mask_kind, mask_shape, dtype)
+    else:
+        kernel = _attention_kernel((batch, heads, seq_q, seq_k, d_qk, sv[3]), causal, mask_kind,
+                                   scale, mask_shape, dtype, get_num_threads())  # fmt: skip
+        out = kernel(q, k, v) if attn_mask is None else kernel(q, k, v, attn_mask)
+    return out[0] if lifted else out[:, 0] if flat else out
+
+
+def _grouped(
+    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, mask_kind: str | None,
+    mask_shape: tuple[int, ...] | None, dtype: str,
+) -> Any:  # fmt: skip
+    """Grouped-query attention (4-D operands, k and v with heads/g heads) with k and v in place.
+
+    Without a mask and causality, and with q's heads g at a time one after the other in memory
+    (a contiguous q), q is seen as [batch, kv_heads, g * seq_q, d]: one call whose blocks of
+    queries are g times longer. Otherwise one call per member of the group on the strided
+    views q[:, j::g] and out[:, j::g] (a mask along the heads sliced the same way)."""
+    batch, heads, seq_q, d_qk = (int(s) for s in q.shape)
+    kv_heads, seq_k, d_v = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
+    group = heads // kv_heads
+    if mask_shape is not None and not ir.broadcasts(mask_shape, (batch, heads, seq_q, seq_k)):
+        full = (batch, heads, seq_q, seq_k)
+        raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
+    shape = (batch, heads, seq_q, d_v)
+    torch = _is_torch(q)
+    out: Any = (
+        sys.modules["torch"].empty(shape, dtype=q.dtype) if torch else np.empty(shape, q.dtype)
+    )
+    threads = get_num_threads()
+    row = q.stride(2) if torch else q.strides[2]
+    head = q.stride(1) if torch else q.strides[1]
+    if mask is None and not causal and (seq_q == 1 or head == seq_q * row):
+        sizes = (batch, kv_heads, group * seq_q, seq_k, d_qk, d_v)
+        kernel = _attention_kernel(sizes, False, None, scale, None, dtype, threads)
+        merged = (batch, kv_heads, group * seq_q)
+        if torch:
+            kernel(q.view(*merged, d_qk), k, v, out=out.view(*merged, d_v))
+        else:
+            kernel(q.reshape(*merged, d_qk), k, v, out=out.reshape(*merged, d_v))
+        return out
+    per_head = mask_shape is not None and len(mask_shape) >= 3 and mask_shape[-3] == heads > 1
+    if per_head and mask_shape is not None:
+        mask_shape = (*mask_shape[:-3], kv_heads, *mask_shape[-2:])
+    sizes = (batch, kv_heads, seq_q, seq_k, d_qk, d_v)
+    kernel = _attention_kernel(sizes, causal, mask_kind, scale, mask_shape, dtype, threads)
+    for j in range(group):
+        inputs = [q[:, j::group], k, v]
+        if mask is not None:
+            inputs.append(mask[..., j::group, :, :] if per_head else mask)
+        kernel(*inputs, out=out[:, j::group])
+    return out
+
+
+def _inference_only(names: str, *xs: Any) -> None:
+    """torch tensors that require grad, while grad mode is on, are an error naming the first:
+    chainfuse's kernels have no backward, and a result detached from the graph without a word
+    would surface later as a missing gradient."""
+    for i, x in enumerate(xs):
+        if getattr(x, "requires_grad", False) is True and _is_torch(x):
+            if sys.modules["torch"].is_grad_enabled():
+                name = names.split(", ")[i]
+                raise RuntimeError(
+                    f"{name}: requires grad, and chainfuse's kernels have no backward (inference "
+                    f"only): call under torch.no_grad() or torch.inference_mode(), or pass "
+                    f"{name}.detach()"
+                )
+            return
 
 
 @functools.lru_cache(maxsize=256)
@@ -311,6 +411,7 @@ def conv_chain(
     channels-last buffer per thread).
     """
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
+    _inference_only("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
     K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
     if C1 != C:

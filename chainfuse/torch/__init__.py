@@ -16,11 +16,17 @@ def attention(
     attn_mask: Any = None,
     is_causal: bool = False,
     scale: float | None = None,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
 ) -> Any:
     """`torch.nn.functional.scaled_dot_product_attention` semantics (inference, no dropout).
 
     As in PyTorch, an explicit `attn_mask` together with `is_causal=True` is an error, a boolean
-    mask marks the positions that take part, and a float mask is added to the scores.
+    mask marks the positions that take part, and a float mask is added to the scores;
+    `enable_gqa=True` lets k and v have fewer heads (a divisor of q's), each serving a group of
+    q's heads. `dropout_p` (keyword-only here) must be 0. Inputs that require grad are refused
+    while grad mode is on (no backward): use `torch.no_grad()` or `torch.inference_mode()`.
     """
     import torch
 
@@ -32,4 +38,5 @@ def attention(
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
         raise TypeError(f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}")
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
-    return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                         dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip

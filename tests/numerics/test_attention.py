@@ -274,3 +274,110 @@ def test_row_blocks_keep_every_core_busy(M: int, threads: int) -> None:
     finally:
         chainfuse.set_num_threads(None)
     reference.assert_close(out, reference.run(chain, x)["O"], chain)
+
+
+GQA_KINDS = ["none", "causal", "bool", "per-head", "heads-broadcast", "transposed", "numpy", "3d",
+             "one-query"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", GQA_KINDS)
+def test_grouped_query_attention_matches_sdpa_in_float64(kind: str) -> None:
+    # k and v with 2 heads serve q's 6 (groups of 3): one merged call without a mask, one call
+    # per group member on strided views otherwise; PyTorch's enable_gqa is the reference
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(7)
+    B, H, Hkv, L, S, E, Ev = 2, 6, 2, 33, 29, 17, 24
+    if kind == "one-query":
+        L = 1
+    q = torch.randn(B, H, L, E, generator=g)
+    k, v = torch.randn(B, Hkv, S, E, generator=g), torch.randn(B, Hkv, S, Ev, generator=g)
+    kw: dict[str, object] = {}
+    if kind == "causal":
+        kw["is_causal"] = True
+    elif kind == "bool":
+        kw["attn_mask"] = torch.rand(L, S, generator=g) > 0.3
+    elif kind == "per-head":  # a different mask for each of q's heads
+        kw["attn_mask"] = torch.randn(B, H, L, S, generator=g)
+    elif kind == "heads-broadcast":
+        kw["attn_mask"] = torch.randn(H, 1, S, generator=g)
+    elif kind == "transposed":  # q's heads not one after the other: the per-member calls
+        q = torch.randn(B, L, H, E, generator=g).transpose(1, 2)
+    elif kind == "3d":  # dim -3 is the batch, grouped as PyTorch groups it
+        q, k, v = q[0], k[0], v[0]
+    kw64 = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+            for n, x in kw.items()}  # fmt: skip
+    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True,
+                                            **kw64)  # type: ignore[arg-type]  # fmt: skip
+    if kind == "numpy":
+        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy(), enable_gqa=True)
+        assert isinstance(ours, np.ndarray)
+    else:
+        ours = cft.attention(q, k, v, enable_gqa=True, **kw).numpy()  # type: ignore[arg-type]
+    assert ours.shape == tuple(theirs.shape)
+    chain = chainfuse.attention_chain(B, H, L, S, E, Ev)
+    reference.assert_close(ours.astype(np.float64), theirs.numpy(), chain)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kv_heads=st.integers(1, 3), group=st.integers(1, 4), sq=SEQ, sk=SEQ,
+    dqk=st.sampled_from([1, 7, 40, 59, 65]), dv=st.sampled_from([1, 16, 111]),
+    causal=st.booleans(), mask=MASK, per_head=st.booleans(),
+)  # fmt: skip
+def test_grouped_query_attention_matches_reference(
+    kv_heads: int, group: int, sq: int, sk: int, dqk: int, dv: int, causal: bool,
+    mask: str | None, per_head: bool,
+) -> None:  # fmt: skip
+    # numpy operands against the float64 reference with k and v repeated per group, as the
+    # grouping means: query head h reads key head h // group
+    heads = kv_heads * group
+    mask_shape = (1, heads if per_head else 1, sq, sk)
+    chain = chainfuse.attention_chain(1, heads, sq, sk, dqk, dv, causal=causal, mask=mask,
+                                      mask_shape=mask_shape if mask else None)  # fmt: skip
+    inputs = reference.random_inputs(chain, seed=sq * 31 + sk + heads, scale=3.0)
+    k, v = inputs["K"][:, ::group], inputs["V"][:, ::group]
+    inputs["K"], inputs["V"] = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    ours = chainfuse.ops.attention(inputs["Q"], k, v, attn_mask=inputs.get("mask"),
+                                   is_causal=causal, enable_gqa=True)  # fmt: skip
+    reference.assert_close(ours, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+
+
+def test_sdpa_only_arguments_and_autograd_are_explicit() -> None:
+    torch = pytest.importorskip("torch")
+    import chainfuse.torch as cft
+
+    q = torch.randn(1, 4, 5, 8)
+    kv = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"k, v: expected q's heads \(or pass enable_gqa=True\)"):
+        cft.attention(q, kv, kv)
+    with pytest.raises(ValueError, match="k, v: expected a divisor of q's heads, got 3 heads"):
+        cft.attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"attn_mask: shape \(3, 5, 5\) does not broadcast"):
+        cft.attention(q, kv, kv, attn_mask=torch.ones(3, 5, 5, dtype=torch.bool), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"dropout_p: expected 0\.0, got 0\.1"):
+        cft.attention(q, q, q, dropout_p=0.1)
+    torch.testing.assert_close(cft.attention(q, q, q, dropout_p=0.0), cft.attention(q, q, q))
+    # SDPA's fifth positional argument is dropout_p: here it lands on is_causal, and is refused
+    with pytest.raises(TypeError, match=r"is_causal: expected a bool, got 0\.0"):
+        cft.attention(q, q, q, None, 0.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="enable_gqa: expected a bool"):
+        cft.attention(q, q, q, enable_gqa=1)  # type: ignore[arg-type]
+    # no backward: refused while grad mode is on, fine without it
+    grad_q = q.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"q: requires grad.*torch.no_grad\(\)"):
+        cft.attention(grad_q, q, q)
+    bias = torch.zeros(5, 5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="attn_mask: requires grad"):
+        cft.attention(q, q, q, attn_mask=bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(cft.attention(grad_q, q, q), cft.attention(q, q, q))
+    a = torch.randn(2, 5, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="A: requires grad"):
+        chainfuse.ops.gemm_chain(a, torch.randn(2, 3, 4), torch.randn(2, 4, 6))
+    w2 = torch.randn(4, 3, 1, 1, requires_grad=True)
+    with pytest.raises(RuntimeError, match="w2: requires grad"):
+        chainfuse.ops.conv_chain(torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3), w2)
