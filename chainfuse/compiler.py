@@ -230,7 +230,9 @@ class Kernel(_Built):
         self._fn.argtypes = [ctypes.c_void_p]
         self._workspace_fn = getattr(lib, f"{spec.name}_workspace")
         self._workspace_fn.restype = ctypes.c_long
-        self._workspace_fn.argtypes = [ctypes.c_long, ctypes.c_long]
+        self._workspace_fn.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        # the plan's tiles: run-time arguments of the object, which every plan shares
+        self._tiles = (spec.T_M, spec.T_L, spec.T_K, spec.T_N)
         self._local = threading.local()
         soft = [op for op in chain.ops if isinstance(op, Softmax)]
         self._scale = soft[0].scale if soft else 1.0
@@ -256,6 +258,8 @@ class Kernel(_Built):
             args[PACKED["work_per_thread"]] = self._per
             args[PACKED["nthreads"]] = threads
             args[PACKED["outer_m"]] = self._outer_m
+            at = PACKED["tiles"]
+            args[at : at + 4] = list(self._tiles)
             args[PACKED["scale_bits"]] = int.from_bytes(struct.pack("<f", self._scale), "little")
             at = PACKED["sizes"]
             args[at : at + 6] = list(self._sizes)
@@ -286,7 +290,8 @@ class Kernel(_Built):
         self._nb = len(self.spec.batch)
         sizes = [1] * (2 - self._nb) + [ext[n] for n in self.spec.batch]
         self._sizes = (*sizes, ext[m], N, K, ext[l_])
-        self._per = int(self._workspace_fn(K, N))
+        tiles = (ctypes.c_long * 4)(*self._tiles)
+        self._per = int(self._workspace_fn(K, N, ctypes.addressof(tiles)))
         # rows of m per parallel block: the plan's outermost m tile, the blocks its model deals
         # to the cores (a run-time argument, so that one compiled object serves every plan)
         outer = self.plan.tiles_at(self.plan.levels[-1]) or {}
@@ -468,8 +473,9 @@ def _code_level(hw: Hardware) -> str:
 
 
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
-    """The source's opening comment: structure and schedule only (no sizes: those are arguments,
-    so the same source, and the same compiled object, serves every size)."""
+    """The source's opening comment: the chain's structure only (no sizes, no tiles: those are
+    arguments, so the same source, and the same compiled object, serves every size and every
+    plan; `Kernel.plan` says which one a kernel runs)."""
     ops = "\n".join(f"  {op}" for op in chain.ops)
     roles = ", ".join(
         f"{t.name} ({t.role.value})" for t in chain.tensors if t.role is not Role.INTERMEDIATE
@@ -479,9 +485,9 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
         f"chain:\n{ops}\n"
         f"tensors: {roles}\n"
         f"order {' > '.join(chosen.order)}, shared {' > '.join(chosen.prefix)}; "
-        f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}\n"
+        "tiles T_M, T_L, T_K, T_N: run-time arguments\n"
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}); "
-        f"epilogue {spec.epilogue.value}; parallel over {', '.join(chosen.parallel)}\n"
+        f"epilogue {spec.epilogue.value}; parallel over the batch and m\n"
         f"arithmetic: {arithmetic(spec)}"
     )
 

@@ -1,8 +1,10 @@
 """Functional ops: numpy arrays or torch CPU tensors in, the same kind out.
 
 Each op builds the chain for its arguments' shapes, compiles it on first use, and keeps the
-compiled kernel for later calls with the same shapes (kernels whose generated source is equal
-share one compiled object on disk, so a new shape often costs a plan and a load, not a compile).
+compiled kernel for later calls with the same shapes. Sizes and tiles are run-time arguments of
+the generated GEMM-chain code, so every shape of one chain structure (attention with a causal
+mask, say) shares one compiled object on disk: a new sequence length costs a plan and a load
+(milliseconds), not a compile.
 
     E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
     y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="relu")

@@ -15,8 +15,9 @@ accumulating into E::
             for n_o: E[m_o, n_o] (+)= C_t . D[l_o, n_o]       # op2 blocks, micro-kernel
         (softmax: E rows /= running sum)
 
-Tiles (`T_M`, `T_L`, `T_K`, `T_N`) and the micro-kernel are compiled in; every size and stride
-is a run-time argument, so a new batch or sequence length with the same tiles reuses the object.
+The micro-kernel is compiled in; the tiles (`T_M`, `T_L`, `T_K`, `T_N`), every size and every
+stride are run-time arguments, so one object serves every shape and plan of a chain's structure
+(a new batch, sequence length or head dim loads it; it never waits for the compiler).
 Tails need no padding of user tensors: packing zero-fills partial register blocks and the
 micro-kernel writes only the valid corner.
 
@@ -114,15 +115,38 @@ static void cf_pack_b_panel(int kc, int width, const float* restrict D, long ldd
 
 
 def _to_e(spec: GemmChainSpec) -> bool:
-    """Whether op2 may write E directly (`_PACK_STRIPS`): float32 E (accumulated in place), no
-    softmax (whose rows are rescaled as it goes, in Eᵀ), and n blocks of whole nr-column strips
-    (the planner sizes T_N in mr rows: Mixer-C's 258 = 43 x 6 would pad 14 columns of 272,
-    measured 4 % slower)."""
-    return (
-        spec.dtype is DType.FLOAT32
-        and spec.epilogue is not Epilogue.SOFTMAX
-        and spec.T_N % spec.kernel.nr == 0
-    )
+    """Whether op2 may write E directly (`_PACK_STRIPS`): float32 E (accumulated in place) and no
+    softmax (whose rows are rescaled as it goes, in Eᵀ). The code then also asks, at run time,
+    for n blocks of whole nr-column strips (the planner sizes T_N in mr rows: Mixer-C's 258 =
+    43 x 6 would pad 14 columns of 272, measured 4 % slower)."""
+    return spec.dtype is DType.FLOAT32 and spec.epilogue is not Epilogue.SOFTMAX
+
+
+def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
+    """`CF_TILES(t)`: the plan's tiles, run-time arguments (one compiled object serves every
+    plan of a chain's structure: a new sequence length never waits for the compiler), and the
+    padded extents and workspace regions that follow from them, as locals of the function."""
+    w.line("/* the tiles T_M, T_L, T_K, T_N (run-time arguments) and what follows from them:")
+    w.line("   T_M and T_N rounded up to whole nr strips, T_L and T_N to whole mr slivers; Eᵀ's")
+    w.line("   row stride LDE is MPN plus one cache line, so that rows do not all fall in the same")
+    w.line("   cache sets when MPN is a power of two (the transposition reads down a column); DTF")
+    w.line("   floats of packed D (Dᵀ slivers, or D's nr-column strips when op2 writes E) */")
+    if _to_e(spec):
+        dtf = "NPM / MR * SLIVER(T_L) > NPN * T_L ? NPM / MR * SLIVER(T_L) : NPN * T_L"
+    else:
+        dtf = "NPM / MR * SLIVER(T_L)"
+    lines = [
+        "const long T_M = (t)[0], T_L = (t)[1], T_K = (t)[2], T_N = (t)[3];",
+        "const long MPN = (T_M + NR - 1) / NR * NR, LDE = MPN + 16;",
+        "const long LPM = (T_L + MR - 1) / MR * MR, NPM = (T_N + MR - 1) / MR * MR;",
+        "const long NPN = (T_N + NR - 1) / NR * NR;",
+        f"const long DTF = {dtf};",
+        "(void)T_M; (void)T_L; (void)T_K; (void)T_N; (void)MPN; (void)LDE; (void)LPM;",
+        "(void)NPM; (void)NPN; (void)DTF;",
+    ]
+    w.line("#define CF_TILES(t) \\")
+    for i, text in enumerate(lines):
+        w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
 
 
 # The parallel blocks are claimed from a shared counter as threads come free, not dealt out in
@@ -210,7 +234,8 @@ class Epilogue(enum.Enum):
 
 @dataclass(frozen=True)
 class GemmChainSpec:
-    """What the generated code depends on (and nothing it does not: no sizes)."""
+    """What the generated code depends on (and nothing it does not: no sizes). The tiles are
+    the plan's, passed at run time: they are not part of `name` or of the source."""
 
     batch: tuple[str, ...]  # batch loop names, outermost first
     tensors: tuple[str, str, str, str]  # A, B, D, E names in the chain
@@ -235,14 +260,11 @@ class GemmChainSpec:
         # processes), so the name, the source and the cache key are the same in every process
         key = (
             f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
-            f"{self.T_M},{self.T_L},{self.T_K},{self.T_N}|{self.kernel.name}|"
+            f"{self.kernel.name}|"
             f"{self.mask.value}|{self.causal}|{self.dtype.value}"
         ).encode()
         short = {DType.FLOAT32: "f32", DType.BFLOAT16: "bf16"}[self.dtype]
-        return (
-            f"{word}_gemm_{short}_tm{self.T_M}tl{self.T_L}tk{self.T_K}tn{self.T_N}_"
-            f"{hashlib.sha256(key).hexdigest()[:8]}"
-        )
+        return f"{word}_gemm_{short}_{hashlib.sha256(key).hexdigest()[:8]}"
 
 
 @dataclass(frozen=True)
@@ -461,7 +483,8 @@ static inline void cf_bf16_pack_bt(int kc, int n, const uint16_t* restrict Bt, l
 #: Slots of the one array `<name>_packed` takes (longs): pointers, then the scalars, then arrays.
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
-    "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "end": 32,
+    "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "tiles": 32,
+    "end": 36,
 }  # fmt: skip
 
 
@@ -485,26 +508,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(" */")
     w.lines(_MATH)
     w.lines(emit_with_packing(ker))
-    w.line(f"#define T_M {spec.T_M}")
-    w.line(f"#define T_L {spec.T_L}")
-    w.line(f"#define T_K {spec.T_K}")
-    w.line(f"#define T_N {spec.T_N}")
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
-    w.line(f"#define MPN {-(-spec.T_M // nr) * nr} /* T_M rounded up to whole nr strips */")
-    w.line("/* Eᵀ's row stride: MPN plus one cache line, so that rows do not all fall in the same")
-    w.line("   cache sets when MPN is a power of two (the transposition reads down a column) */")
-    w.line("#define LDE (MPN + 16)")
-    w.line(f"#define LPM {-(-spec.T_L // mr) * mr} /* T_L rounded up to whole mr strips */")
-    w.line(f"#define NPM {-(-spec.T_N // mr) * mr}")
-    if _to_e(spec):
-        w.line(f"#define NPN {-(-spec.T_N // nr) * nr} /* T_N rounded up to whole nr strips */")
-        w.line("/* floats of packed D: Dᵀ slivers, or D's nr-column strips when op2 writes E */")
-        w.line(
-            "#define DTF (NPM / MR * SLIVER(T_L) > NPN * T_L ? NPM / MR * SLIVER(T_L) : NPN * T_L)"
-        )
-    else:
-        w.line("#define DTF (NPM / MR * SLIVER(T_L)) /* floats of packed Dᵀ */")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
     w.line("/* floats from one packed MR-row sliver of a kc-step panel to the next: whole cache")
     w.line("   lines, an odd number of them, so that the slivers a panel's row-by-row packing")
@@ -513,6 +518,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(
         "#define SLIVER(kc) (ALIGN16((long)(kc) * MR) + (ALIGN16((long)(kc) * MR) / 16 % 2 ? 0 : 16))"
     )
+    _tiles_macro(w, spec)
     if spec.dtype is DType.BFLOAT16:
         w.line("/* bf16 inputs and output: converted to fp32 while packing (the micro-kernel and")
         w.line("   the intermediate are fp32), E rounded to bf16 once at the end */")
@@ -549,7 +555,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.lines(_PREFETCH)
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
     w.line("   packed Dᵀ, the Eᵀ accumulator and the softmax column statistics */")
-    with w.block(f"long {name}_workspace(long K, long N)"):
+    with w.block(f"long {name}_workspace(long K, long N, const long* tiles)"):
+        w.line("CF_TILES(tiles)")
         w.line("const long TK = K < T_K ? K : T_K;")
         w.line("const long AK = TK == K ? K : TK;")
         w.line(
@@ -569,8 +576,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         f"void {name}(const cf_elem* restrict A, const cf_elem* restrict B,\n"
         f"    const cf_elem* restrict D, cf_elem* restrict E, const long* sizes,\n"
         f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
-        f"    float* restrict work, long work_per_thread, int nthreads, long outer_m)"
+        f"    float* restrict work, long work_per_thread, int nthreads, long outer_m,\n"
+        f"    const long* tiles)"
     ):
+        w.line("CF_TILES(tiles)")
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
         w.line("const long K = sizes[4], L = sizes[5];")
         w.line("const long sA0 = strides[0], sA1 = strides[1], sAm = strides[2];")
@@ -651,7 +660,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"{name}((const cf_elem*)a[0], (const cf_elem*)a[1], (const cf_elem*)a[2],"
             " (cf_elem*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27,"
-            " (float*)a[5], a[6], (int)a[7], a[31]);"
+            " (float*)a[5], a[6], (int)a[7], a[31], a + 32);"
         )
     return w.text()
 
@@ -684,7 +693,7 @@ def _split_sum(w: Writer, spec: GemmChainSpec) -> None:
             w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + mo * sEm;")
             w.line(
                 f"if (n_hi > n_lo) {spec.name}_store_e(mc, n_hi - n_lo, et0 + n_lo * LDE, 0,"
-                " E_b + n_lo, sEm);"
+                " E_b + n_lo, sEm, LDE);"
             )
 
 
@@ -748,7 +757,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     if _to_e(spec):
         w.line("/* op2 straight into E (see cf_pack_b_panel), unless the threads split l or D is")
         w.line("   read in place */")
-        w.line("const int to_e = split == 1 && !direct_d && l_end > l_lo;")
+        w.line("const int to_e = T_N % NR == 0 && split == 1 && !direct_d && l_end > l_lo;")
     if not softmax:
         with w.block("if (l_end <= l_lo)"):
             w.line("/* an empty share of l (split below): it adds zeros */")
@@ -874,11 +883,11 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
     if softmax:
-        w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm);")
+        w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
     else:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")
         cond = "split == 1 && !to_e" if _to_e(spec) else "split == 1"
-        w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm);")
+        w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm, LDE);")
 
 
 def _sliver_call(
@@ -950,7 +959,7 @@ def _store_e(w: Writer, spec: GemmChainSpec) -> None:
     with w.block(
         f"static __attribute__((noinline)) void {spec.name}_store_e(int mc, long N,\n"
         "    const float* restrict Et, const float* restrict inv_sum, cf_elem* restrict E_b,"
-        " long sEm)"
+        " long sEm,\n    long LDE)"
     ):
         if not softmax:
             w.line("(void)inv_sum;")

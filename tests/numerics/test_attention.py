@@ -381,3 +381,22 @@ def test_sdpa_only_arguments_and_autograd_are_explicit() -> None:
     w2 = torch.randn(4, 3, 1, 1, requires_grad=True)
     with pytest.raises(RuntimeError, match="w2: requires grad"):
         chainfuse.ops.conv_chain(torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3), w2)
+
+
+def test_every_sequence_length_and_plan_shares_one_compiled_object() -> None:
+    # tiles and sizes are run-time arguments: decoding (one query, a growing number of keys),
+    # prefill lengths and plans forced to other tiles all load the same object, and each result
+    # is the reference's; a different structure (causal) is another object
+    paths = set()
+    shapes = [(1, 1), (1, 7), (1, 65), (1, 600), (17, 17), (129, 300), (600, 599)]
+    for i, (sq, sk) in enumerate(shapes):
+        chain = chainfuse.attention_chain(1, 2, sq, sk, 40, 24)
+        tiles = [None, {"m": 16, "l": 6, "k": 7, "n": 6}, {"m": 48, "l": 30}][i % 3]
+        kernel = compile(chain, tiles=tiles)
+        inputs = reference.random_inputs(chain, seed=i)
+        out = kernel(*[inputs[t.name] for t in chain.inputs])
+        reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
+        paths.add(kernel.path)
+    assert len(paths) == 1
+    causal = compile(chainfuse.attention_chain(1, 2, 9, 9, 40, 24, causal=True))
+    assert causal.path not in paths
