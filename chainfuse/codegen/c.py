@@ -53,6 +53,8 @@ DIRECT_STRIPS = 8  # row blocks of at most this many nr-strips read B and D sliv
 DIRECT_STRIDE = 256  # if the slivers' rows are at most this many elements apart (measured: a
 # Mixer-C weight, rows 2-16 KiB apart, runs 12-24 % faster packed in 4 strips of 16; attention's
 # V, rows 256 B apart, 7-16 % faster in place at 32-128 keys)
+ROWS_MAX = 8  # attention row blocks of at most this many queries take `<name>_rows` (decoding)
+ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: Mixer-S-C's
 # weights, rows 8 KiB apart, 1.67 ms in place vs 2.84 ms packed in one strip of 64, 2.05 vs 2.36
 # ms in two of 32: a packed copy used once or twice does not pay for its writes)
@@ -501,6 +503,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     ker = spec.kernel
     mr, nr = ker.mr, ker.nr
     name = spec.name
+    softmax = spec.epilogue is Epilogue.SOFTMAX
     w = Writer()
     w.line("/*")
     for text in header.strip().split("\n"):
@@ -510,6 +513,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.lines(emit_with_packing(ker))
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
+    if softmax:
+        w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many queries or fewer: _rows */")
+        w.line(f"#define ROWS_LB {ROWS_LB} /* ... keys scored at a time */")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
     w.line("/* floats from one packed MR-row sliver of a kc-step panel to the next: whole cache")
     w.line("   lines, an odd number of them, so that the slivers a panel's row-by-row packing")
@@ -561,10 +567,14 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long AK = TK == K ? K : TK;")
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
-            " + DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN);"
+            " + DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN)"
+            + (" + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N);" if softmax else ";")
         )
     w.line("")
     _store_e(w, spec)
+    if softmax:
+        w.line("")
+        _rows(w, spec)
     w.line("")
     w.line(
         "/* sizes: batch0, batch1, M, N, K, L; strides (elements) of A, B, D, E: batch0, batch1,"
@@ -635,6 +645,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict Et = Dt + DTF;")
             w.line("float* restrict col_max = Et + ALIGN16(N * LDE);")
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
+            if softmax:
+                w.line("float* restrict rows_q = col_sum + ALIGN16(MPN); /* see _rows */")
+                w.line("float* restrict rows_o = rows_q + ALIGN16(ROWS_MAX * K);")
             w.line(
                 "/* split: share t % split of block t / split; else blocks claimed one by one */"
             )
@@ -716,6 +729,8 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const long mo_end = M - mo < T_MO ? M : mo + T_MO;")
     with w.block("for (long m0 = mo; m0 < mo_end; m0 += T_M)"):
         w.line("const int mc = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
+        if spec.epilogue is Epilogue.SOFTMAX:
+            _rows_call(w, spec)
         _row_block(w, spec)
 
 
@@ -888,6 +903,165 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")
         cond = "split == 1 && !to_e" if _to_e(spec) else "split == 1"
         w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm, LDE);")
+
+
+def _rows_call(w: Writer, spec: GemmChainSpec) -> None:
+    """A row block of at most ROWS_MAX queries (decoding: one query, or a group of them) goes
+    to `<name>_rows`: in the tiled path its queries would fill 1-4 of the micro-kernel's nr
+    columns, and the other FMAs of every call would be spent on padding."""
+    with w.block("if (mc <= ROWS_MAX)"):
+        mask = "0, 0, 0"
+        if spec.mask is not MaskKind.NONE:
+            elem = "cf_elem" if spec.mask is MaskKind.ADDITIVE else "unsigned char"
+            mask = f"(const {elem}*)mask_data + b0 * sM0 + b1 * sM1, sMm, sMl"
+        causal = "L < m0 + mc ? L : m0 + mc" if spec.causal else "L"
+        w.line(
+            f"{spec.name}_rows(mc, m0, K, N, {causal}, A + b0 * sA0 + b1 * sA1 + m0 * sAm, sAm,"
+            " B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
+            f" E + b0 * sE0 + b1 * sE1 + m0 * sEm, sEm, scale2, {mask}, rows_q, rows_o);"
+        )
+        w.line("continue;")
+
+
+def _rows(w: Writer, spec: GemmChainSpec) -> None:
+    """`<name>_rows`: attention for `mc` <= ROWS_MAX query rows (from `m0`) of one batch and
+    head over keys [0, l_end), without the micro-kernel: each key's row is read once for all
+    the rows' dot products (vectorised along k; a B stored [k, l] is added in row by row,
+    vectorised along l), the scores of ROWS_LB keys at a time go
+    through the same online softmax as the tiled path (base 2, running max and rescaled sum,
+    masks applied first), and V's rows are added into the rows' accumulators (vectorised
+    along n). Decoding reads K and V once per query group, at the speed memory gives."""
+    if spec.mask is MaskKind.ADDITIVE:
+        elem, load = "cf_elem", "CF_LOAD(mk[(l0 + l) * sMl]) * CF_LOG2E"
+    elif spec.mask is MaskKind.BOOL:
+        elem, load = "unsigned char", ""
+    else:
+        elem, load = "", ""
+    with w.block(
+        f"static __attribute__((noinline)) void {spec.name}_rows(int mc, long m0, long K, long N,\n"
+        "    long l_end, const cf_elem* restrict A_b, long sAm, const cf_elem* restrict B_b,"
+        " long sBr,\n    const cf_elem* restrict D_b, long sDl, cf_elem* restrict E_b, long sEm,"
+        " float scale2,\n    const void* mask_b, long sMm, long sMl, float* restrict q,"
+        " float* restrict o)"
+    ):
+        if spec.mask is MaskKind.NONE:
+            w.line("(void)mask_b; (void)sMm; (void)sMl;")
+        w.line("float s[ROWS_MAX][ROWS_LB] __attribute__((aligned(32)));")
+        w.line("float cmax[ROWS_MAX], csum[ROWS_MAX];")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("/* the query scaled into base 2, as the tiled path packs it */")
+            w.line(
+                "for (long k = 0; k < K; ++k) q[i * K + k] = CF_LOAD(A_b[i * sAm + k]) * scale2;"
+            )
+            w.line("for (long n = 0; n < N; ++n) o[i * N + n] = 0.0f;")
+            w.line("cmax[i] = -INFINITY;")
+            w.line("csum[i] = 0.0f;")
+        with w.block("for (long l0 = 0; l0 < l_end; l0 += ROWS_LB)"):
+            w.line("const int lb = (int)(l_end - l0 < ROWS_LB ? l_end - l0 : ROWS_LB);")
+            if not spec.b_transposed:
+                _rows_scores_by_k(w)
+            else:
+                _rows_scores_by_key(w)
+            with w.block("for (int i = 0; i < mc; ++i)"):
+                w.line("float* restrict si = s[i];")
+                if spec.mask is not MaskKind.NONE:
+                    w.line(f"const {elem}* restrict mk = (const {elem}*)mask_b + (m0 + i) * sMm;")
+                    with w.block("for (int l = 0; l < lb; ++l)"):
+                        if spec.mask is MaskKind.ADDITIVE:
+                            w.line(f"si[l] += {load};")
+                        else:
+                            w.line("si[l] = mk[(l0 + l) * sMl] ? si[l] : -INFINITY;")
+                if spec.causal:
+                    w.line(
+                        "/* keys after the query (l > m): the caller's l_end ends at the block's last */"
+                    )
+                    w.line(
+                        "for (int l = 0; l < lb; ++l) si[l] = l0 + l > m0 + i ? -INFINITY : si[l];"
+                    )
+                w.line("float mx = -INFINITY;")
+                w.line("for (int l = 0; l < lb; ++l) mx = si[l] > mx ? si[l] : mx;")
+                w.line("const float m_new = mx > cmax[i] ? mx : cmax[i];")
+                w.line("/* a row with nothing but -inf so far keeps zero mass */")
+                w.line("const float shift = m_new == -INFINITY ? 0.0f : m_new;")
+                w.line(
+                    "const float alpha = cmax[i] == -INFINITY ? 0.0f : cf_exp2_neg(cmax[i] - shift);"
+                )
+                w.line("cmax[i] = m_new;")
+                w.line("float sum = 0.0f;")
+                w.line("#pragma omp simd reduction(+:sum)")
+                with w.block("for (int l = 0; l < lb; ++l)"):
+                    w.line("const float e = cf_exp2_neg(si[l] - shift);")
+                    w.line("si[l] = e;")
+                    w.line("sum += e;")
+                w.line("csum[i] = csum[i] * alpha + sum;")
+                w.line("if (alpha != 1.0f) for (long n = 0; n < N; ++n) o[i * N + n] *= alpha;")
+            w.line("/* V's rows four at a time: each accumulator is loaded and stored once per")
+            w.line("   four keys, not once per key (a store-to-load wait each time) */")
+            w.line("int l = 0;")
+            with w.block("for (; l + 4 <= lb; l += 4)"):
+                w.line("const cf_elem* restrict v0 = D_b + (l0 + l) * sDl;")
+                w.line("const cf_elem* restrict v1 = v0 + sDl;")
+                w.line("const cf_elem* restrict v2 = v1 + sDl;")
+                w.line("const cf_elem* restrict v3 = v2 + sDl;")
+                with w.block("for (int i = 0; i < mc; ++i)"):
+                    w.line("const float p0 = s[i][l], p1 = s[i][l + 1];")
+                    w.line("const float p2 = s[i][l + 2], p3 = s[i][l + 3];")
+                    w.line("float* restrict oi = o + i * N;")
+                    w.line("#pragma omp simd")
+                    with w.block("for (long n = 0; n < N; ++n)"):
+                        w.line(
+                            "oi[n] += p0 * CF_LOAD(v0[n]) + p1 * CF_LOAD(v1[n]) + p2 * CF_LOAD(v2[n])"
+                            " + p3 * CF_LOAD(v3[n]);"
+                        )
+            with w.block("for (; l < lb; ++l)"):
+                w.line("const cf_elem* restrict vr = D_b + (l0 + l) * sDl;")
+                with w.block("for (int i = 0; i < mc; ++i)"):
+                    w.line("const float p = s[i][l];")
+                    w.line("float* restrict oi = o + i * N;")
+                    w.line("#pragma omp simd")
+                    w.line("for (long n = 0; n < N; ++n) oi[n] += p * CF_LOAD(vr[n]);")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("const float inv = csum[i] > 0.0f ? 1.0f / csum[i] : 0.0f;")
+            w.line("for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n] * inv);")
+
+
+def _rows_scores_by_key(w: Writer) -> None:
+    """`_rows`' scores when K is stored [l, k] (attention): dot products along k."""
+    w.line("/* four keys at a time: four independent FMA chains (one waits on its")
+    w.line("   latency), their rows read from L1 for every query; past the last key the")
+    w.line("   group re-reads it, and those scores are not kept */")
+    with w.block("for (int l = 0; l < lb; l += 4)"):
+        w.line("const cf_elem* restrict k0 = B_b + (l0 + l) * sBr;")
+        w.line("const cf_elem* restrict k1 = l + 1 < lb ? k0 + sBr : k0;")
+        w.line("const cf_elem* restrict k2 = l + 2 < lb ? k0 + 2 * sBr : k0;")
+        w.line("const cf_elem* restrict k3 = l + 3 < lb ? k0 + 3 * sBr : k0;")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("const float* restrict qi = q + i * K;")
+            w.line("float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;")
+            w.line("#pragma omp simd reduction(+:a0, a1, a2, a3)")
+            with w.block("for (long k = 0; k < K; ++k)"):
+                w.line("a0 += qi[k] * CF_LOAD(k0[k]);")
+                w.line("a1 += qi[k] * CF_LOAD(k1[k]);")
+                w.line("a2 += qi[k] * CF_LOAD(k2[k]);")
+                w.line("a3 += qi[k] * CF_LOAD(k3[k]);")
+            w.line("s[i][l] = a0;")
+            w.line("if (l + 1 < lb) s[i][l + 1] = a1;")
+            w.line("if (l + 2 < lb) s[i][l + 2] = a2;")
+            w.line("if (l + 3 < lb) s[i][l + 3] = a3;")
+
+
+def _rows_scores_by_k(w: Writer) -> None:
+    """`_rows`' scores when B is stored [k, l] (a GEMM chain's softmax): rows of B added in,
+    vectorised along l."""
+    with w.block("for (int i = 0; i < mc; ++i)"):
+        w.line("for (int l = 0; l < lb; ++l) s[i][l] = 0.0f;")
+    with w.block("for (long k = 0; k < K; ++k)"):
+        w.line("const cf_elem* restrict br = B_b + k * sBr + l0;")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("const float qk = q[i * K + k];")
+            w.line("float* restrict si = s[i];")
+            w.line("#pragma omp simd")
+            w.line("for (int l = 0; l < lb; ++l) si[l] += qk * CF_LOAD(br[l]);")
 
 
 def _sliver_call(

@@ -400,3 +400,45 @@ def test_every_sequence_length_and_plan_shares_one_compiled_object() -> None:
     assert len(paths) == 1
     causal = compile(chainfuse.attention_chain(1, 2, 9, 9, 40, 24, causal=True))
     assert causal.path not in paths
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sq=st.integers(1, 8), sk=st.one_of(st.sampled_from([1, 5, 255, 256, 257, 513]), SEQ),
+    dqk=st.sampled_from([1, 3, 40, 59, 64, 111]), dv=st.sampled_from([1, 7, 64, 160]),
+    causal=st.booleans(), mask=MASK, broadcast=st.booleans(), magnitude=MAGNITUDE,
+    tail=st.booleans(),
+)  # fmt: skip
+def test_few_queries_take_the_row_path_and_match_the_reference(
+    sq: int, sk: int, dqk: int, dv: int, causal: bool, mask: str | None, broadcast: bool,
+    magnitude: float, tail: bool,
+) -> None:  # fmt: skip
+    # row blocks of <= ROWS_MAX queries (decoding) skip the micro-kernel; with `tail`, the last
+    # of several 16-query blocks is one, so both paths write parts of one output
+    from chainfuse.codegen.c import ROWS_MAX
+
+    assert sq <= ROWS_MAX
+    rows = 32 + sq if tail else sq
+    tiles = {"m": 16} if tail else None
+    _check_attention(1, 2, rows, sk, dqk, dv, causal, mask, broadcast, tiles, magnitude)
+
+
+def test_row_path_rows_without_keys_and_huge_scores() -> None:
+    # a fully masked query gives zeros, a huge score range stays finite, NaN in a key reaches
+    # exactly the queries whose scores read it, as in the tiled path
+    torch = pytest.importorskip("torch")
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (3, 300, 300))
+    mask = torch.ones(3, 300, dtype=torch.bool)
+    mask[1] = False
+    ours = cft.attention(q, k, v, attn_mask=mask)
+    assert torch.equal(ours[:, :, 1], torch.zeros_like(ours[:, :, 1]))
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(ours[:, :, [0, 2]], theirs[:, :, [0, 2]], rtol=1e-5, atol=1e-5)
+    big = cft.attention(q * 1e4, k * 1e4, v)
+    assert torch.isfinite(big).all()
+    k[0, 1, 290, 5] = float("nan")
+    nan = cft.attention(q, k, v)
+    assert torch.isnan(nan[0, 1]).all() and torch.isfinite(nan[0, 0]).all()

@@ -46,8 +46,11 @@ def test_bf16_gemm_chain_matches_reference(
 
 @pytest.mark.parametrize("mask", [None, "bool", "additive"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bf16_attention_matches_reference_and_torch(mask: str | None, causal: bool) -> None:
-    chain = chainfuse.attention_chain(2, 3, 65, 47, 40, 59, causal=causal, mask=mask,
+@pytest.mark.parametrize("seq_q", [65, 3])  # 3: the few-query path (`_rows`)
+def test_bf16_attention_matches_reference_and_torch(
+    mask: str | None, causal: bool, seq_q: int
+) -> None:
+    chain = chainfuse.attention_chain(2, 3, seq_q, 47, 40, 59, causal=causal, mask=mask,
                                       dtype="bfloat16")  # fmt: skip
     x = reference.random_inputs(chain, seed=4)
     out = compile(chain)(*[_bf16(x[t.name]) if t.name != "mask" or mask == "additive"
