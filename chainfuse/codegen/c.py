@@ -53,7 +53,7 @@ DIRECT_STRIPS = 8  # row blocks of at most this many nr-strips read B and D sliv
 DIRECT_STRIDE = 256  # if the slivers' rows are at most this many elements apart (measured: a
 # Mixer-C weight, rows 2-16 KiB apart, runs 12-24 % faster packed in 4 strips of 16; attention's
 # V, rows 256 B apart, 7-16 % faster in place at 32-128 keys)
-ROWS_MAX = 8  # attention row blocks of at most this many queries take `<name>_rows` (decoding)
+ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: Mixer-S-C's
 # weights, rows 8 KiB apart, 1.67 ms in place vs 2.84 ms packed in one strip of 64, 2.05 vs 2.36
@@ -503,7 +503,6 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     ker = spec.kernel
     mr, nr = ker.mr, ker.nr
     name = spec.name
-    softmax = spec.epilogue is Epilogue.SOFTMAX
     w = Writer()
     w.line("/*")
     for text in header.strip().split("\n"):
@@ -513,9 +512,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.lines(emit_with_packing(ker))
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
-    if softmax:
-        w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many queries or fewer: _rows */")
-        w.line(f"#define ROWS_LB {ROWS_LB} /* ... keys scored at a time */")
+    w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many rows or fewer: _rows */")
+    w.line(f"#define ROWS_LB {ROWS_LB} /* ... l (keys) at a time */")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
     w.line("/* floats from one packed MR-row sliver of a kc-step panel to the next: whole cache")
     w.line("   lines, an odd number of them, so that the slivers a panel's row-by-row packing")
@@ -568,13 +566,12 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
             " + DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN)"
-            + (" + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N);" if softmax else ";")
+            " + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N);"
         )
     w.line("")
     _store_e(w, spec)
-    if softmax:
-        w.line("")
-        _rows(w, spec)
+    w.line("")
+    _rows(w, spec)
     w.line("")
     w.line(
         "/* sizes: batch0, batch1, M, N, K, L; strides (elements) of A, B, D, E: batch0, batch1,"
@@ -645,9 +642,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict Et = Dt + DTF;")
             w.line("float* restrict col_max = Et + ALIGN16(N * LDE);")
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
-            if softmax:
-                w.line("float* restrict rows_q = col_sum + ALIGN16(MPN); /* see _rows */")
-                w.line("float* restrict rows_o = rows_q + ALIGN16(ROWS_MAX * K);")
+            w.line("float* restrict rows_q = col_sum + ALIGN16(MPN); /* see _rows */")
+            w.line("float* restrict rows_o = rows_q + ALIGN16(ROWS_MAX * K);")
             w.line(
                 "/* split: share t % split of block t / split; else blocks claimed one by one */"
             )
@@ -729,8 +725,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const long mo_end = M - mo < T_MO ? M : mo + T_MO;")
     with w.block("for (long m0 = mo; m0 < mo_end; m0 += T_M)"):
         w.line("const int mc = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
-        if spec.epilogue is Epilogue.SOFTMAX:
-            _rows_call(w, spec)
+        _rows_call(w, spec)
         _row_block(w, spec)
 
 
@@ -906,123 +901,156 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
 
 
 def _rows_call(w: Writer, spec: GemmChainSpec) -> None:
-    """A row block of at most ROWS_MAX queries (decoding: one query, or a group of them) goes
-    to `<name>_rows`: in the tiled path its queries would fill 1-4 of the micro-kernel's nr
-    columns, and the other FMAs of every call would be spent on padding."""
+    """A row block of at most ROWS_MAX rows of m (decoding: one query or a group of them; an
+    MLP's one token; a tail block) goes to `<name>_rows`: in the tiled path its rows would fill
+    1-8 of the micro-kernel's nr columns, and the other FMAs of every call would be spent on
+    padding. Threads that split l (one block, several threads) each add their share into their
+    Eᵀ, for the second pass to sum as it sums the tiled path's."""
     with w.block("if (mc <= ROWS_MAX)"):
         mask = "0, 0, 0"
         if spec.mask is not MaskKind.NONE:
             elem = "cf_elem" if spec.mask is MaskKind.ADDITIVE else "unsigned char"
             mask = f"(const {elem}*)mask_data + b0 * sM0 + b1 * sM1, sMm, sMl"
-        causal = "L < m0 + mc ? L : m0 + mc" if spec.causal else "L"
+        softmax = spec.epilogue is Epilogue.SOFTMAX
+        causal = "L < m0 + mc ? L : m0 + mc" if spec.causal else "l_hi"
+        scale = "scale2" if softmax else "1.0f"
+        et = "0" if softmax else "split > 1 ? Et : 0"
         w.line(
-            f"{spec.name}_rows(mc, m0, K, N, {causal}, A + b0 * sA0 + b1 * sA1 + m0 * sAm, sAm,"
-            " B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
-            f" E + b0 * sE0 + b1 * sE1 + m0 * sEm, sEm, scale2, {mask}, rows_q, rows_o);"
+            f"{spec.name}_rows(mc, m0, K, N, l_lo, {causal}, A + b0 * sA0 + b1 * sA1 + m0 * sAm,"
+            " sAm, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
+            f" E + b0 * sE0 + b1 * sE1 + m0 * sEm, sEm, {scale}, {mask}, rows_q, rows_o, {et},"
+            " LDE);"
         )
         w.line("continue;")
 
 
 def _rows(w: Writer, spec: GemmChainSpec) -> None:
-    """`<name>_rows`: attention for `mc` <= ROWS_MAX query rows (from `m0`) of one batch and
-    head over keys [0, l_end), without the micro-kernel: each key's row is read once for all
-    the rows' dot products (vectorised along k; a B stored [k, l] is added in row by row,
-    vectorised along l), the scores of ROWS_LB keys at a time go
-    through the same online softmax as the tiled path (base 2, running max and rescaled sum,
-    masks applied first), and V's rows are added into the rows' accumulators (vectorised
-    along n). Decoding reads K and V once per query group, at the speed memory gives."""
-    if spec.mask is MaskKind.ADDITIVE:
-        elem, load = "cf_elem", "CF_LOAD(mk[(l0 + l) * sMl]) * CF_LOG2E"
-    elif spec.mask is MaskKind.BOOL:
-        elem, load = "unsigned char", ""
-    else:
-        elem, load = "", ""
+    """`<name>_rows`: the chain for `mc` <= ROWS_MAX rows of m (from `m0`) of one batch index
+    over l in [l_lo, l_end), without the micro-kernel: each row of B (attention's K) is read
+    once for all the rows' dot products (vectorised along k; a B stored [k, l] is added in row
+    by row, vectorised along l), f runs on ROWS_LB scores at a time (a softmax as the tiled
+    path's online one: base 2, running max and rescaled sum, masks applied first), and D's rows
+    are added into the rows' accumulators (vectorised along n). Decoding and a single token's
+    MLP read B and D once per block of rows, at the speed memory gives. The result goes into
+    E, or, with `et` (threads that split l), into Eᵀ (row stride `lde`) for the second pass.
+    Optimised at -O2 (gcc; other compilers ignore the attribute): 0.3 s less compile than at
+    -O3, and as fast (measured on Zen 1, interleaved: 0.93-1.05 of the -O3 time)."""
+    softmax = spec.epilogue is Epilogue.SOFTMAX
     with w.block(
-        f"static __attribute__((noinline)) void {spec.name}_rows(int mc, long m0, long K, long N,\n"
-        "    long l_end, const cf_elem* restrict A_b, long sAm, const cf_elem* restrict B_b,"
-        " long sBr,\n    const cf_elem* restrict D_b, long sDl, cf_elem* restrict E_b, long sEm,"
-        " float scale2,\n    const void* mask_b, long sMm, long sMl, float* restrict q,"
-        " float* restrict o)"
+        f'static __attribute__((noinline, optimize("O2"))) void {spec.name}_rows(int mc,\n'
+        "    long m0, long K, long N,"
+        " long l_lo, long l_end, const cf_elem* restrict A_b, long sAm,"
+        " const cf_elem* restrict B_b,\n    long sBr, const cf_elem* restrict D_b, long sDl,"
+        " cf_elem* restrict E_b, long sEm,\n    float qscale, const void* mask_b, long sMm,"
+        " long sMl, float* restrict q, float* restrict o,\n    float* restrict et, long lde)"
     ):
         if spec.mask is MaskKind.NONE:
-            w.line("(void)mask_b; (void)sMm; (void)sMl;")
+            w.line("(void)mask_b; (void)sMm; (void)sMl; (void)m0;")
         w.line("float s[ROWS_MAX][ROWS_LB] __attribute__((aligned(32)));")
-        w.line("float cmax[ROWS_MAX], csum[ROWS_MAX];")
+        if softmax:
+            w.line("float cmax[ROWS_MAX], csum[ROWS_MAX];")
         with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("/* the query scaled into base 2, as the tiled path packs it */")
+            w.line("/* the row of A (softmax: scaled into base 2, as the tiled path packs it) */")
             w.line(
-                "for (long k = 0; k < K; ++k) q[i * K + k] = CF_LOAD(A_b[i * sAm + k]) * scale2;"
+                "for (long k = 0; k < K; ++k) q[i * K + k] = CF_LOAD(A_b[i * sAm + k]) * qscale;"
             )
             w.line("for (long n = 0; n < N; ++n) o[i * N + n] = 0.0f;")
-            w.line("cmax[i] = -INFINITY;")
-            w.line("csum[i] = 0.0f;")
-        with w.block("for (long l0 = 0; l0 < l_end; l0 += ROWS_LB)"):
+            if softmax:
+                w.line("cmax[i] = -INFINITY;")
+                w.line("csum[i] = 0.0f;")
+        with w.block("for (long l0 = l_lo; l0 < l_end; l0 += ROWS_LB)"):
             w.line("const int lb = (int)(l_end - l0 < ROWS_LB ? l_end - l0 : ROWS_LB);")
-            if not spec.b_transposed:
-                _rows_scores_by_k(w)
-            else:
+            if spec.b_transposed:
                 _rows_scores_by_key(w)
+            else:
+                _rows_scores_by_k(w)
             with w.block("for (int i = 0; i < mc; ++i)"):
                 w.line("float* restrict si = s[i];")
-                if spec.mask is not MaskKind.NONE:
-                    w.line(f"const {elem}* restrict mk = (const {elem}*)mask_b + (m0 + i) * sMm;")
+                if softmax:
+                    _rows_softmax(w, spec)
+                elif spec.epilogue is Epilogue.RELU:
+                    w.line("/* as the micro-kernel's max(x, 0) (which gives 0 for NaN) */")
+                    w.line("for (int l = 0; l < lb; ++l) si[l] = si[l] > 0.0f ? si[l] : 0.0f;")
+                elif spec.epilogue is Epilogue.GELU:
+                    w.line("#pragma omp simd")
                     with w.block("for (int l = 0; l < lb; ++l)"):
-                        if spec.mask is MaskKind.ADDITIVE:
-                            w.line(f"si[l] += {load};")
-                        else:
-                            w.line("si[l] = mk[(l0 + l) * sMl] ? si[l] : -INFINITY;")
-                if spec.causal:
-                    w.line(
-                        "/* keys after the query (l > m): the caller's l_end ends at the block's last */"
-                    )
-                    w.line(
-                        "for (int l = 0; l < lb; ++l) si[l] = l0 + l > m0 + i ? -INFINITY : si[l];"
-                    )
-                w.line("float mx = -INFINITY;")
-                w.line("for (int l = 0; l < lb; ++l) mx = si[l] > mx ? si[l] : mx;")
-                w.line("const float m_new = mx > cmax[i] ? mx : cmax[i];")
-                w.line("/* a row with nothing but -inf so far keeps zero mass */")
-                w.line("const float shift = m_new == -INFINITY ? 0.0f : m_new;")
-                w.line(
-                    "const float alpha = cmax[i] == -INFINITY ? 0.0f : cf_exp2_neg(cmax[i] - shift);"
-                )
-                w.line("cmax[i] = m_new;")
-                w.line("float sum = 0.0f;")
-                w.line("#pragma omp simd reduction(+:sum)")
-                with w.block("for (int l = 0; l < lb; ++l)"):
-                    w.line("const float e = cf_exp2_neg(si[l] - shift);")
-                    w.line("si[l] = e;")
-                    w.line("sum += e;")
-                w.line("csum[i] = csum[i] * alpha + sum;")
-                w.line("if (alpha != 1.0f) for (long n = 0; n < N; ++n) o[i * N + n] *= alpha;")
-            w.line("/* V's rows four at a time: each accumulator is loaded and stored once per")
-            w.line("   four keys, not once per key (a store-to-load wait each time) */")
-            w.line("int l = 0;")
-            with w.block("for (; l + 4 <= lb; l += 4)"):
-                w.line("const cf_elem* restrict v0 = D_b + (l0 + l) * sDl;")
-                w.line("const cf_elem* restrict v1 = v0 + sDl;")
-                w.line("const cf_elem* restrict v2 = v1 + sDl;")
-                w.line("const cf_elem* restrict v3 = v2 + sDl;")
-                with w.block("for (int i = 0; i < mc; ++i)"):
-                    w.line("const float p0 = s[i][l], p1 = s[i][l + 1];")
-                    w.line("const float p2 = s[i][l + 2], p3 = s[i][l + 3];")
-                    w.line("float* restrict oi = o + i * N;")
-                    w.line("#pragma omp simd")
-                    with w.block("for (long n = 0; n < N; ++n)"):
                         w.line(
-                            "oi[n] += p0 * CF_LOAD(v0[n]) + p1 * CF_LOAD(v1[n]) + p2 * CF_LOAD(v2[n])"
-                            " + p3 * CF_LOAD(v3[n]);"
+                            "si[l] = 0.5f * si[l] * (1.0f + cf_erf(si[l] * 0.70710678118654752f));"
                         )
-            with w.block("for (; l < lb; ++l)"):
-                w.line("const cf_elem* restrict vr = D_b + (l0 + l) * sDl;")
-                with w.block("for (int i = 0; i < mc; ++i)"):
-                    w.line("const float p = s[i][l];")
-                    w.line("float* restrict oi = o + i * N;")
-                    w.line("#pragma omp simd")
-                    w.line("for (long n = 0; n < N; ++n) oi[n] += p * CF_LOAD(vr[n]);")
+                else:
+                    w.line("(void)si;")
+            _rows_add_d(w)
         with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("const float inv = csum[i] > 0.0f ? 1.0f / csum[i] : 0.0f;")
-            w.line("for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n] * inv);")
+            if softmax:
+                w.line("const float inv = csum[i] > 0.0f ? 1.0f / csum[i] : 0.0f;")
+                w.line(
+                    "for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n] * inv);"
+                )
+            else:
+                w.line("if (et) for (long n = 0; n < N; ++n) et[n * lde + i] = o[i * N + n];")
+                w.line(
+                    "else for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n]);"
+                )
+        if softmax:
+            w.line("(void)et; (void)lde;")
+
+
+def _rows_softmax(w: Writer, spec: GemmChainSpec) -> None:
+    """`_rows`' online softmax of row i's `lb` scores `si` (masks first), its accumulator
+    rescaled by exp(old max - new max)."""
+    if spec.mask is MaskKind.ADDITIVE:
+        w.line("const cf_elem* restrict mk = (const cf_elem*)mask_b + (m0 + i) * sMm;")
+        w.line("for (int l = 0; l < lb; ++l) si[l] += CF_LOAD(mk[(l0 + l) * sMl]) * CF_LOG2E;")
+    elif spec.mask is MaskKind.BOOL:
+        w.line("const unsigned char* restrict mk = (const unsigned char*)mask_b + (m0 + i) * sMm;")
+        w.line("for (int l = 0; l < lb; ++l) si[l] = mk[(l0 + l) * sMl] ? si[l] : -INFINITY;")
+    if spec.causal:
+        w.line("/* keys after the query (l > m): the caller's l_end ends at the block's last */")
+        w.line("for (int l = 0; l < lb; ++l) si[l] = l0 + l > m0 + i ? -INFINITY : si[l];")
+    w.line("float mx = -INFINITY;")
+    w.line("for (int l = 0; l < lb; ++l) mx = si[l] > mx ? si[l] : mx;")
+    w.line("const float m_new = mx > cmax[i] ? mx : cmax[i];")
+    w.line("/* a row with nothing but -inf so far keeps zero mass */")
+    w.line("const float shift = m_new == -INFINITY ? 0.0f : m_new;")
+    w.line("const float alpha = cmax[i] == -INFINITY ? 0.0f : cf_exp2_neg(cmax[i] - shift);")
+    w.line("cmax[i] = m_new;")
+    w.line("float sum = 0.0f;")
+    w.line("#pragma omp simd reduction(+:sum)")
+    with w.block("for (int l = 0; l < lb; ++l)"):
+        w.line("const float e = cf_exp2_neg(si[l] - shift);")
+        w.line("si[l] = e;")
+        w.line("sum += e;")
+    w.line("csum[i] = csum[i] * alpha + sum;")
+    w.line("if (alpha != 1.0f) for (long n = 0; n < N; ++n) o[i * N + n] *= alpha;")
+
+
+def _rows_add_d(w: Writer) -> None:
+    """`_rows`' second GEMM: D's rows times the rows' values of f, into the accumulators."""
+    w.line("/* D's rows four at a time: each accumulator is loaded and stored once per four")
+    w.line("   of them, not once per row (a store-to-load wait each time) */")
+    w.line("int l = 0;")
+    with w.block("for (; l + 4 <= lb; l += 4)"):
+        w.line("const cf_elem* restrict v0 = D_b + (l0 + l) * sDl;")
+        w.line("const cf_elem* restrict v1 = v0 + sDl;")
+        w.line("const cf_elem* restrict v2 = v1 + sDl;")
+        w.line("const cf_elem* restrict v3 = v2 + sDl;")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("const float p0 = s[i][l], p1 = s[i][l + 1];")
+            w.line("const float p2 = s[i][l + 2], p3 = s[i][l + 3];")
+            w.line("float* restrict oi = o + i * N;")
+            w.line("#pragma omp simd")
+            with w.block("for (long n = 0; n < N; ++n)"):
+                w.line(
+                    "oi[n] += p0 * CF_LOAD(v0[n]) + p1 * CF_LOAD(v1[n]) + p2 * CF_LOAD(v2[n])"
+                    " + p3 * CF_LOAD(v3[n]);"
+                )
+    with w.block("for (; l < lb; ++l)"):
+        w.line("const cf_elem* restrict vr = D_b + (l0 + l) * sDl;")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("const float p = s[i][l];")
+            w.line("float* restrict oi = o + i * N;")
+            w.line("#pragma omp simd")
+            w.line("for (long n = 0; n < N; ++n) oi[n] += p * CF_LOAD(vr[n]);")
 
 
 def _rows_scores_by_key(w: Writer) -> None:
@@ -1055,7 +1083,24 @@ def _rows_scores_by_k(w: Writer) -> None:
     vectorised along l."""
     with w.block("for (int i = 0; i < mc; ++i)"):
         w.line("for (int l = 0; l < lb; ++l) s[i][l] = 0.0f;")
-    with w.block("for (long k = 0; k < K; ++k)"):
+    w.line("/* four rows of B at a time: the scores loaded and stored once per four */")
+    w.line("long k = 0;")
+    with w.block("for (; k + 4 <= K; k += 4)"):
+        w.line("const cf_elem* restrict b0 = B_b + k * sBr + l0;")
+        w.line("const cf_elem* restrict b1 = b0 + sBr;")
+        w.line("const cf_elem* restrict b2 = b1 + sBr;")
+        w.line("const cf_elem* restrict b3 = b2 + sBr;")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("const float* restrict qi = q + i * K + k;")
+            w.line("const float q0 = qi[0], q1 = qi[1], q2 = qi[2], q3 = qi[3];")
+            w.line("float* restrict si = s[i];")
+            w.line("#pragma omp simd")
+            with w.block("for (int l = 0; l < lb; ++l)"):
+                w.line(
+                    "si[l] += q0 * CF_LOAD(b0[l]) + q1 * CF_LOAD(b1[l]) + q2 * CF_LOAD(b2[l])"
+                    " + q3 * CF_LOAD(b3[l]);"
+                )
+    with w.block("for (; k < K; ++k)"):
         w.line("const cf_elem* restrict br = B_b + k * sBr + l0;")
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("const float qk = q[i * K + k];")

@@ -386,3 +386,32 @@ def test_op2_into_e_directly_with_b_stored_transposed(between: str | None) -> No
     kernel = compile(chain, tiles=tiles)
     assert kernel.spec.b_transposed and "cf_pack_b_panel(lc, nc" in kernel.source
     _check(chain, tiles)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2),
+    rows=st.integers(1, 8),
+    tail=st.booleans(),
+    N=AWKWARD,
+    K=st.one_of(st.sampled_from([1, 3, 4, 5, 64, 129]), AWKWARD),
+    L=st.one_of(st.sampled_from([1, 3, 255, 256, 257, 700]), AWKWARD),
+    between=BETWEEN,
+    transposed=st.booleans(),
+)
+def test_few_rows_take_the_row_path(
+    b: int, rows: int, tail: bool, N: int, K: int, L: int, between: str | None, transposed: bool
+) -> None:
+    # blocks of <= ROWS_MAX rows of m (one token through an MLP, a tail block after 16-row
+    # blocks) skip the micro-kernel; B given [k, l] (rows of B added in) or [l, k] (dot products)
+    from chainfuse.codegen.c import ROWS_MAX
+
+    assert rows <= ROWS_MAX
+    M = 32 + rows if tail else rows
+    sizes = dict(b=b, m=M, k=K, l=L, n=N)
+    second = "bml,bln->bmn"
+    if transposed:
+        chain = chainfuse.from_einsum("bmk,blk->bml", second, sizes=sizes, between=between)
+    else:
+        chain = chainfuse.from_einsum("bmk,bkl->bml", second, sizes=sizes, between=between)
+    _check(chain, {"m": 16} if tail else None)
