@@ -2,7 +2,8 @@
 
 The 12 attention-shaped paper workloads as `softmax(Q Kᵀ / sqrt(d)) V` with 4-D inputs
 [1, heads, seq, d] (so PyTorch takes its fused CPU kernel), plus short sequences (32, 64, 128;
-12 heads of 64). Every result is checked against the float64 reference first; then chainfuse,
+12 heads of 64) and decoding (one query against 512 keys, 12 heads of 64, and 1024 keys, 32
+heads of 128: the row path). Every result is checked against the float64 reference first; then chainfuse,
 `F.scaled_dot_product_attention` and matmul-softmax-matmul are timed interleaved in one process,
 medians at 1 thread and best-of at more. chainfuse is timed as a drop-in for SDPA
 (`chainfuse.ops.attention` on the same tensors, allocating its output as SDPA does).
@@ -29,17 +30,20 @@ __all__ = ["cases", "chain_of", "main", "run", "summarise"]
 
 SUITE = "attention"
 SHORT = (32, 64, 128)
+DECODE = (("decode-512", 12, 512, 64), ("decode-1024", 32, 1024, 128))  # one query
 BASELINES = ("sdpa", "unfused")
 
 
 def cases(quick: bool = False) -> list[tuple[str, int, int, int, int, int]]:
     """(name, heads, seq_q, seq_k, head_dim_qk, head_dim_v) of every case: the 12
     attention-shaped paper workloads (batch as heads; Mixer-S has seq_q != seq_k), then the
-    short sequences."""
+    short sequences, then decoding steps (one query)."""
     out = [(w.name, w.batch, w.M, w.L, w.K, w.N) for w in workloads.GEMM if w.attention_shaped]
     if quick:
         out = out[1:2] + out[5:6]
-    return out + [(f"seq-{s}", 12, s, s, 64, 64) for s in SHORT]
+    out += [(f"seq-{s}", 12, s, s, 64, 64) for s in SHORT]
+    decode = DECODE[:1] if quick else DECODE
+    return out + [(name, heads, 1, keys, d, d) for name, heads, keys, d in decode]
 
 
 def chain_of(name: str, dtype: str = "float32") -> Chain:
@@ -128,8 +132,9 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in sorted({r.threads for r in results}):
         mine = [r for r in results if r.threads == n and "sdpa" in r.ms]
-        paper = [r for r in mine if not r.workload.startswith("seq-")]
+        paper = [r for r in mine if not r.workload.startswith(("seq-", "decode-"))]
         short = [r for r in mine if r.workload.startswith("seq-")]
+        decode = [r for r in mine if r.workload.startswith("decode-")]
         ratios = [r.speedup("sdpa") for r in paper]
         out[f"{n}t"] = {
             "paper_geomean_vs_sdpa": geomean(ratios),
@@ -140,6 +145,7 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
             ),
             "paper_count": len(paper),
             "short_min_vs_best_torch": min((r.speedup() for r in short), default=math.nan),
+            "decode_min_vs_best_torch": min((r.speedup() for r in decode), default=math.nan),
         }
     return out
 

@@ -26,7 +26,7 @@ def test_bench_attention_quick_writes_the_report(tmp_path: Path) -> None:
     data = json.loads((out / "results.json").read_text())
     assert len(list(out.glob("*.png"))) >= 3
     cases = {r["workload"] for r in data["results"]}
-    assert {"seq-32", "seq-64", "seq-128"} <= cases and len(cases) == 5
+    assert {"seq-32", "seq-64", "seq-128", "decode-512"} <= cases and len(cases) == 6
     for r in data["results"]:
         assert r["threads"] == 1 and set(r["ms"]) == {"chainfuse", "sdpa", "unfused"}
         assert all(0 < v < math.inf for v in r["ms"].values())
