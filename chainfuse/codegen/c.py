@@ -1026,31 +1026,38 @@ def _rows_softmax(w: Writer, spec: GemmChainSpec) -> None:
 
 def _rows_add_d(w: Writer) -> None:
     """`_rows`' second GEMM: D's rows times the rows' values of f, into the accumulators."""
-    w.line("/* D's rows four at a time: each accumulator is loaded and stored once per four")
-    w.line("   of them, not once per row (a store-to-load wait each time) */")
-    w.line("int l = 0;")
-    with w.block("for (; l + 4 <= lb; l += 4)"):
-        w.line("const cf_elem* restrict v0 = D_b + (l0 + l) * sDl;")
-        w.line("const cf_elem* restrict v1 = v0 + sDl;")
-        w.line("const cf_elem* restrict v2 = v1 + sDl;")
-        w.line("const cf_elem* restrict v3 = v2 + sDl;")
+    _rows_add_rows(w, "l", "lb", "D_b + (l0 + l) * sDl", "sDl", "s[i][l + {j}]", "o + i * N", "N")
+
+
+def _rows_add_rows(
+    w: Writer, at: str, count: str, row: str, stride: str, weight: str, acc: str, width: str
+) -> None:
+    """For `at` over [0, count): `acc` (row i's accumulator, `width` floats) += `weight` (of
+    row i and `at` + {j}) times the row of an operand at `row` (`stride` apart from the next),
+    four rows at a time (each accumulator loaded and stored once per four, not once per row: a
+    store-to-load wait each time), then one at a time."""
+    w.line(f"long {at} = 0;")
+    with w.block(f"for (; {at} + 4 <= {count}; {at} += 4)"):
+        w.line(f"const cf_elem* restrict r0 = {row};")
+        for j in range(1, 4):
+            w.line(f"const cf_elem* restrict r{j} = r{j - 1} + {stride};")
         with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("const float p0 = s[i][l], p1 = s[i][l + 1];")
-            w.line("const float p2 = s[i][l + 2], p3 = s[i][l + 3];")
-            w.line("float* restrict oi = o + i * N;")
+            w.line(f"const float w0 = {weight.format(j=0)}, w1 = {weight.format(j=1)};")
+            w.line(f"const float w2 = {weight.format(j=2)}, w3 = {weight.format(j=3)};")
+            w.line(f"float* restrict a = {acc};")
             w.line("#pragma omp simd")
-            with w.block("for (long n = 0; n < N; ++n)"):
+            with w.block(f"for (long x = 0; x < {width}; ++x)"):
                 w.line(
-                    "oi[n] += p0 * CF_LOAD(v0[n]) + p1 * CF_LOAD(v1[n]) + p2 * CF_LOAD(v2[n])"
-                    " + p3 * CF_LOAD(v3[n]);"
+                    "a[x] += w0 * CF_LOAD(r0[x]) + w1 * CF_LOAD(r1[x]) + w2 * CF_LOAD(r2[x])"
+                    " + w3 * CF_LOAD(r3[x]);"
                 )
-    with w.block("for (; l < lb; ++l)"):
-        w.line("const cf_elem* restrict vr = D_b + (l0 + l) * sDl;")
+    with w.block(f"for (; {at} < {count}; ++{at})"):
+        w.line(f"const cf_elem* restrict r0 = {row};")
         with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("const float p = s[i][l];")
-            w.line("float* restrict oi = o + i * N;")
+            w.line(f"const float w0 = {weight.format(j=0)};")
+            w.line(f"float* restrict a = {acc};")
             w.line("#pragma omp simd")
-            w.line("for (long n = 0; n < N; ++n) oi[n] += p * CF_LOAD(vr[n]);")
+            w.line(f"for (long x = 0; x < {width}; ++x) a[x] += w0 * CF_LOAD(r0[x]);")
 
 
 def _rows_scores_by_key(w: Writer) -> None:
@@ -1079,34 +1086,11 @@ def _rows_scores_by_key(w: Writer) -> None:
 
 
 def _rows_scores_by_k(w: Writer) -> None:
-    """`_rows`' scores when B is stored [k, l] (a GEMM chain's softmax): rows of B added in,
-    vectorised along l."""
+    """`_rows`' scores when B is stored [k, l] (GEMM chains): rows of B added in, vectorised
+    along l."""
     with w.block("for (int i = 0; i < mc; ++i)"):
         w.line("for (int l = 0; l < lb; ++l) s[i][l] = 0.0f;")
-    w.line("/* four rows of B at a time: the scores loaded and stored once per four */")
-    w.line("long k = 0;")
-    with w.block("for (; k + 4 <= K; k += 4)"):
-        w.line("const cf_elem* restrict b0 = B_b + k * sBr + l0;")
-        w.line("const cf_elem* restrict b1 = b0 + sBr;")
-        w.line("const cf_elem* restrict b2 = b1 + sBr;")
-        w.line("const cf_elem* restrict b3 = b2 + sBr;")
-        with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("const float* restrict qi = q + i * K + k;")
-            w.line("const float q0 = qi[0], q1 = qi[1], q2 = qi[2], q3 = qi[3];")
-            w.line("float* restrict si = s[i];")
-            w.line("#pragma omp simd")
-            with w.block("for (int l = 0; l < lb; ++l)"):
-                w.line(
-                    "si[l] += q0 * CF_LOAD(b0[l]) + q1 * CF_LOAD(b1[l]) + q2 * CF_LOAD(b2[l])"
-                    " + q3 * CF_LOAD(b3[l]);"
-                )
-    with w.block("for (; k < K; ++k)"):
-        w.line("const cf_elem* restrict br = B_b + k * sBr + l0;")
-        with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("const float qk = q[i * K + k];")
-            w.line("float* restrict si = s[i];")
-            w.line("#pragma omp simd")
-            w.line("for (int l = 0; l < lb; ++l) si[l] += qk * CF_LOAD(br[l]);")
+    _rows_add_rows(w, "k", "K", "B_b + k * sBr + l0", "sBr", "q[i * K + k + {j}]", "s[i]", "lb")
 
 
 def _sliver_call(
