@@ -53,11 +53,11 @@ DIRECT_STRIPS = 8  # row blocks of at most this many nr-strips read B and D sliv
 DIRECT_STRIDE = 256  # if the slivers' rows are at most this many elements apart (measured: a
 # Mixer-C weight, rows 2-16 KiB apart, runs 12-24 % faster packed in 4 strips of 16; attention's
 # V, rows 256 B apart, 7-16 % faster in place at 32-128 keys)
-ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
-ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: Mixer-S-C's
 # weights, rows 8 KiB apart, 1.67 ms in place vs 2.84 ms packed in one strip of 64, 2.05 vs 2.36
 # ms in two of 32: a packed copy used once or twice does not pay for its writes)
+ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
+ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 
 
 # Every MR-wide sliver of a kc x width panel given row-major, packed row by row: a panel's rows
@@ -558,7 +558,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     if not spec.b_transposed:
         w.lines(_PREFETCH)
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
-    w.line("   packed Dᵀ, the Eᵀ accumulator and the softmax column statistics */")
+    w.line("   packed Dᵀ, the Eᵀ accumulator, the softmax column statistics, and the row path's")
+    w.line("   rows of A and accumulators (_rows) */")
     with w.block(f"long {name}_workspace(long K, long N, const long* tiles)"):
         w.line("CF_TILES(tiles)")
         w.line("const long TK = K < T_K ? K : T_K;")
