@@ -267,14 +267,14 @@ def attention(
         if flat and not lifted and len(mask_shape) == 3:  # [batch, seq_q, seq_k], 3-D inputs
             attn_mask = attn_mask[:, None]
             mask_shape = (mask_shape[0], 1, *mask_shape[1:])
+        full = (batch, heads, seq_q, seq_k)  # (q's heads: with GQA, k's are fewer)
+        if not ir.broadcasts(mask_shape, full):
+            raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale: expected a real number or None, got {scale!r}")
         scale = float(scale)
     if 0 in (batch, heads, seq_q, seq_k, sv[3]):  # no work: PyTorch's empty result or zeros
-        full = (batch, heads, seq_q, seq_k)
-        if mask_shape is not None and not ir.broadcasts(mask_shape, full):
-            raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
         result = _no_work("q", q, (batch, heads, seq_q, sv[3]))
         return result[0] if lifted else result[:, 0] if flat else result
     causal = bool(is_causal)
@@ -300,9 +300,6 @@ def _grouped(
     batch, heads, seq_q, d_qk = (int(s) for s in q.shape)
     kv_heads, seq_k, d_v = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     group = heads // kv_heads
-    if mask_shape is not None and not ir.broadcasts(mask_shape, (batch, heads, seq_q, seq_k)):
-        full = (batch, heads, seq_q, seq_k)
-        raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
     shape = (batch, heads, seq_q, d_v)
     torch = _is_torch(q)
     out: Any = (

@@ -726,12 +726,15 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const long mo_end = M - mo < T_MO ? M : mo + T_MO;")
     with w.block("for (long m0 = mo; m0 < mo_end; m0 += T_M)"):
         w.line("const int mc = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
+        # causal: key blocks wholly after the block's last query are all masked: skipped
+        bound = "L < m0 + mc ? L : m0 + mc" if spec.causal else "l_hi"
+        w.line(f"const long l_end = {bound};")
         _rows_call(w, spec)
         _row_block(w, spec)
 
 
 def _row_block(w: Writer, spec: GemmChainSpec) -> None:
-    """The body of one (batch, m_o) row block of `mc` <= T_M rows from `m0`."""
+    """The body of one (batch, m_o) row block of `mc` <= T_M rows from `m0`, keys up to `l_end`."""
     uk = spec.kernel.name
     softmax = spec.epilogue is Epilogue.SOFTMAX
     in_place = spec.dtype is DType.FLOAT32  # the micro-kernel reads fp32 slivers in place
@@ -762,9 +765,6 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (int i = 0; i < MPN; ++i)"):
             w.line("col_max[i] = -INFINITY;")
             w.line("col_sum[i] = 0.0f;")
-    # causal: key blocks wholly after the block's last query are all masked, so they are skipped
-    bound = "L < m0 + mc ? L : m0 + mc" if spec.causal else "l_hi"
-    w.line(f"const long l_end = {bound};")
     if _to_e(spec):
         w.line("/* op2 straight into E (see cf_pack_b_panel), unless the threads split l or D is")
         w.line("   read in place */")
@@ -913,11 +913,10 @@ def _rows_call(w: Writer, spec: GemmChainSpec) -> None:
             elem = "cf_elem" if spec.mask is MaskKind.ADDITIVE else "unsigned char"
             mask = f"(const {elem}*)mask_data + b0 * sM0 + b1 * sM1, sMm, sMl"
         softmax = spec.epilogue is Epilogue.SOFTMAX
-        causal = "L < m0 + mc ? L : m0 + mc" if spec.causal else "l_hi"
         scale = "scale2" if softmax else "1.0f"
         et = "0" if softmax else "split > 1 ? Et : 0"
         w.line(
-            f"{spec.name}_rows(mc, m0, K, N, l_lo, {causal}, A + b0 * sA0 + b1 * sA1 + m0 * sAm,"
+            f"{spec.name}_rows(mc, m0, K, N, l_lo, l_end, A + b0 * sA0 + b1 * sA1 + m0 * sAm,"
             " sAm, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
             f" E + b0 * sE0 + b1 * sE1 + m0 * sEm, sEm, {scale}, {mask}, rows_q, rows_o, {et},"
             " LDE);"
