@@ -20,7 +20,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,7 +60,7 @@ _STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
 # Below this predicted time a call runs on one thread: waking a passively waiting OpenMP worker
 # and joining it costs 20-60 us here (12 heads of 32 keys: 0.16 ms on two threads, 0.10 on one).
 ALONE_S = 40e-6
-_MASK_STRIDES = slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
+_MASK, _MASK_STRIDES = PACKED["mask"], slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
 
 
 #: A validated array argument: its data pointer and its strides in elements (a plain tuple: a
@@ -111,9 +111,7 @@ def _check(
             strides = tuple(s // size for s in x.strides)
             if any(s % size for s in x.strides):
                 raise ValueError(f"{name}: strides {x.strides} are not whole elements")
-        # from_buffer is 3x cheaper than .ctypes.data, but takes only whole writable buffers
-        fast = flags.writeable and flags.c_contiguous
-        ptr = ctypes.addressof(_BYTE.from_buffer(cast(Any, x))) if fast else int(x.ctypes.data)
+        ptr = _pointer(x)
     elif _is_torch(x):
         t: Any = x
         if not t.is_cpu:
@@ -136,6 +134,18 @@ def _check(
             "pass np.ascontiguousarray(x) or x.contiguous()"
         )
     return ptr, strides
+
+
+def _pointer(x: Any) -> int:
+    """The data pointer of an operand `_check` took before with this kind, shape, strides,
+    dtype and (numpy) writeable flag, or is checking now. `from_buffer` takes only whole
+    writable buffers."""
+    if type(x) is np.ndarray:
+        flags = x.flags
+        if flags.writeable and flags.c_contiguous:
+            return ctypes.addressof(_BYTE.from_buffer(cast(Any, x)))  # 3x .ctypes.data's speed
+        return int(x.ctypes.data)
+    return int(x.data_ptr())
 
 
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bool": np.dtype(np.bool_)}
@@ -268,12 +278,11 @@ class Kernel(_Built):
             local.strides = None  # what args holds: refilled when a call's strides differ
         return local
 
-    def _mask(self, by_name: dict[str, Any]) -> tuple[int | None, list[int]]:
+    def _mask(self, mask: Any) -> tuple[int, list[int]]:
         """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it broadcasts."""
-        if self._mask_index is None:
-            return None, [0, 0, 0, 0]
+        assert self._mask_index is not None
         name, dtype, index = self._mask_index
-        ptr, strides = _check(name, by_name[name], self._shapes[name], dtype=dtype)
+        ptr, strides = _check(name, mask, self._shapes[name], dtype=dtype)
         by_loop = {ix.loops[0]: st for ix, st in zip(index, strides, strict=True) if ix.loops}
         return ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in self._mask_loops]
 
@@ -298,12 +307,26 @@ class Kernel(_Built):
         self._outer_m = outer.get(m, ext[m])
         self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
         self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
+        self._mask_at = -1  # the mask's position among the inputs
         soft = next((op for op in chain.ops if isinstance(op, Softmax)), None)
         if soft is not None and soft.mask is not None:
             dtype = "bool" if soft.mask_kind is MaskKind.BOOL else self._dtype
             self._mask_index = (soft.mask.tensor, dtype, soft.mask.index)
+            self._mask_at = self._names.index(soft.mask.tensor)
 
     def __call__(self, *inputs: Any, out: Any = None) -> Any:
+        out, pointers, strides, mask_strides = self._bind(inputs, out)
+        self._launch(pointers, strides, mask_strides, get_num_threads())
+        return out
+
+    def _bind(
+        self, inputs: tuple[Any, ...], out: Any
+    ) -> tuple[Any, list[int], tuple[int, ...], list[int] | None]:
+        """Check a call's operands (`inputs` in `chain.inputs` order) and its output (a new one
+        when `out` is None): (out, the pointers of A, B, D, E [, the mask], their strides along
+        the batch dims and rows as the kernel takes them, the mask's along (batch0, batch1, m,
+        l) or None). What `_launch` takes; the strides depend on the operands' shapes and
+        strides only, so `ops` runs a repeat call from them with new pointers."""
         if len(inputs) != len(self._names):
             names = ", ".join(self._names)
             raise TypeError(f"{self.chain.name}: expected {len(self._names)} inputs ({names})")
@@ -329,21 +352,34 @@ class Kernel(_Built):
             *pad, *a_st[: nb + 1], *pad, *b_st[: nb + 1],
             *pad, *d_st[: nb + 1], *pad, *e_st[: nb + 1],
         )  # fmt: skip
-        local = self._workspace(1 if self._alone else get_num_threads())
+        pointers = [a_ptr, b_ptr, d_ptr, e_ptr]
+        mask_strides = None
+        if self._mask_index is not None:
+            mask_ptr, mask_strides = self._mask(inputs[self._mask_at])
+            pointers.append(mask_ptr)
+        return out, pointers, strides, mask_strides
+
+    def _launch(
+        self,
+        pointers: Sequence[int],
+        strides: tuple[int, ...],
+        mask_strides: list[int] | None,
+        threads: int,
+    ) -> None:
+        """Run on checked operands (`_bind`'s pointers, strides and mask strides)."""
+        local = self._workspace(1 if self._alone else threads)
         packed = local.args
         if strides != local.strides:
             packed[_STRIDES] = strides
             local.strides = strides
-        packed[_A] = a_ptr
-        packed[_B] = b_ptr
-        packed[_D] = d_ptr
-        packed[_E] = e_ptr
-        if self._mask_index is not None:
-            mask_ptr, mask_strides = self._mask(dict(zip(self._names, inputs, strict=True)))
-            packed[PACKED["mask"]] = mask_ptr
+        packed[_A] = pointers[0]
+        packed[_B] = pointers[1]
+        packed[_D] = pointers[2]
+        packed[_E] = pointers[3]
+        if mask_strides is not None:
+            packed[_MASK] = pointers[4]
             packed[_MASK_STRIDES] = mask_strides
         self._fn(local.address)
-        return out
 
 
 def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], int]:

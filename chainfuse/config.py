@@ -72,7 +72,17 @@ def default_num_threads() -> int:
     levels), else the number of CPUs this process may run on (its affinity mask, which is what a
     container or ``taskset`` gives us, not the machine's core count).
     """
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and type(data) is dict:
+        # os.environ's own dict (bytes to bytes on POSIX), which every write to os.environ
+        # updates: `os.environ.get` of an unset variable raises and catches a KeyError inside,
+        # ~2 us here, and every kernel call asks
+        raw = data.get(_NUM_THREADS_KEY)
+        return _threads_from(None if raw is None else os.fsdecode(raw))
     return _threads_from(os.environ.get(ENV_NUM_THREADS))
+
+
+_NUM_THREADS_KEY = os.fsencode(ENV_NUM_THREADS)
 
 
 @functools.lru_cache(maxsize=8)

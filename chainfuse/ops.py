@@ -15,12 +15,20 @@ from __future__ import annotations
 import functools
 import numbers
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from chainfuse import ir
-from chainfuse.compiler import ConvKernel, Kernel, _is_torch, compile, compile_conv
+from chainfuse.compiler import (
+    _TORCH_TYPES,
+    ConvKernel,
+    Kernel,
+    _is_torch,
+    _pointer,
+    compile,
+    compile_conv,
+)
 from chainfuse.ir import Activation
 from chainfuse.runtime import get_num_threads
 
@@ -106,6 +114,110 @@ def _no_work(name: str, like: Any, shape: tuple[int, ...], value: Any = 0, out: 
     return out
 
 
+class _Replay(NamedTuple):
+    """How a call ran, by what decided it (`_REPLAY`'s key): its kernel, where A, B, D (and
+    the mask) are among the call's operands, the strides and mask strides the kernel's checks
+    found, the result's shape, and whether the result is `empty_like` of the first operand."""
+
+    kernel: Kernel
+    at: tuple[int, ...]
+    strides: tuple[int, ...]
+    mask_strides: list[int] | None
+    shape: tuple[int, ...]
+    like: bool
+
+
+# Calls made before, by everything that decides how they run: the op, its other arguments, the
+# thread count, and each operand's kind, shape, strides and dtype (a numpy array's writeable
+# flag too) -> how it ran. A repeat call reads its operands' pointers and runs the kernel: a
+# 1x1x4x8 attention call took 37 us here, most of it checks whose answers were already known,
+# and takes 19-20 (SDPA's whole call: 14). Operands that require grad, live on another device
+# or mix kinds take the checked path every time, which raises what it should.
+_REPLAY: dict[tuple[Any, ...], _Replay] = {}
+_REPLAY_MAX = 4096
+
+
+def _signature(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The operands' part of a `_REPLAY` key (None: operands absent from the call), or None
+    when they are not all numpy arrays or all plain CPU tensors outside autograd."""
+    kind = type(xs[0])
+    key: list[Any] = [kind]
+    if kind is np.ndarray:
+        for x in xs:
+            if x is None:
+                key.append(None)
+            elif type(x) is np.ndarray:
+                key += (x.shape, x.strides, x.dtype, x.flags.writeable)
+            else:
+                return None
+    elif kind in _TORCH_TYPES or _is_torch(xs[0]):
+        for x in xs:
+            if x is None:
+                key.append(None)
+            elif type(x) is kind and x.is_cpu and not x.requires_grad:
+                key += (x.shape, x.stride(), x.dtype)
+            else:
+                return None
+    else:
+        return None
+    return tuple(key)
+
+
+def _empty(like: Any, shape: tuple[int, ...], same: bool) -> Any:
+    """A new result of `like`'s kind and dtype: `empty_like(like)` when `same` (a contiguous
+    tensor of that shape: without arguments it costs half of `torch.empty`)."""
+    if type(like) is np.ndarray:
+        return np.empty(shape, like.dtype)
+    torch = sys.modules["torch"]
+    return torch.empty_like(like) if same else torch.empty(shape, dtype=like.dtype)
+
+
+def _result(like: Any, shape: tuple[int, ...]) -> tuple[Any, bool]:
+    """A new result for a call on `like` (`_empty`), and whether it is `empty_like(like)`."""
+    same = _is_torch(like) and tuple(like.shape) == shape and bool(like.is_contiguous())
+    return _empty(like, shape, same), same
+
+
+def _run(
+    kernel: Kernel,
+    inputs: tuple[Any, ...],
+    out: Any,
+    threads: int,
+    key: tuple[Any, ...] | None,
+    result: Any,
+    like: bool,
+) -> None:
+    """Check and run one kernel call on `inputs` (views of the caller's operands at the same
+    addresses, in the same order) into `out` (a view of `result`), and remember how under
+    `key`, for `_replay`."""
+    _, pointers, strides, mask_strides = kernel._bind(inputs, out)
+    kernel._launch(pointers, strides, mask_strides, threads)
+    if key is not None:
+        if len(_REPLAY) >= _REPLAY_MAX:
+            _REPLAY.clear()
+        at = kernel._positions + ((kernel._mask_at,) if mask_strides is not None else ())
+        shape = tuple(int(s) for s in result.shape)
+        _REPLAY[key] = _Replay(kernel, at, strides, mask_strides, shape, like)
+
+
+def _replay(r: _Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
+    """Run a call `_run` ran before with operands like these: their pointers, its strides."""
+    if out is None:
+        out = _empty(operands[0], r.shape, r.like)
+    at = r.at
+    if type(out) is np.ndarray:
+        pointer = _pointer
+        pointers = [pointer(operands[at[0]]), pointer(operands[at[1]]), pointer(operands[at[2]]),
+                    pointer(out)]  # fmt: skip
+    else:  # tensors (of one kind: the key says so): their pointers without a helper's call
+        pointers = [operands[at[0]].data_ptr(), operands[at[1]].data_ptr(),
+                    operands[at[2]].data_ptr(), out.data_ptr()]  # fmt: skip
+    if r.mask_strides is not None:
+        pointers.append(_pointer(operands[at[3]]))
+    r.kernel._launch(pointers, r.strides, r.mask_strides, threads)
+    return out
+
+
 # Kernels by the plain arguments of the chain builders and the thread count calls use now (the
 # plan is made for it): building and verifying a chain costs 300-500 us, far more than a small
 # call's kernel, and a call with known sizes should not pay it again.
@@ -147,17 +259,27 @@ def gemm_chain(
     dimensions give what numpy's matmul gives (an empty result, or zeros for K = 0 or L = 0;
     the mean of D's rows for K = 0 with softmax, whose scores are then all equal).
     """
+    threads = get_num_threads()
+    key = None
+    if between is None or between.__class__ is str or isinstance(between, Activation):
+        sig = _signature((A, B, D, out))
+        if sig is not None:
+            key = ("gemm_chain", between, threads, sig)
+            hit = _REPLAY.get(key)
+            if hit is not None:
+                return _replay(hit, (A, B, D), out, threads)
     dtype, (sa, sb, sd) = _operands("A, B, D", A, B, D)
     if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
         raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
     _inference_only("A, B, D", A, B, D)
     flat = len(sa) == 2
-    user_out = out
+    user_out, first = out, A
     if flat:
         A, B, D = A[None], B[None], D[None]
         sa, sb, sd = (1, *sa), (1, *sb), (1, *sd)
         if out is not None:
             out = out[None]
+    operands = (A, B, D)
     batch, M, K = sa
     if sb[0] != batch or sd[0] != batch:
         raise ValueError(f"A, B, D: batch sizes differ: {sa[0]}, {sb[0]}, {sd[0]}")
@@ -182,9 +304,13 @@ def gemm_chain(
                 "A", A[0], (M, N), value if isinstance(value, int) else value[0], user_out
             )
         return _no_work("A", A, (batch, M, N), value, out)
-    kernel = _gemm_kernel((batch, M, N, K, L), between, dtype, get_num_threads())
-    result = kernel(A, B, D, out=out)
-    return result[0] if flat else result
+    kernel = _gemm_kernel((batch, M, N, K, L), between, dtype, threads)
+    like = False
+    if user_out is None:
+        user_out, like = _result(first, (M, N) if flat else (batch, M, N))
+        out = user_out[None] if flat else user_out
+    _run(kernel, operands, out, threads, key, user_out, like)
+    return user_out
 
 
 def attention(
@@ -214,6 +340,21 @@ def attention(
     must be 0 (inference). torch inputs that require grad are refused while grad mode is on:
     the kernel has no backward, and a result silently cut from the graph would be wrong later.
     """
+    threads = get_num_threads()
+    key = None
+    if (
+        (is_causal is False or is_causal is True)
+        and (enable_gqa is False or enable_gqa is True)
+        and dropout_p.__class__ is float
+        and dropout_p == 0.0
+        and (scale is None or scale.__class__ is float)
+    ):
+        sig = _signature((q, k, v, attn_mask))
+        if sig is not None:
+            key = ("attention", is_causal, enable_gqa, scale, threads, sig)
+            hit = _REPLAY.get(key)
+            if hit is not None:
+                return _replay(hit, (q, k, v, attn_mask), None, threads)
     # (identity tests first: a short sequence's call takes ~100 us, and each check ~0.1-0.3 us)
     if is_causal is not False and is_causal is not True and not isinstance(is_causal, np.bool_):
         raise TypeError(
@@ -237,6 +378,7 @@ def attention(
     # 3-D inputs: [batch, seq, dim] as one head per batch, or, with enable_gqa, their first
     # dim as the heads (PyTorch groups dim -3, whatever it is)
     lifted = flat and bool(enable_gqa) and sk[0] != sq[0]
+    first = q
     if lifted:
         q, k, v = q[None], k[None], v[None]
         sq, sk, sv = (1, *sq), (1, *sk), (1, *sv)
@@ -278,34 +420,40 @@ def attention(
         result = _no_work("q", q, (batch, heads, seq_q, sv[3]))
         return result[0] if lifted else result[:, 0] if flat else result
     causal = bool(is_causal)
+    # the result in the caller's shape; the kernel writes it through a 4-D view
+    shape = (heads, seq_q, sv[3]) if lifted else (batch, seq_q, sv[3]) if flat else None
+    result, like = _result(first, shape or (batch, heads, seq_q, sv[3]))
+    out = result[None] if lifted else result[:, None] if flat else result
     if kv_heads != heads:
-        out = _grouped(q, k, v, attn_mask, causal, scale, mask_kind, mask_shape, dtype)
+        _grouped(q, k, v, attn_mask, causal, scale, mask_kind, mask_shape, dtype, out,
+                 (threads, key, result, like))  # fmt: skip
     else:
         kernel = _attention_kernel((batch, heads, seq_q, seq_k, d_qk, sv[3]), causal, mask_kind,
-                                   scale, mask_shape, dtype, get_num_threads())  # fmt: skip
-        out = kernel(q, k, v) if attn_mask is None else kernel(q, k, v, attn_mask)
-    return out[0] if lifted else out[:, 0] if flat else out
+                                   scale, mask_shape, dtype, threads)  # fmt: skip
+        inputs = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
+        _run(kernel, inputs, out, threads, key, result, like)
+    return result
 
 
 def _grouped(
     q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, mask_kind: str | None,
-    mask_shape: tuple[int, ...] | None, dtype: str,
-) -> Any:  # fmt: skip
-    """Grouped-query attention (4-D operands, k and v with heads/g heads) with k and v in place.
+    mask_shape: tuple[int, ...] | None, dtype: str, out: Any,
+    run: tuple[int, tuple[Any, ...] | None, Any, bool],
+) -> None:  # fmt: skip
+    """Grouped-query attention (4-D operands, k and v with heads/g heads) with k and v in place,
+    into `out` [batch, heads, seq_q, d_v] (a contiguous result, or a view of one); `run` is
+    `_run`'s (threads, key, result, like).
 
     Without a mask and causality, and with q's heads g at a time one after the other in memory
     (a contiguous q), q is seen as [batch, kv_heads, g * seq_q, d]: one call whose blocks of
-    queries are g times longer. Otherwise one call per member of the group on the strided
-    views q[:, j::g] and out[:, j::g] (a mask along the heads sliced the same way)."""
+    queries are g times longer (remembered for a repeat call). Otherwise one call per member of
+    the group on the strided views q[:, j::g] and out[:, j::g] (a mask along the heads sliced
+    the same way)."""
     batch, heads, seq_q, d_qk = (int(s) for s in q.shape)
     kv_heads, seq_k, d_v = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     group = heads // kv_heads
-    shape = (batch, heads, seq_q, d_v)
     torch = _is_torch(q)
-    out: Any = (
-        sys.modules["torch"].empty(shape, dtype=q.dtype) if torch else np.empty(shape, q.dtype)
-    )
-    threads = get_num_threads()
+    threads, key, result, like = run
     row = q.stride(2) if torch else q.strides[2]
     head = q.stride(1) if torch else q.strides[1]
     if mask is None and not causal and (seq_q == 1 or head == seq_q * row):
@@ -313,10 +461,11 @@ def _grouped(
         kernel = _attention_kernel(sizes, False, None, scale, None, dtype, threads)
         merged = (batch, kv_heads, group * seq_q)
         if torch:
-            kernel(q.view(*merged, d_qk), k, v, out=out.view(*merged, d_v))
-        else:
-            kernel(q.reshape(*merged, d_qk), k, v, out=out.reshape(*merged, d_v))
-        return out
+            q_all, out_all = q.view(*merged, d_qk), out.view(*merged, d_v)
+        else:  # views: q's heads are contiguous, and so is out
+            q_all, out_all = q.reshape(*merged, d_qk), out.reshape(*merged, d_v)
+        _run(kernel, (q_all, k, v), out_all, threads, key, result, like)
+        return
     per_head = mask_shape is not None and len(mask_shape) >= 3 and mask_shape[-3] == heads > 1
     if per_head and mask_shape is not None:
         mask_shape = (*mask_shape[:-3], kv_heads, *mask_shape[-2:])
@@ -327,7 +476,6 @@ def _grouped(
         if mask is not None:
             inputs.append(mask[..., j::group, :, :] if per_head else mask)
         kernel(*inputs, out=out[:, j::group])
-    return out
 
 
 def _inference_only(names: str, *xs: Any) -> None:

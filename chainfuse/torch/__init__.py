@@ -30,13 +30,18 @@ def attention(
     """
     import torch
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask: must be None when is_causal=True (as in PyTorch's SDPA)")
-    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
-        raise TypeError(f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}")
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask: must be None when is_causal=True (as in PyTorch's SDPA)")
+        if attn_mask.dtype not in (torch.bool, q.dtype):
+            raise TypeError(
+                f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}"
+            )
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
     return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                          dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip

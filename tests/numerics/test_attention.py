@@ -166,7 +166,7 @@ def test_no_keys_give_zeros_and_no_queries_an_empty_result_like_pytorch() -> Non
     with pytest.raises(ValueError, match=r"attn_mask: shape \(5, 3\) does not broadcast"):
         cft.attention(q, k, v, attn_mask=torch.ones(5, 3, dtype=torch.bool))
     empty = torch.zeros(1, 2, 0, 8, device="meta")
-    with pytest.raises(ValueError, match="q: expected a CPU tensor, got device meta"):
+    with pytest.raises(ValueError, match="Q: expected a CPU tensor, got device meta"):
         cft.attention(empty, empty, empty)
 
 
@@ -221,6 +221,76 @@ def test_ops_find_their_kernel_by_sizes_without_rebuilding_the_chain(
         np.testing.assert_array_equal(x, y)
     ops.attention(q, k, v, scale=0.5)  # other arguments: a chain of their own
     assert built == ["attention_chain"]
+
+
+def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
+    # a call with an earlier call's operand kinds, shapes, strides and dtypes (and its other
+    # arguments and thread count) runs from what the earlier checks found (`ops._REPLAY`): new
+    # data at new addresses must be read, and whatever the key leaves out must still be refused
+    torch = pytest.importorskip("torch")
+    from chainfuse import ops
+
+    g = torch.Generator().manual_seed(11)
+
+    def sdpa(q: object, k: object, v: object, attn_mask: object = None, **kw: object) -> object:
+        d = [x.double() for x in (q, k, v)]  # type: ignore[attr-defined]
+        if attn_mask is not None and attn_mask.dtype != torch.bool:  # type: ignore[attr-defined]
+            attn_mask = attn_mask.double()  # type: ignore[attr-defined]
+        out = torch.nn.functional.scaled_dot_product_attention(*d, attn_mask=attn_mask, **kw)
+        return out.float()
+
+    def new(*shape: int) -> object:
+        return torch.randn(*shape, generator=g)
+
+    k, v = new(2, 3, 9, 8), new(2, 3, 9, 8)
+    for q in (new(2, 3, 9, 8), new(2, 3, 9, 8), new(2, 9, 3, 8).transpose(1, 2),
+              new(2, 3, 11, 8)[:, :, 2:], new(2, 3, 9, 8)):  # fmt: skip
+        for causal in (False, True):
+            torch.testing.assert_close(ops.attention(q, k, v, is_causal=causal),
+                                       sdpa(q, k, v, is_causal=causal))  # fmt: skip
+    assert len({key for key in ops._REPLAY if key[0] == "attention"}) >= 6
+    # masks: a bool then a float mask of one shape, then a broadcast one with other strides
+    q = new(2, 3, 9, 8)
+    for mask in (new(9, 9) > 0, new(9, 9), new(2, 1, 9, 9), new(2, 1, 9, 9)[:, :, :, :]):
+        for _ in range(2):
+            torch.testing.assert_close(ops.attention(q, k, v, mask), sdpa(q, k, v, attn_mask=mask))
+    # grad, device, kind: what a repeat call must still check
+    q.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="q: requires grad"):
+        ops.attention(q, k, v)
+    q.requires_grad_(False)
+    with pytest.raises(ValueError, match="Q: expected a CPU tensor, got device meta"):
+        ops.attention(q.to("meta"), k, v)
+    for _ in range(2):  # kinds mixed: the checked path each time
+        torch.testing.assert_close(ops.attention(q, k.numpy(), v), sdpa(q, k, v))
+    numpy_out = ops.attention(q.numpy(), k.numpy(), v.numpy())
+    assert isinstance(numpy_out, np.ndarray)
+    np.testing.assert_array_equal(numpy_out, ops.attention(q, k, v).numpy())
+    # another thread count is another key, and the kernel runs with it
+    chainfuse.set_num_threads(1)
+    try:
+        torch.testing.assert_close(ops.attention(q, k, v), sdpa(q, k, v))
+        assert any(key[4] == 1 for key in ops._REPLAY if key[0] == "attention")
+    finally:
+        chainfuse.set_num_threads(None)
+    # an output array: written in place again, and refused once it is read-only
+    rng = np.random.default_rng(2)
+    A, B, D = (rng.standard_normal(s, dtype=np.float32) for s in ((2, 5, 7), (2, 7, 6), (2, 6, 3)))
+    E = np.empty((2, 5, 3), np.float32)
+    want = np.maximum(A @ B, 0) @ D
+    for _ in range(2):
+        E[...] = np.nan
+        assert ops.gemm_chain(A, B, D, "relu", out=E) is E
+        np.testing.assert_allclose(E, want, rtol=1e-5, atol=1e-5)
+    E.flags.writeable = False
+    with pytest.raises(ValueError, match="out: the output array is read-only"):
+        ops.gemm_chain(A, B, D, "relu", out=E)
+    B2 = rng.standard_normal((2, 7, 6), dtype=np.float32)  # new data, same key: read anew
+    np.testing.assert_allclose(ops.gemm_chain(A, B2, D, "relu"), np.maximum(A @ B2, 0) @ D,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    ops._REPLAY.clear()  # and a cleared memory is only slower
+    np.testing.assert_allclose(ops.gemm_chain(A, B2, D, "relu"), np.maximum(A @ B2, 0) @ D,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "dv-differs", "requires-grad"])
