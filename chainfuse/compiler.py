@@ -676,28 +676,45 @@ class ConvKernel(_Built):
     def __call__(
         self, x: Any, w1: Any, w2: Any, b1: Any = None, b2: Any = None, out: Any = None
     ) -> Any:
+        out, pointers, strides, _ = self._bind(x, w1, w2, b1, b2, out)
+        self._launch(pointers, strides, get_num_threads())
+        return out
+
+    def _bind(
+        self, x: Any, w1: Any, w2: Any, b1: Any, b2: Any, out: Any
+    ) -> tuple[Any, list[int | None], tuple[int, ...], bool | None]:
+        """Check a call's operands and its output (a new one when `out` is None): (out, the
+        pointers of x, w1, w2, b1, b2 (None: no bias), out, the strides of x, w1, w2, out,
+        whether a new out is channels-last (None: the caller's)). What `_launch` takes; the
+        strides depend on the operands' shapes and strides only (`ops` replays them)."""
         shapes = self._shapes
         ax = _dense_strides("x", x, shapes["x"])
         a1 = _dense_strides("w1", w1, shapes["w1"])
         a2 = _dense_strides("w2", w2, shapes["w2"])
         bias1 = None if b1 is None else _dense_strides("b1", b1, shapes["b1"])[0]
         bias2 = None if b2 is None else _dense_strides("b2", b2, shapes["b2"])[0]
+        channels_last = None
         if out is None:
             # channels-last: C innermost (with C = 1 both orders are dense; strides decide)
             xs = ax[1]
             channels_last = xs[1] == 1 and _dense_in((0, 2, 3, 1), shapes["x"], xs)
             out = _empty_like_input(x, shapes["out"], channels_last)
         ao = _dense_strides("out", out, shapes["out"], writable=True)
-        threads = get_num_threads()
-        base, strides = self._workspace(threads)
-        strides[:] = (*ax[1], *a1[1], *a2[1], *ao[1])
-        at = ctypes.addressof(strides)
+        strides = (*ax[1], *a1[1], *a2[1], *ao[1])
+        return out, [ax[0], a1[0], a2[0], bias1, bias2, ao[0]], strides, channels_last
+
+    def _launch(
+        self, pointers: Sequence[int | None], strides: tuple[int, ...], threads: int
+    ) -> None:
+        """Run on checked operands (`_bind`'s pointers and strides)."""
+        base, packed = self._workspace(threads)
+        packed[:] = strides
+        at = ctypes.addressof(packed)
+        x, w1, w2, b1, b2, out = pointers
         self._fn(
-            ax[0], a1[0], a2[0], bias1, bias2, ao[0],
-            self._geometry, at, at + 32, at + 64, at + 96,
+            x, w1, w2, b1, b2, out, self._geometry, at, at + 32, at + 64, at + 96,
             base, base + 4 * self._shared, self._per, threads,
         )  # fmt: skip
-        return out
 
 
 def _empty_like_input(x: Any, shape: tuple[int, ...], channels_last: bool) -> Any:

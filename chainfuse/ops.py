@@ -24,6 +24,7 @@ from chainfuse.compiler import (
     _TORCH_TYPES,
     ConvKernel,
     Kernel,
+    _empty_like_input,
     _is_torch,
     _pointer,
     compile,
@@ -272,6 +273,7 @@ def gemm_chain(
     if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
         raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
     _inference_only("A, B, D", A, B, D)
+    _on_cpu("A, B, D, out", A, B, D, out)
     flat = len(sa) == 2
     user_out, first = out, A
     if flat:
@@ -374,6 +376,7 @@ def attention(
     if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
         raise ValueError(f"q, k, v: expected all 3-D or all 4-D, got shapes {sq}, {sk}, {sv}")
     _inference_only("q, k, v, attn_mask", q, k, v, attn_mask)
+    _on_cpu("q, k, v, attn_mask", q, k, v, attn_mask)
     flat = len(sq) == 3
     # 3-D inputs: [batch, seq, dim] as one head per batch, or, with enable_gqa, their first
     # dim as the heads (PyTorch groups dim -3, whatever it is)
@@ -444,7 +447,8 @@ def _grouped(
     into `out` [batch, heads, seq_q, d_v] (a contiguous result, or a view of one); `run` is
     `_run`'s (threads, key, result, like).
 
-    Without a mask and causality, and with q's heads g at a time one after the other in memory
+    Without causality, and either with one query and a mask (if any) that does not vary over
+    the heads, or without a mask and with q's heads g at a time one after the other in memory
     (a contiguous q), q is seen as [batch, kv_heads, g * seq_q, d]: one call whose blocks of
     queries are g times longer (remembered for a repeat call). Otherwise one call per member of
     the group on the strided views q[:, j::g] and out[:, j::g] (a mask along the heads sliced
@@ -456,17 +460,20 @@ def _grouped(
     threads, key, result, like = run
     row = q.stride(2) if torch else q.strides[2]
     head = q.stride(1) if torch else q.strides[1]
-    if mask is None and not causal and (seq_q == 1 or head == seq_q * row):
+    per_head = mask_shape is not None and len(mask_shape) >= 3 and mask_shape[-3] == heads > 1
+    # one query (a decoding step): a mask that is the same for every head (a padding mask) is
+    # the same for every row of the merged call too, and k and v are read once per group
+    if not causal and (seq_q == 1 or (mask is None and head == seq_q * row)) and not per_head:
         sizes = (batch, kv_heads, group * seq_q, seq_k, d_qk, d_v)
-        kernel = _attention_kernel(sizes, False, None, scale, None, dtype, threads)
+        kernel = _attention_kernel(sizes, False, mask_kind, scale, mask_shape, dtype, threads)
         merged = (batch, kv_heads, group * seq_q)
         if torch:
             q_all, out_all = q.view(*merged, d_qk), out.view(*merged, d_v)
         else:  # views: q's heads are contiguous, and so is out
             q_all, out_all = q.reshape(*merged, d_qk), out.reshape(*merged, d_v)
-        _run(kernel, (q_all, k, v), out_all, threads, key, result, like)
+        merged_inputs = (q_all, k, v) if mask is None else (q_all, k, v, mask)
+        _run(kernel, merged_inputs, out_all, threads, key, result, like)
         return
-    per_head = mask_shape is not None and len(mask_shape) >= 3 and mask_shape[-3] == heads > 1
     if per_head and mask_shape is not None:
         mask_shape = (*mask_shape[:-3], kv_heads, *mask_shape[-2:])
     sizes = (batch, kv_heads, seq_q, seq_k, d_qk, d_v)
@@ -492,6 +499,16 @@ def _inference_only(names: str, *xs: Any) -> None:
                     f"{name}.detach()"
                 )
             return
+
+
+def _on_cpu(names: str, *xs: Any) -> None:
+    """torch operands on another device are an error naming the first by the caller's name (the
+    kernel's own check names its chain's tensors: Q, not q)."""
+    for i, x in enumerate(xs):
+        if x is not None and _is_torch(x) and not x.is_cpu:
+            raise ValueError(
+                f"{names.split(', ')[i]}: expected a CPU tensor, got device {x.device}"
+            )
 
 
 @functools.lru_cache(maxsize=256)
@@ -536,6 +553,40 @@ def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+class _ConvReplay(NamedTuple):
+    """How a conv chain ran (`_CONV_REPLAY`, by `_REPLAY`'s rule): its kernel, the strides its
+    checks found, the result's shape, and whether a new result is channels-last (None: the
+    call passed `out`)."""
+
+    kernel: ConvKernel
+    strides: tuple[int, ...]
+    shape: tuple[int, ...]
+    channels_last: bool | None
+
+
+# Conv chains called before, as `_REPLAY` (a 4-channel 6x6 chain's call spent ~60 us in checks)
+_CONV_REPLAY: dict[tuple[Any, ...], _ConvReplay] = {}
+
+
+def _plain_pair(value: Any) -> bool:
+    """An int or a tuple of two ints (no bools): a stride or padding a key may hold as given."""
+    if value.__class__ is int:
+        return True
+    return value.__class__ is tuple and len(value) == 2 and all(v.__class__ is int for v in value)
+
+
+def _conv_replay(r: _ConvReplay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
+    """Run a conv chain `conv_chain` ran before with operands like these."""
+    if out is None:
+        assert r.channels_last is not None
+        out = _empty_like_input(operands[0], r.shape, r.channels_last)
+    pointer = _pointer
+    pointers = [None if x is None else pointer(x) for x in operands]
+    pointers.append(pointer(out))
+    r.kernel._launch(pointers, r.strides, threads)
+    return out
+
+
 def conv_chain(
     x: Any,
     w1: Any,
@@ -560,6 +611,20 @@ def conv_chain(
     or is written into `out` (channels-last: in place; NCHW: a band of rows at a time through a
     channels-last buffer per thread).
     """
+    threads = get_num_threads()
+    key = None
+    if (
+        _plain_pair(stride)
+        and _plain_pair(padding)
+        and (between is None or between.__class__ is str)
+        and (after is None or after.__class__ is str)
+    ):
+        sig = _signature((x, w1, w2, b1, b2, out))
+        if sig is not None:
+            key = ("conv_chain", stride, padding, between, after, threads, sig)
+            hit = _CONV_REPLAY.get(key)
+            if hit is not None:
+                return _conv_replay(hit, (x, w1, w2, b1, b2), out, threads)
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
     _inference_only("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
@@ -593,4 +658,11 @@ def conv_chain(
         P2, Q2 = ir.conv_out_size(P1, R2, st2, pad2), ir.conv_out_size(Q1, S2, st2, pad2)
         return _no_work("x", x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
-    return _conv_kernel(sizes, between, after)(x, w1, w2, b1, b2, out=out)
+    kernel = _conv_kernel(sizes, between, after)
+    out, pointers, strides, channels_last = kernel._bind(x, w1, w2, b1, b2, out)
+    kernel._launch(pointers, strides, threads)
+    if key is not None:
+        if len(_CONV_REPLAY) >= _REPLAY_MAX:
+            _CONV_REPLAY.clear()
+        _CONV_REPLAY[key] = _ConvReplay(kernel, strides, kernel._shapes["out"], channels_last)
+    return out

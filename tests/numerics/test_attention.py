@@ -166,7 +166,7 @@ def test_no_keys_give_zeros_and_no_queries_an_empty_result_like_pytorch() -> Non
     with pytest.raises(ValueError, match=r"attn_mask: shape \(5, 3\) does not broadcast"):
         cft.attention(q, k, v, attn_mask=torch.ones(5, 3, dtype=torch.bool))
     empty = torch.zeros(1, 2, 0, 8, device="meta")
-    with pytest.raises(ValueError, match="Q: expected a CPU tensor, got device meta"):
+    with pytest.raises(ValueError, match="q: expected a CPU tensor, got device meta"):
         cft.attention(empty, empty, empty)
 
 
@@ -259,7 +259,7 @@ def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
     with pytest.raises(RuntimeError, match="q: requires grad"):
         ops.attention(q, k, v)
     q.requires_grad_(False)
-    with pytest.raises(ValueError, match="Q: expected a CPU tensor, got device meta"):
+    with pytest.raises(ValueError, match="q: expected a CPU tensor, got device meta"):
         ops.attention(q.to("meta"), k, v)
     for _ in range(2):  # kinds mixed: the checked path each time
         torch.testing.assert_close(ops.attention(q, k.numpy(), v), sdpa(q, k, v))
@@ -347,7 +347,7 @@ def test_row_blocks_keep_every_core_busy(M: int, threads: int) -> None:
 
 
 GQA_KINDS = ["none", "causal", "bool", "per-head", "heads-broadcast", "transposed", "numpy", "3d",
-             "one-query"]  # fmt: skip
+             "one-query", "one-query-padding", "one-query-additive", "one-query-per-head"]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", GQA_KINDS)
@@ -361,7 +361,7 @@ def test_grouped_query_attention_matches_sdpa_in_float64(kind: str) -> None:
 
     g = torch.Generator().manual_seed(7)
     B, H, Hkv, L, S, E, Ev = 2, 6, 2, 33, 29, 17, 24
-    if kind == "one-query":
+    if kind.startswith("one-query"):
         L = 1
     q = torch.randn(B, H, L, E, generator=g)
     k, v = torch.randn(B, Hkv, S, E, generator=g), torch.randn(B, Hkv, S, Ev, generator=g)
@@ -378,6 +378,14 @@ def test_grouped_query_attention_matches_sdpa_in_float64(kind: str) -> None:
         q = torch.randn(B, L, H, E, generator=g).transpose(1, 2)
     elif kind == "3d":  # dim -3 is the batch, grouped as PyTorch groups it
         q, k, v = q[0], k[0], v[0]
+    elif kind == "one-query-padding":  # a decoding step's padding mask: one merged call
+        kw["attn_mask"] = (
+            torch.arange(S)[None, None, None, :] < torch.tensor([S - 5, S])[:, None, None, None]
+        )
+    elif kind == "one-query-additive":
+        kw["attn_mask"] = torch.randn(1, S, generator=g)
+    elif kind == "one-query-per-head":  # a mask per q head: one call per group member
+        kw["attn_mask"] = torch.randn(1, H, 1, S, generator=g)
     kw64 = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
             for n, x in kw.items()}  # fmt: skip
     theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True,

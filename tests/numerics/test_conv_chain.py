@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -297,12 +298,49 @@ def test_weights_change_between_calls() -> None:
     inputs = reference.random_inputs(chain, seed=3)
     x, w1, w2 = inputs["X"], inputs["W1"].copy(), inputs["W2"].copy()
     ops.conv_chain(x, w1, w2, padding=(1, 0), between="relu")
-    hits = ops._conv_kernel.cache_info().hits
+    misses = ops._conv_kernel.cache_info().misses
     w1 *= -0.5
     w2[:, :3] = 1.0
     y = ops.conv_chain(x, w1, w2, padding=(1, 0), between="relu")
-    assert ops._conv_kernel.cache_info().hits == hits + 1
+    assert ops._conv_kernel.cache_info().misses == misses
     reference.assert_close(y, reference.run(chain, {"X": x, "W1": w1, "W2": w2})["Y2"], chain)
+
+
+def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
+    """A call with an earlier call's operand kinds, shapes, strides and dtypes runs from what
+    the earlier checks found (`ops._CONV_REPLAY`): new arrays at new addresses are read, a new
+    result keeps the input's memory order, and what the key leaves out is still refused."""
+    chain = chainfuse.conv_chain_spec(2, 5, 9, 8, 7, 3, 3, 6, 1, 1, stride=(1, 1),
+                                      padding=(1, 0), between="relu")  # fmt: skip
+    args = {"stride": (1, 1), "padding": (1, 0), "between": "relu"}
+    for seed in range(3):
+        inputs = reference.random_inputs(chain, seed=seed)
+        want = reference.run(chain, inputs)["Y2"]
+        x, w1, w2 = (torch.from_numpy(inputs[n]) for n in ("X", "W1", "W2"))
+        for xx in (x, x.contiguous(memory_format=torch.channels_last)):
+            for _ in range(2):
+                y = ops.conv_chain(xx, w1, w2, **args)  # type: ignore[arg-type]
+                reference.assert_close(y.numpy(), want, chain)
+                cl = xx.is_contiguous(memory_format=torch.channels_last)
+                assert y.is_contiguous(memory_format=torch.channels_last) == cl
+        b1, b2 = torch.randn(7), torch.randn(6)
+        with_bias = F.conv2d(torch.relu(F.conv2d(x, w1, b1, padding=(1, 1))), w2, b2)
+        for _ in range(2):
+            y = ops.conv_chain(x, w1, w2, b1, b2, **args)  # type: ignore[arg-type]
+            torch.testing.assert_close(y, with_bias, rtol=1e-4, atol=1e-4)
+        out = np.full(want.shape, np.nan, np.float32)
+        for _ in range(2):
+            assert ops.conv_chain(inputs["X"], inputs["W1"], inputs["W2"], out=out, **args) is out
+            reference.assert_close(out, want, chain)
+    assert any(key[0] == "conv_chain" for key in ops._CONV_REPLAY)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out: the output array is read-only"):
+        ops.conv_chain(inputs["X"], inputs["W1"], inputs["W2"], out=out, **args)
+    w1.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="w1: requires grad"):
+        ops.conv_chain(x, w1, w2, **args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stride: expected two integers"):
+        ops.conv_chain(x, w1.detach(), w2, stride=(1, True), padding=(1, 0), between="relu")
 
 
 # -- errors name the argument ---------------------------------------------------------------------
