@@ -50,6 +50,7 @@ from chainfuse.codegen.conv import (
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select_weighted
+from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import build_recipe, files_fingerprint, get_num_threads, load, write_atomic
 
@@ -437,7 +438,7 @@ def compile(
     # shares would need their maxima merged), in whole mr-row slivers
     split = None if shape.epilogue is Epilogue.SOFTMAX else (l_, kernel.mr)
     chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
-    planned = chosen.tiles_at(_code_level(hw))
+    planned = chosen.tiles_at(code_level(hw))
     assert planned is not None
     tiles = {**planned, **(tiles or {})}
     for loop, t in tiles.items():
@@ -500,12 +501,6 @@ def _planner_fingerprint() -> str:
     from chainfuse import footprint, model, planner
 
     return files_fingerprint(Path(str(m.__file__)) for m in (footprint, model, planner))[:16]
-
-
-def _code_level(hw: Hardware) -> str:
-    """The level whose tiles the generated loop nest uses: the largest per-core cache."""
-    private = [lv.name for lv in hw.levels[:-1] if not lv.shared]
-    return private[-1] if private else hw.levels[0].name
 
 
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
@@ -779,7 +774,7 @@ def compile_conv(
         # streaming from the next level, so plan the levels from there out
         outer = dataclasses.replace(hw, levels=hw.levels[1:])
         chosen = _remembered_plan(chain, outer, threads, structure, {})
-    planned = chosen.tiles_at(_code_level(hw)) or {}
+    planned = chosen.tiles_at(code_level(hw)) or {}
     code = code_tiles(shape, planned, hw.levels[0].capacity, kernel.nr)
     picks = {"p2": code.band_rows, "c": code.c_block, "k1": code.k1_block}
     for loop, t in (tiles or {}).items():

@@ -33,21 +33,24 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from chainfuse.hardware import Hardware, MemoryLevel, resolve
-from chainfuse.ir import Chain, Contraction, Role
+from chainfuse.ir import Chain, Contraction, Role, Softmax
 from chainfuse.model import (
     Cost,
     LevelCost,
     LoopKind,
     Nest,
+    code_level,
     deal,
     estimate,
     least_flops,
     level_cost,
+    rescale_factors,
+    rescaled,
     splits,
 )
 
@@ -301,6 +304,9 @@ class _Search:
             cap = (lv.capacity / self.threads if lv.shared else lv.capacity) * USABLE
             self.levels.append((cap, self._bandwidth(i, self.threads)))
         self.peak = self.hw.peak(self.chain.dtype)
+        names = [lv.name for lv in self.hw.levels]
+        self.code = names.index(code_level(self.hw))  # the level the generated code tiles
+        self.rescaled = rescaled(self.chain)
         self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
         self.units: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
         self.ext = ext = self.chain.extents  # (a property that builds a dict)
@@ -346,7 +352,11 @@ class _Search:
                 dims = tuple((ext[n], tiles[n]) for n in parallel)
                 workers, imbalance = deal(dims, self.threads, split)
                 bw = self._bandwidth(level, workers)
-            score = (cost.total / bw + cost.flops / self.peak / workers) * imbalance
+            flops: float = cost.flops
+            if level == self.code:  # an online softmax's rescaling (`model.rescale_factors`)
+                factors = rescale_factors(self.chain, tiles)
+                flops = sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
+            score = (cost.total / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score
         return score
 
@@ -430,7 +440,51 @@ class _Search:
                         tiles, best, improved = trial, score, improved or score < best * (1 - 1e-9)
             if not improved:
                 break
+        if level == self.code and self.rescaled:
+            tiles, best = self._exchange(nest, level, parallel, tiles, best, free, cands, tied)
         return tiles
+
+    def _exchange(
+        self,
+        nest: Nest,
+        level: int,
+        parallel: tuple[str, ...],
+        tiles: dict[str, int],
+        best: float,
+        free: list[str],
+        cands: Mapping[str, list[int]],
+        tied: Callable[[dict[str, int]], dict[str, int]],
+    ) -> tuple[dict[str, int], float]:
+        """A larger tile of the l loop an online softmax runs over (fewer rescalings of the
+        GEMM it feeds: `model.rescale_factors`) for a smaller tile of a shared loop. From a block
+        that fills the level, each of the two moves alone overflows it or moves more bytes, so
+        the coordinate search cannot take them: for each larger tile of l, the largest smaller
+        tile of each such loop that makes room."""
+        ext = self.ext
+        reductions = {op.axis for op in self.chain.ops if isinstance(op, Softmax)}
+        # room is made by the shared loops' other tiles (attention's rows), never by another
+        # reduction's or a private loop's, whose smaller tiles cost what the model does not see
+        # (a k in blocks repacks A and accumulates; an n in blocks runs the softmax again)
+        contracted = {r for op in self.chain.ops for r in op.reduction}
+        room = [b for b in free if b in nest.prefix and b not in contracted]
+        for a in free:
+            if a not in reductions:
+                continue
+            for t in cands[a]:
+                if t <= tiles[a] or tiles[a] >= ext[a]:
+                    continue
+                for b in room:
+                    for u in reversed(cands[b]):
+                        if u >= tiles[b]:
+                            continue
+                        trial = tied({**tiles, a: t, b: u})
+                        score = self.level_objective(nest, level, trial, parallel)
+                        if score is None:
+                            continue
+                        if score < best * (1 - 1e-9):
+                            tiles, best = trial, score
+                        break
+        return tiles, best
 
     def all_levels(
         self, nest: Nest, parallel: tuple[str, ...], rounds: int = 2

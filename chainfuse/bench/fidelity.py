@@ -28,10 +28,10 @@ import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench.timing import interleave
-from chainfuse.compiler import ConvKernel, Kernel, _code_level, compile, compile_conv
+from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain
-from chainfuse.model import Nest, estimate
+from chainfuse.model import Nest, code_level, estimate
 from chainfuse.planner import USABLE
 
 __all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman"]
@@ -119,7 +119,7 @@ def candidates(
 ) -> list[tuple[Key, dict[str, int]]]:
     """(model's key, code-level tiles) of the chosen plan and of the `top - 1` best others."""
     chain, chosen = kernel.chain, kernel.plan
-    level = _code_level(hw)
+    level = code_level(hw)
     ext = chain.extents
     loops = _code_loops(kernel)
     spec = kernel.spec
@@ -247,7 +247,7 @@ def conv_candidates(
     heights, costed by `estimate` with the code level's tiles set to that band of whole rows.
     """
     chain, chosen = kernel.chain, kernel.plan
-    level = _code_level(hw)
+    level = code_level(hw)
     P2, Q2 = kernel.shape.P2, kernel.shape.Q2
     nest = Nest(chain, chosen.order, chosen.depth, fused=chosen.fused)
     base = {lv: dict(t) for lv, t in chosen.tiles}

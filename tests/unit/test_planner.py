@@ -133,6 +133,44 @@ def test_bert_base_is_fused_on_xeon() -> None:
         assert _plan("bert-base", between, XEON).fused, between
 
 
+def test_softmax_chains_pay_for_their_l_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an online softmax rescales the GEMM it feeds once per tile of l (and the scores' GEMM
+    # passes over its k tiles): the model stretches both GEMMs of a softmax chain by
+    # 1 + RESCALE_STEPS / tile, and no op of a chain without a softmax
+    from chainfuse import model
+
+    att = attention_chain(1, 1, 768, 384, 64, 64)
+    assert model.rescale_factors(att, {"k": 64, "l": 96}) == (
+        1 + model.RESCALE_STEPS / 64,
+        1.0,
+        1 + model.RESCALE_STEPS / 96,
+    )
+    assert model.rescale_factors(att, {"l": 1000})[2] == 1 + model.RESCALE_STEPS / 384
+    assert set(model.rescale_factors(gemm_chain(1, 768, 64, 64, 384, "relu"), {"l": 6})) == {1.0}
+    # from a block that fills L2 (many rows, a short tile of l), the search trades rows for a
+    # longer tile of l, which coordinate moves alone do not reach (the C backend's structure
+    # and register block, an L2 of 512 KiB): a better plan, with one tile of l
+    from chainfuse import planner
+
+    hw = Hardware.preset(XEON).scaled("L2", 512 * 1024)
+    kw = {"threads": 1, "fuse": True, "structures": [(("b", "h", "m", "l", "k", "n"), 4)],
+          "quanta": {"m": 16, "l": 6, "n": 6}}  # fmt: skip
+    found = plan(att, hw, **kw)  # type: ignore[arg-type]
+    with monkeypatch.context() as m:
+        m.setattr(
+            planner._Search, "_exchange", lambda self, n, lv, p, tiles, best, *_: (tiles, best)
+        )
+        without = plan(att, hw, **kw)  # type: ignore[arg-type]
+    level = model.code_level(hw)
+    assert dict(dict(found.tiles)[level])["l"] == 384 > dict(dict(without.tiles)[level])["l"]
+    assert found.predicted_time_s < without.predicted_time_s
+    # a GEMM chain's plan does not depend on the constant at all
+    relu = gemm_chain(12, 512, 64, 64, 512, "relu")
+    before = plan(relu, hw, threads=1).tiles
+    monkeypatch.setattr(model, "RESCALE_STEPS", 0.0)
+    assert plan(relu, hw, threads=1).tiles == before
+
+
 def test_plan_accepts_preset_name_and_forced_fusion() -> None:
     chain = gemm_chain(2, 64, 32, 32, 64, "relu")
     by_name = plan(chain, XEON)
