@@ -11,6 +11,7 @@ without a copy; anything else is an error naming the tensor (never a silent copy
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import functools
@@ -245,6 +246,7 @@ class Kernel(_Built):
         # the plan's tiles: run-time arguments of the object, which every plan shares
         self._tiles = (spec.T_M, spec.T_L, spec.T_K, spec.T_N)
         self._local = threading.local()
+        self._buffers = threading.local()  # shared with `resized` copies (see _workspace)
         soft = [op for op in chain.ops if isinstance(op, Softmax)]
         self._scale = soft[0].scale if soft else 1.0
         self._dtype = chain.dtype.value  # of every input and the output (masks: see _prepare)
@@ -255,6 +257,23 @@ class Kernel(_Built):
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.path})"
 
+    def resized(self, chain: Chain) -> Kernel:
+        """This kernel for `chain`: the same structure (what `match_gemm_chain` recognises, and
+        the dtype) with other sizes. The same compiled object and tiles, and the same `plan`
+        (the one the tiles came from): no planning, no loading, ~0.1 ms. `ops` runs a decoding
+        step this way: every new key length was a new plan (7-10 ms here, against 0.26 ms for
+        the step), and is now planned once per bucket of lengths (`ops._attention_kernel`)."""
+        shape = match_gemm_chain(chain)
+        if shape != self.shape or chain.dtype is not self.chain.dtype:
+            raise ValueError(f"{chain.name}: not the structure of {self.chain.name}")
+        new = copy.copy(self)
+        new.chain = chain
+        new._local = threading.local()
+        soft = [op for op in chain.ops if isinstance(op, Softmax)]
+        new._scale = soft[0].scale if soft else 1.0
+        new._prepare()
+        return new
+
     def _workspace(self, threads: int) -> Any:
         """This thread's argument array for `threads` threads (`codegen.c.PACKED`), its
         workspace (64-byte aligned), sizes and scale filled in: kept between calls, so a call
@@ -262,7 +281,12 @@ class Kernel(_Built):
         local = self._local
         if getattr(local, "threads", None) != threads:
             local.threads = threads
-            local.buf = np.empty(threads * self._per + 16, dtype=np.float32)
+            # (one buffer per thread for a kernel and its `resized` copies: a decoding step
+            # runs each copy once, and a fresh buffer's first touch costs page faults)
+            pool, need = self._buffers, threads * self._per + 16
+            if getattr(pool, "buf", None) is None or pool.buf.size < need:
+                pool.buf = np.empty(need, dtype=np.float32)
+            local.buf = pool.buf
             address = int(local.buf.ctypes.data)
             args = (ctypes.c_long * PACKED["end"])()
             args[PACKED["work"]] = address + 4 * ((-address % 64) // 4)
