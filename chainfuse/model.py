@@ -833,12 +833,15 @@ def rescaled(chain: Chain) -> dict[int, str]:
     }
 
 
-def rescale_factors(chain: Chain, tiles: Mapping[str, int]) -> tuple[float, ...]:
+def rescale_factors(
+    chain: Chain, tiles: Mapping[str, int], fed: Mapping[int, str] | None = None
+) -> tuple[float, ...]:
     """Per op: what its compute time is stretched by around an online softmax, `tiles` being
     the code level's (`code_level`): 1 + RESCALE_STEPS / (the tile of its reduction) for the
-    GEMMs of a softmax chain (`rescaled`), 1 for every other op."""
+    GEMMs of a softmax chain (`rescaled`, or `fed` when the caller has it), 1 for every other
+    op."""
     ext = chain.extents
-    fed = rescaled(chain)
+    fed = rescaled(chain) if fed is None else fed
     return tuple(
         1.0 + RESCALE_STEPS / min(tiles.get(fed[i], ext[fed[i]]), ext[fed[i]]) if i in fed else 1.0
         for i in range(len(chain.ops))

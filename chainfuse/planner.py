@@ -354,7 +354,7 @@ class _Search:
                 bw = self._bandwidth(level, workers)
             flops: float = cost.flops
             if level == self.code:  # an online softmax's rescaling (`model.rescale_factors`)
-                factors = rescale_factors(self.chain, tiles)
+                factors = rescale_factors(self.chain, tiles, self.rescaled)
                 flops = sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
             score = (cost.total / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score
