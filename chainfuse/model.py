@@ -920,7 +920,12 @@ def estimate(
             op_time[i].append(per_op[i] / bw * imbalance)
     if not op_flops:
         op_flops = level_cost(nest, {}).op_flops
-    factors = rescale_factors(nest.chain, tiles.get(code_level(hardware), {}))
+    # (an online softmax only where it is fused: unfused, the softmax runs over whole rows)
+    factors = (
+        rescale_factors(nest.chain, tiles.get(code_level(hardware), {}))
+        if nest.fused
+        else (1.0,) * n_ops
+    )
     for i, f in enumerate(op_flops):
         op_time[i][0] = f / peak * imbalance * factors[i]
     compute = sum(parts[0] for parts in op_time)

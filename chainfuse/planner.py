@@ -353,7 +353,7 @@ class _Search:
                 workers, imbalance = deal(dims, self.threads, split)
                 bw = self._bandwidth(level, workers)
             flops: float = cost.flops
-            if level == self.code:  # an online softmax's rescaling (`model.rescale_factors`)
+            if level == self.code and nest.fused:  # the online softmax's rescaling (`model`)
                 factors = rescale_factors(self.chain, tiles, self.rescaled)
                 flops = sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
             score = (cost.total / bw + flops / self.peak / workers) * imbalance
@@ -440,7 +440,7 @@ class _Search:
                         tiles, best, improved = trial, score, improved or score < best * (1 - 1e-9)
             if not improved:
                 break
-        if level == self.code and self.rescaled:
+        if level == self.code and self.rescaled and nest.fused:
             tiles, best = self._exchange(nest, level, parallel, tiles, best, free, cands, tied)
         return tiles
 
