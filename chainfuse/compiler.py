@@ -11,7 +11,6 @@ without a copy; anything else is an error naming the tensor (never a silent copy
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import dataclasses
 import functools
@@ -63,6 +62,7 @@ _STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
 # and joining it costs 20-60 us here (12 heads of 32 keys: 0.16 ms on two threads, 0.10 on one).
 ALONE_S = 40e-6
 _MASK, _MASK_STRIDES = PACKED["mask"], slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
+_KEYS = PACKED["sizes"] + 5  # L: what a call with another number of keys changes
 
 
 #: A validated array argument: its data pointer and its strides in elements (a plain tuple: a
@@ -246,7 +246,6 @@ class Kernel(_Built):
         # the plan's tiles: run-time arguments of the object, which every plan shares
         self._tiles = (spec.T_M, spec.T_L, spec.T_K, spec.T_N)
         self._local = threading.local()
-        self._buffers = threading.local()  # shared with `resized` copies (see _workspace)
         soft = [op for op in chain.ops if isinstance(op, Softmax)]
         self._scale = soft[0].scale if soft else 1.0
         self._dtype = chain.dtype.value  # of every input and the output (masks: see _prepare)
@@ -257,23 +256,6 @@ class Kernel(_Built):
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.path})"
 
-    def resized(self, chain: Chain) -> Kernel:
-        """This kernel for `chain`: the same structure (what `match_gemm_chain` recognises, and
-        the dtype) with other sizes. The same compiled object and tiles, and the same `plan`
-        (the one the tiles came from): no planning, no loading, ~0.1 ms. `ops` runs a decoding
-        step this way: every new key length was a new plan (7-10 ms here, against 0.26 ms for
-        the step), and is now planned once per bucket of lengths (`ops._attention_kernel`)."""
-        shape = match_gemm_chain(chain)
-        if shape != self.shape or chain.dtype is not self.chain.dtype:
-            raise ValueError(f"{chain.name}: not the structure of {self.chain.name}")
-        new = copy.copy(self)
-        new.chain = chain
-        new._local = threading.local()
-        soft = [op for op in chain.ops if isinstance(op, Softmax)]
-        new._scale = soft[0].scale if soft else 1.0
-        new._prepare()
-        return new
-
     def _workspace(self, threads: int) -> Any:
         """This thread's argument array for `threads` threads (`codegen.c.PACKED`), its
         workspace (64-byte aligned), sizes and scale filled in: kept between calls, so a call
@@ -281,12 +263,7 @@ class Kernel(_Built):
         local = self._local
         if getattr(local, "threads", None) != threads:
             local.threads = threads
-            # (one buffer per thread for a kernel and its `resized` copies: a decoding step
-            # runs each copy once, and a fresh buffer's first touch costs page faults)
-            pool, need = self._buffers, threads * self._per + 16
-            if getattr(pool, "buf", None) is None or pool.buf.size < need:
-                pool.buf = np.empty(need, dtype=np.float32)
-            local.buf = pool.buf
+            local.buf = np.empty(threads * self._per + 16, dtype=np.float32)
             address = int(local.buf.ctypes.data)
             args = (ctypes.c_long * PACKED["end"])()
             args[PACKED["work"]] = address + 4 * ((-address % 64) // 4)
@@ -303,11 +280,11 @@ class Kernel(_Built):
             local.strides = None  # what args holds: refilled when a call's strides differ
         return local
 
-    def _mask(self, mask: Any) -> tuple[int, list[int]]:
+    def _mask(self, mask: Any, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, list[int]]:
         """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it broadcasts."""
         assert self._mask_index is not None
         name, dtype, index = self._mask_index
-        ptr, strides = _check(name, mask, self._shapes[name], dtype=dtype)
+        ptr, strides = _check(name, mask, shapes[name], dtype=dtype)
         by_loop = {ix.loops[0]: st for ix, st in zip(index, strides, strict=True) if ix.loops}
         return ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in self._mask_loops]
 
@@ -330,6 +307,14 @@ class Kernel(_Built):
         # to the cores (a run-time argument, so that one compiled object serves every plan)
         outer = self.plan.tiles_at(self.plan.levels[-1]) or {}
         self._outer_m = outer.get(m, ext[m])
+        # per tensor, its dims indexed by l alone: a call with another number of keys
+        # (`_bind`'s `keys`) expects those dims that long
+        self._l_dims = {
+            acc.tensor: {d for d, ix in enumerate(acc.index) if ix.terms == ((l_, 1),)}
+            for op in chain.ops
+            for acc in (*op.reads, op.output)
+        }
+        self._shapes_at: dict[int, dict[str, tuple[int, ...]]] = {ext[l_]: self._shapes}
         self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
         self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
         self._mask_at = -1  # the mask's position among the inputs
@@ -344,19 +329,34 @@ class Kernel(_Built):
         self._launch(pointers, strides, mask_strides, get_num_threads())
         return out
 
+    def _shapes_for(self, keys: int) -> dict[str, tuple[int, ...]]:
+        """The tensors' shapes for a call with `keys` of l (the chain's own for its extent)."""
+        found = self._shapes_at.get(keys)
+        if found is None:
+            if len(self._shapes_at) > 256:
+                self._shapes_at = {self._sizes[5]: self._shapes}
+            found = self._shapes_at[keys] = {
+                name: tuple(keys if d in self._l_dims.get(name, ()) else n
+                            for d, n in enumerate(shape))
+                for name, shape in self._shapes.items()
+            }  # fmt: skip
+        return found
+
     def _bind(
-        self, inputs: tuple[Any, ...], out: Any
+        self, inputs: tuple[Any, ...], out: Any, keys: int | None = None
     ) -> tuple[Any, list[int], tuple[int, ...], list[int] | None]:
         """Check a call's operands (`inputs` in `chain.inputs` order) and its output (a new one
         when `out` is None): (out, the pointers of A, B, D, E [, the mask], their strides along
         the batch dims and rows as the kernel takes them, the mask's along (batch0, batch1, m,
         l) or None). What `_launch` takes; the strides depend on the operands' shapes and
-        strides only, so `ops` runs a repeat call from them with new pointers."""
+        strides only, so `ops` runs a repeat call from them with new pointers. `keys`: the
+        call's extent of l when it is not the chain's (sizes and tiles are run-time arguments:
+        `ops` runs every key length of a bucket with one kernel, planned for the longest)."""
         if len(inputs) != len(self._names):
             names = ", ".join(self._names)
             raise TypeError(f"{self.chain.name}: expected {len(self._names)} inputs ({names})")
         dt = self._dtype
-        shapes = self._shapes
+        shapes = self._shapes if keys is None else self._shapes_for(keys)
         a_name, b_name, d_name, e_name = self.spec.tensors
         a_at, b_at, d_at = self._positions
         a_ptr, a_st = _check(a_name, inputs[a_at], shapes[a_name], dtype=dt)
@@ -380,7 +380,7 @@ class Kernel(_Built):
         pointers = [a_ptr, b_ptr, d_ptr, e_ptr]
         mask_strides = None
         if self._mask_index is not None:
-            mask_ptr, mask_strides = self._mask(inputs[self._mask_at])
+            mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes)
             pointers.append(mask_ptr)
         return out, pointers, strides, mask_strides
 
@@ -390,10 +390,13 @@ class Kernel(_Built):
         strides: tuple[int, ...],
         mask_strides: list[int] | None,
         threads: int,
+        keys: int | None = None,
     ) -> None:
-        """Run on checked operands (`_bind`'s pointers, strides and mask strides)."""
+        """Run on checked operands (`_bind`'s pointers, strides and mask strides; `keys` as
+        `_bind` took it)."""
         local = self._workspace(1 if self._alone else threads)
         packed = local.args
+        packed[_KEYS] = self._sizes[5] if keys is None else keys
         if strides != local.strides:
             packed[_STRIDES] = strides
             local.strides = strides

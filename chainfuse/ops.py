@@ -128,6 +128,7 @@ class _Replay(NamedTuple):
     mask_strides: list[int] | None
     shape: tuple[int, ...]
     like: bool
+    keys: int | None = None
 
 
 # Calls made before, by everything that decides how they run: the op, its other arguments, the
@@ -190,18 +191,19 @@ def _run(
     key: tuple[Any, ...] | None,
     result: Any,
     like: bool,
+    keys: int | None = None,
 ) -> None:
     """Check and run one kernel call on `inputs` (views of the caller's operands at the same
-    addresses, in the same order) into `out` (a view of `result`), and remember how under
-    `key`, for `_replay`."""
-    _, pointers, strides, mask_strides = kernel._bind(inputs, out)
-    kernel._launch(pointers, strides, mask_strides, threads)
+    addresses, in the same order) into `out` (a view of `result`), with `keys` of l (None:
+    the kernel's own; see `_bucketed`), and remember how under `key`, for `_replay`."""
+    _, pointers, strides, mask_strides = kernel._bind(inputs, out, keys)
+    kernel._launch(pointers, strides, mask_strides, threads, keys)
     if key is not None:
         if len(_REPLAY) >= _REPLAY_MAX:
             _REPLAY.clear()
         at = kernel._positions + ((kernel._mask_at,) if mask_strides is not None else ())
         shape = tuple(int(s) for s in result.shape)
-        _REPLAY[key] = _Replay(kernel, at, strides, mask_strides, shape, like)
+        _REPLAY[key] = _Replay(kernel, at, strides, mask_strides, shape, like, keys)
 
 
 def _replay(r: _Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
@@ -218,7 +220,7 @@ def _replay(r: _Replay, operands: tuple[Any, ...], out: Any, threads: int) -> An
                     operands[at[2]].data_ptr(), out.data_ptr()]  # fmt: skip
     if r.mask_strides is not None:
         pointers.append(_pointer(operands[at[3]]))
-    r.kernel._launch(pointers, r.strides, r.mask_strides, threads)
+    r.kernel._launch(pointers, r.strides, r.mask_strides, threads, r.keys)
     return out
 
 
@@ -249,17 +251,29 @@ def _attention_kernel(
 ) -> Kernel:
     chain = ir.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
                                mask_shape=mask_shape, dtype=dtype)  # fmt: skip
+    return compile(chain, threads=threads)
+
+
+def _bucketed(
+    sizes: tuple[int, int, int, int, int, int],
+    causal: bool,
+    mask: str | None,
+    scale: float | None,
+    mask_shape: tuple[int, ...] | None,
+    dtype: str,
+    threads: int,
+) -> tuple[Kernel, int | None]:
+    """The kernel for a call with `sizes` and the `keys` its calls pass (None: its own): a
+    decoding step's key length is new every step, and planning one costs 7-10 ms here against
+    0.3 ms for the step, so the kernel is the one of the bucket's longest length
+    (`_key_bucket`), run with the call's (a mask's key dim follows, unless it broadcasts)."""
     seq_k = sizes[3]
     bucket = _key_bucket(seq_k)
-    if bucket == seq_k:
-        return compile(chain, threads=threads)
-    # a decoding step's key length is new every step: its tiles come from the plan of the
-    # bucket's longest, planned once (a mask's key dim follows, unless it broadcasts)
     if mask_shape is not None and mask_shape[-1] == seq_k:
         mask_shape = (*mask_shape[:-1], bucket)
-    planned = _attention_kernel((*sizes[:3], bucket, *sizes[4:]), causal, mask, scale,
-                                mask_shape, dtype, threads)  # fmt: skip
-    return planned.resized(chain)
+    kernel = _attention_kernel((*sizes[:3], bucket, *sizes[4:]), causal, mask, scale,
+                               mask_shape, dtype, threads)  # fmt: skip
+    return kernel, None if bucket == seq_k else seq_k
 
 
 def _key_bucket(n: int) -> int:
@@ -452,10 +466,10 @@ def attention(
         _grouped(q, k, v, attn_mask, causal, scale, mask_kind, mask_shape, dtype, out,
                  (threads, key, result, like))  # fmt: skip
     else:
-        kernel = _attention_kernel((batch, heads, seq_q, seq_k, d_qk, sv[3]), causal, mask_kind,
-                                   scale, mask_shape, dtype, threads)  # fmt: skip
+        kernel, keys = _bucketed((batch, heads, seq_q, seq_k, d_qk, sv[3]), causal, mask_kind,
+                                 scale, mask_shape, dtype, threads)  # fmt: skip
         inputs = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
-        _run(kernel, inputs, out, threads, key, result, like)
+        _run(kernel, inputs, out, threads, key, result, like, keys)
     return result
 
 
@@ -486,24 +500,24 @@ def _grouped(
     # the same for every row of the merged call too, and k and v are read once per group
     if not causal and (seq_q == 1 or (mask is None and head == seq_q * row)) and not per_head:
         sizes = (batch, kv_heads, group * seq_q, seq_k, d_qk, d_v)
-        kernel = _attention_kernel(sizes, False, mask_kind, scale, mask_shape, dtype, threads)
+        kernel, keys = _bucketed(sizes, False, mask_kind, scale, mask_shape, dtype, threads)
         merged = (batch, kv_heads, group * seq_q)
         if torch:
             q_all, out_all = q.view(*merged, d_qk), out.view(*merged, d_v)
         else:  # views: q's heads are contiguous, and so is out
             q_all, out_all = q.reshape(*merged, d_qk), out.reshape(*merged, d_v)
         merged_inputs = (q_all, k, v) if mask is None else (q_all, k, v, mask)
-        _run(kernel, merged_inputs, out_all, threads, key, result, like)
+        _run(kernel, merged_inputs, out_all, threads, key, result, like, keys)
         return
     if per_head and mask_shape is not None:
         mask_shape = (*mask_shape[:-3], kv_heads, *mask_shape[-2:])
     sizes = (batch, kv_heads, seq_q, seq_k, d_qk, d_v)
-    kernel = _attention_kernel(sizes, causal, mask_kind, scale, mask_shape, dtype, threads)
+    kernel, keys = _bucketed(sizes, causal, mask_kind, scale, mask_shape, dtype, threads)
     for j in range(group):
         inputs = [q[:, j::group], k, v]
         if mask is not None:
             inputs.append(mask[..., j::group, :, :] if per_head else mask)
-        kernel(*inputs, out=out[:, j::group])
+        _run(kernel, tuple(inputs), out[:, j::group], threads, None, None, False, keys)
 
 
 def _inference_only(names: str, *xs: Any) -> None:

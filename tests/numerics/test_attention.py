@@ -220,8 +220,7 @@ def test_ops_find_their_kernel_by_sizes_without_rebuilding_the_chain(
     for x, y in zip(first, again, strict=True):
         np.testing.assert_array_equal(x, y)
     ops.attention(q, k, v, scale=0.5)  # other arguments: a chain of their own
-    # (and, 9 keys not being a bucket's length, its bucket's chain too: see ops._key_bucket)
-    assert built == ["attention_chain", "attention_chain"]
+    assert built == ["attention_chain"]  # (for 16 keys: 9's bucket, see ops._key_bucket)
 
 
 def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
@@ -294,12 +293,11 @@ def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_key_lengths_share_a_plan_per_bucket_and_stay_right() -> None:
+def test_key_lengths_share_a_kernel_per_bucket_and_stay_right() -> None:
     # a decoder's key length is new every step: ops plans a bucket of lengths once
-    # (`ops._key_bucket`) and runs each length as `Kernel.resized` of the bucket's kernel
+    # (`ops._key_bucket`) and runs each length with the bucket's kernel (`_bind`'s keys)
     torch = pytest.importorskip("torch")
-    from chainfuse import ir, ops
-    from chainfuse.compiler import Kernel
+    from chainfuse import ops
 
     assert [ops._key_bucket(n) for n in (1, 8, 9, 17, 64, 65, 600, 640, 641, 1025)] == [
         8, 8, 16, 24, 64, 72, 640, 640, 704, 1152,
@@ -310,10 +308,11 @@ def test_key_lengths_share_a_plan_per_bucket_and_stay_right() -> None:
     F = torch.nn.functional
     keys = torch.randn(2, 3, 300, 24, generator=g)
     values = torch.randn(2, 3, 300, 40, generator=g)
-    plans = set()
+    ops._attention_kernel.cache_clear()
+    lengths = (*range(57, 75), 128, 129, 299, 300)  # buckets 64, 72, 80, 128, 144, 304
     for sq in (1, 3, 40):
         q = torch.randn(2, 3, sq, 24, generator=g)
-        for sk in (*range(57, 75), 128, 129, 299, 300):
+        for sk in lengths:
             k, v = keys[:, :, :sk], values[:, :, :sk]
             mask = torch.randn(2, 1, sq, sk, generator=g)
             for kw in ({}, {"is_causal": True}, {"attn_mask": mask}, {"attn_mask": mask > 0}):
@@ -321,17 +320,17 @@ def test_key_lengths_share_a_plan_per_bucket_and_stay_right() -> None:
                     n: (x.double() if x.is_floating_point() else x) if n == "attn_mask" else x
                     for n, x in kw.items()
                 })  # fmt: skip
-                got = ops.attention(q, k, v, **kw)  # type: ignore[arg-type]
-                torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
-            plans.add(id(ops._attention_kernel((2, 3, sq, sk, 24, 40), False, None, None, None,
-                                               "float32", chainfuse.get_num_threads()).plan))  # fmt: skip
-    # 57..74, 128, 129, 299, 300 keys fall into 64, 72, 80, 128, 144, 304: six plans per count
-    assert len(plans) == 3 * 6
-    kernel = ops._attention_kernel((2, 3, 40, 70, 24, 40), False, None, None, None, "float32", 1)
-    assert isinstance(kernel, Kernel) and kernel.chain.extents["l"] == 70
-    assert "l72" in kernel.plan.chain  # the plan of the bucket's longest, named by its sizes
-    with pytest.raises(ValueError, match="not the structure of"):
-        kernel.resized(ir.attention_chain(2, 3, 40, 70, 24, 40, causal=True))
+                for _ in range(2):  # the checked call, then its replay
+                    got = ops.attention(q, k, v, **kw)  # type: ignore[arg-type]
+                    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    # one kernel per (queries, kind, bucket): 3 x 4 x 6, not one per length (3 x 4 x 22)
+    assert ops._attention_kernel.cache_info().currsize == 3 * 4 * 6
+    # the kernel of a bucket still runs its own length, and checks a call's against it
+    kernel, keys_of = ops._bucketed((2, 3, 40, 70, 24, 40), False, None, None, None, "float32", 1)
+    assert kernel.chain.extents["l"] == 72 and keys_of == 70
+    q = torch.randn(2, 3, 40, 24, generator=g)
+    with pytest.raises(ValueError, match=r"K: expected shape \(2, 3, 70, 24\)"):
+        kernel._bind((q, keys[:, :, :71], values[:, :, :70]), None, 70)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "dv-differs", "requires-grad"])
