@@ -5,7 +5,7 @@ compiled kernel for later calls with the same shapes. Sizes and tiles are run-ti
 the generated GEMM-chain code, so every shape of one chain structure (attention with a causal
 mask, say) shares one compiled object on disk: a new sequence length costs a plan and a load
 (milliseconds), not a compile, and attention's key lengths share a plan per bucket
-(`_key_bucket`), so a decoding step at a new length costs ~1.5 ms, not a plan's ~10. A repeat
+(`_key_bucket`), so a decoding step at a new length costs ~0.2 ms, not a plan's ~10. A repeat
 call (same shapes, strides, dtypes, arguments) skips the checks its first call made (`_REPLAY`).
 
     E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
