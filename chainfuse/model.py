@@ -809,8 +809,9 @@ def _index_values(ix: Affine, values: Mapping[str, Iterable[int]], size: int) ->
 #: loaded and stored every time); the GEMM that makes its scores, when its k runs in tiles,
 #: loads and stores the score tile once per tile of k before the softmax may start. Each costs
 #: about this many of the GEMM's k steps per call. Measured on the attention workloads
-#: (interleaved, 1 thread): one or two tiles of l instead of two to four, 1.3-3.3 % faster,
-#: which bytes and flops alone do not see. (GEMM chains without a softmax show no such gain:
+#: (interleaved, 1 thread): one or two tiles of l instead of two to four, 1.1-4.8 % faster on
+#: eight of the nine plans it changed (level on the ninth), which bytes and flops alone do not
+#: see. (GEMM chains without a softmax show no such gain:
 #: there fewer, longer calls lose to the bytes they move, so their GEMMs are not stretched.)
 RESCALE_STEPS = 3.0
 
