@@ -138,6 +138,20 @@ def _check(
     return ptr, strides
 
 
+def _recheck(name: str, x: Any, shape: tuple[int, ...], dtype: str) -> _Arg:
+    """`_check` for an operand whose kind, dtype, device and grad flag a replay key fixed (a
+    numpy array or a CPU tensor outside autograd): its shape and strides only, the rest by
+    `_check`, which also raises what is wrong."""
+    if type(x) is np.ndarray:
+        if x.shape == shape and x.flags.c_contiguous:
+            return _pointer(x), _contiguous(shape)
+    elif x.shape == shape:
+        strides = x.stride()
+        if strides[-1:] == (1,):
+            return x.data_ptr(), strides
+    return _check(name, x, shape, dtype=dtype)
+
+
 def _pointer(x: Any) -> int:
     """The data pointer of an operand `_check` took before with this kind, shape, strides,
     dtype and (numpy) writeable flag, or is checking now. `from_buffer` takes only whole
@@ -280,13 +294,21 @@ class Kernel(_Built):
             local.strides = None  # what args holds: refilled when a call's strides differ
         return local
 
-    def _mask(self, mask: Any, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, list[int]]:
-        """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it broadcasts."""
+    def _mask(
+        self,
+        mask: Any,
+        shapes: Mapping[str, tuple[int, ...]],
+        check: Callable[[str, Any, tuple[int, ...], str], _Arg] | None = None,
+    ) -> tuple[int, list[int]]:
+        """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it
+        broadcasts. `check`: `_check` (the default) or `_recheck`."""
         assert self._mask_index is not None
-        name, dtype, index = self._mask_index
-        ptr, strides = _check(name, mask, shapes[name], dtype=dtype)
-        by_loop = {ix.loops[0]: st for ix, st in zip(index, strides, strict=True) if ix.loops}
-        return ptr, [by_loop.get(lp, 0) if lp is not None else 0 for lp in self._mask_loops]
+        name, dtype, _ = self._mask_index
+        if check is None:
+            ptr, strides = _check(name, mask, shapes[name], dtype=dtype)
+        else:
+            ptr, strides = check(name, mask, shapes[name], dtype)
+        return ptr, [strides[i] if i >= 0 else 0 for i in self._mask_dims]
 
     def _prepare(self) -> None:
         """What every call needs and no call changes: names, shapes, sizes, workspace size."""
@@ -323,6 +345,11 @@ class Kernel(_Built):
             dtype = "bool" if soft.mask_kind is MaskKind.BOOL else self._dtype
             self._mask_index = (soft.mask.tensor, dtype, soft.mask.index)
             self._mask_at = self._names.index(soft.mask.tensor)
+            # per (batch0, batch1, m, l): the mask's dim indexed by that loop (-1: none, it
+            # broadcasts there, stride 0)
+            dims = {ix.loops[0]: d for d, ix in enumerate(soft.mask.index) if ix.loops}
+            self._mask_dims = [dims.get(lp, -1) if lp is not None else -1
+                               for lp in self._mask_loops]  # fmt: skip
 
     def __call__(self, *inputs: Any, out: Any = None) -> Any:
         out, pointers, strides, mask_strides = self._bind(inputs, out)
@@ -383,6 +410,30 @@ class Kernel(_Built):
             mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes)
             pointers.append(mask_ptr)
         return out, pointers, strides, mask_strides
+
+    def _bind_keys(
+        self, strides: tuple[int, ...], inputs: tuple[Any, ...], keys: int | None
+    ) -> tuple[list[int], tuple[int, ...], list[int] | None]:
+        """`_bind` for a call like one bound before (its `strides`) but for B, D and the mask,
+        which it checks again against `keys` of l: their pointers, the strides with theirs in
+        place, and the mask's. A decoder's k, v and padding mask grow by a key every step (and
+        their strides with them when each step's tensors are new): the rest of the call, A's
+        strides and the result's, stays as it was."""
+        dt = self._dtype
+        shapes = self._shapes if keys is None else self._shapes_for(keys)
+        _, b_name, d_name, _ = self.spec.tensors
+        _, b_at, d_at = self._positions
+        b_ptr, b_st = _recheck(b_name, inputs[b_at], shapes[b_name], dt)
+        d_ptr, d_st = _recheck(d_name, inputs[d_at], shapes[d_name], dt)
+        nb = self._nb
+        pad = (0,) * (2 - nb)
+        new = (*strides[:3], *pad, *b_st[: nb + 1], *pad, *d_st[: nb + 1], *strides[9:])
+        pointers = [b_ptr, d_ptr]
+        mask_strides = None
+        if self._mask_index is not None:
+            mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes, _recheck)
+            pointers.append(mask_ptr)
+        return pointers, new, mask_strides
 
     def _launch(
         self,

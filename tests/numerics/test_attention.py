@@ -333,6 +333,71 @@ def test_key_lengths_share_a_kernel_per_bucket_and_stay_right() -> None:
         kernel._bind((q, keys[:, :, :71], values[:, :, :70]), None, 70)
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a decoding step has one key more than the last, in views of a cache (strides that stay)
+    # or in new tensors (strides that grow): after the first length of a bucket, the others
+    # run from `ops._REPLAY_KEYS`, with k, v and the mask checked and their strides read anew
+    torch = pytest.importorskip("torch")
+    from chainfuse import compiler, ops
+
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(17)
+    binds = []
+    real_bind = compiler.Kernel._bind
+    monkeypatch.setattr(compiler.Kernel, "_bind",
+                        lambda self, *a: binds.append(1) or real_bind(self, *a))  # fmt: skip
+    lift = (lambda t: t.numpy()) if kind == "numpy" else (lambda t: t)
+    cache_k = torch.randn(2, 4, 90, 16, generator=g)
+    cache_v = torch.randn(2, 4, 90, 24, generator=g)
+    pad = torch.randn(2, 1, 1, 90, generator=g)
+    for sq, heads_kv, gqa in ((1, 4, False), (3, 4, False), (1, 2, True)):
+        q = torch.randn(2, 4, sq, 16, generator=g)
+        ck, cv = cache_k[:, :heads_kv], cache_v[:, :heads_kv]
+        for fresh in (False, True):
+            for mask_kind in (None, "additive", "bool", "causal"):
+                ops._REPLAY.clear()
+                ops._REPLAY_KEYS.clear()
+                binds.clear()
+                for n in range(65, 73):  # one bucket (72)
+                    k, v = ck[:, :, :n], cv[:, :, :n]
+                    if fresh:
+                        k, v = k.contiguous(), v.contiguous()
+                    kw: dict[str, object] = {}
+                    want_kw: dict[str, object] = {}
+                    if mask_kind in ("additive", "bool"):
+                        m = pad[..., :n].contiguous()
+                        m = m > 0 if mask_kind == "bool" else m
+                        kw["attn_mask"] = lift(m)
+                        want_kw["attn_mask"] = m if mask_kind == "bool" else m.double()
+                    if mask_kind == "causal":
+                        kw["is_causal"] = want_kw["is_causal"] = True
+                    if gqa and mask_kind == "causal":
+                        continue  # (per-group calls: no key is kept for them)
+                    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                          enable_gqa=gqa, **want_kw)  # type: ignore[arg-type]  # fmt: skip
+                    got = ops.attention(lift(q), lift(k), lift(v), enable_gqa=gqa, **kw)  # type: ignore[arg-type]
+                    torch.testing.assert_close(torch.as_tensor(got).double(), want,
+                                               rtol=1e-4, atol=1e-5)  # fmt: skip
+                if not (gqa and mask_kind == "causal"):
+                    assert len(binds) == 1, (sq, gqa, fresh, mask_kind)  # the first length only
+                    assert len(ops._REPLAY) == len(ops._REPLAY_KEYS) == 1
+    # what the key leaves out is still checked, and refused by the caller's names
+    q = lift(torch.randn(2, 4, 1, 16, generator=g))
+    ops.attention(q, lift(cache_k[:, :, :70]), lift(cache_v[:, :, :70]))
+    with pytest.raises(ValueError, match=r"v: expected 71 keys \(k's\), got 70"):
+        ops.attention(q, lift(cache_k[:, :, :71]), lift(cache_v[:, :, :70]))
+    m = lift(pad[..., :70].contiguous())
+    ops.attention(q, lift(cache_k[:, :, :70]), lift(cache_v[:, :, :70]), m)
+    with pytest.raises(ValueError, match=r"attn_mask: shape \(2, 1, 1, 70\) does not broadcast"):
+        ops.attention(q, lift(cache_k[:, :, :71]), lift(cache_v[:, :, :71]), m)
+    inner = torch.randn(2, 4, 16, 90, generator=g).transpose(2, 3)  # the head dim not contiguous
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        ops.attention(q, lift(inner[:, :, :71]), lift(cache_v[:, :, :71]))
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "dv-differs", "requires-grad"])
 def test_torch_outputs_are_new_contiguous_tensors(layout: str) -> None:
     # the output is allocated like q when q has its shape and layout, else from scratch: either
