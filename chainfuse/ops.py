@@ -339,8 +339,16 @@ def _key_bucket(n: int) -> int:
     """`n` keys rounded up to a bucket of lengths planned together: steps of an eighth of the
     power of two below (at least 8), so a plan covers at most 12.5 % more keys than a call has
     (7 more below 64), and a decoder's 1..4096 keys take 56 plans instead of 4096."""
-    step = max(8, 1 << max(0, n.bit_length() - 4))
-    return -(-n // step) * step
+    found = _BUCKETS.get(n)
+    if found is None:
+        step = max(8, 1 << max(0, n.bit_length() - 4))
+        found = -(-n // step) * step
+        if len(_BUCKETS) < 65536:
+            _BUCKETS[n] = found
+    return found
+
+
+_BUCKETS: dict[int, int] = {}  # `_key_bucket`'s answers (a call's key length: ~1 us to work out)
 
 
 def gemm_chain(

@@ -345,23 +345,29 @@ def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(
 
     F = torch.nn.functional
     g = torch.Generator().manual_seed(17)
-    binds = []
-    real_bind = compiler.Kernel._bind
+    binds, rebinds = [], []
+    real_bind, real_rebind = compiler.Kernel._bind, compiler.Kernel._bind_keys
     monkeypatch.setattr(compiler.Kernel, "_bind",
                         lambda self, *a: binds.append(1) or real_bind(self, *a))  # fmt: skip
+    monkeypatch.setattr(compiler.Kernel, "_bind_keys",
+                        lambda self, *a: rebinds.append(1) or real_rebind(self, *a))  # fmt: skip
     lift = (lambda t: t.numpy()) if kind == "numpy" else (lambda t: t)
     cache_k = torch.randn(2, 4, 90, 16, generator=g)
     cache_v = torch.randn(2, 4, 90, 24, generator=g)
+    other_k, other_v = torch.randn_like(cache_k), torch.randn_like(cache_v)  # same strides
     pad = torch.randn(2, 1, 1, 90, generator=g)
     for sq, heads_kv, gqa in ((1, 4, False), (3, 4, False), (1, 2, True)):
         q = torch.randn(2, 4, sq, 16, generator=g)
-        ck, cv = cache_k[:, :heads_kv], cache_v[:, :heads_kv]
         for fresh in (False, True):
             for mask_kind in (None, "additive", "bool", "causal"):
                 ops._REPLAY.clear()
                 ops._REPLAY_KEYS.clear()
                 binds.clear()
-                for n in range(65, 73):  # one bucket (72)
+                rebinds.clear()
+                # one bucket (72), then the last length again on other data (same strides)
+                for n, (ck, cv) in [*((n, (cache_k, cache_v)) for n in range(65, 73)),
+                                    (72, (other_k, other_v))]:  # fmt: skip
+                    ck, cv = ck[:, :heads_kv], cv[:, :heads_kv]
                     k, v = ck[:, :, :n], cv[:, :, :n]
                     if fresh:
                         k, v = k.contiguous(), v.contiguous()
@@ -383,6 +389,15 @@ def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(
                                                rtol=1e-4, atol=1e-5)  # fmt: skip
                 if not (gqa and mask_kind == "causal"):
                     assert len(binds) == 1, (sq, gqa, fresh, mask_kind)  # the first length only
+                    assert len(rebinds) == 8  # each new length, and the repeat on new data
+                    # the last length once more, k with other strides: checked again
+                    wide = torch.randn(2, heads_kv, 72, 40, generator=g)[..., :16]
+                    want = F.scaled_dot_product_attention(q.double(), wide.double(), v.double(),
+                                                          enable_gqa=gqa, **want_kw)  # type: ignore[arg-type]  # fmt: skip
+                    got = ops.attention(lift(q), lift(wide), lift(v), enable_gqa=gqa, **kw)  # type: ignore[arg-type]
+                    torch.testing.assert_close(torch.as_tensor(got).double(), want,
+                                               rtol=1e-4, atol=1e-5)  # fmt: skip
+                    assert len(rebinds) == 9 and len(binds) == 1
                     assert len(ops._REPLAY) == len(ops._REPLAY_KEYS) == 1
     # what the key leaves out is still checked, and refused by the caller's names
     q = lift(torch.randn(2, 4, 1, 16, generator=g))
