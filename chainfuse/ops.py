@@ -144,7 +144,7 @@ _REPLAY_MAX = 256
 # with the number of keys as its bucket (`_by_keys`) -> how one of them ran. A decoding step has
 # a key more than the last (and, with a new k and v each step, other strides): its kernel is its
 # bucket's, and only k, v and the mask need checking again (`_replay_keys`). One query, 12 heads
-# x 64, a new length every step: 58 -> 28 us over the kernel here (a repeat call: 15).
+# x 64, a new length every step: 58 -> 27 us over the kernel here (a repeat call: 15).
 _REPLAY_KEYS: dict[tuple[Any, ...], _Replay] = {}
 
 
