@@ -358,6 +358,17 @@ _MATH = r"""
 
 #define CF_LOG2E 1.44269504088896341f
 
+/* an additive mask value in the scores' base-2 units, m log2(e), held to the finite floats:
+   PyTorch's own masks fill with torch.finfo(float32).min, which times log2(e) would overflow
+   to -inf, and a row masked that way throughout would weigh no key, where SDPA's equal scores
+   weigh every key alike. -inf (and NaN) stay as they are. */
+static inline float cf_mask2(float m)
+{
+    const float big = 2.3586e38f; /* just under FLT_MAX / log2(e) */
+    const float held = m < -big && m > -INFINITY ? -big : m > big && m < INFINITY ? big : m;
+    return held * CF_LOG2E;
+}
+
 /* exp of x <= 0 (erf's exp(-a^2)): range reduction to
    [-ln2/2, ln2/2] and a degree-7 polynomial (Cephes' expf coefficients, relative error < 1e-7).
    n = round(x / ln2) comes from the 1.5 * 2^23 shifter, whose low mantissa bits then hold
@@ -386,30 +397,38 @@ static inline float cf_exp_neg(float x)
     return p * two_n; /* NaN in, NaN out: it went through every step */
 }
 
-/* 2^x for x <= 0: the softmax works in base 2 (its scale carries log2(e)), which spares the
-   ln2 range reduction. n = round(x) from the same shifter, 2^f for f = x - n in [-1/2, 1/2] by
-   a degree-5 polynomial (coefficients fitted for chainfuse: least squares on Chebyshev nodes,
-   reweighted towards the minimax relative error; 1.9e-7 evaluated in float32), in Estrin's
-   form: three dependent FMAs instead of Horner's five, for the loop over a score strip waits
-   on that chain (Zen 1, interleaved: 0.98-1.0 of an attention's time). x < -126.5 (and -inf)
-   gives 0, NaN stays NaN. About 13 instructions per vector. */
-static inline float cf_exp2_neg(float x)
+/* 2^(v - s) for v <= s, with s given as c = 0x1.8p23 + 127 - s and lo = s - 127: the softmax
+   works in base 2 (its scale carries log2(e)), which spares the ln2 range reduction. The
+   shifter adds c to v, so that t = v + c carries n = round(v - s) in its low bits (s an integer,
+   |s| < 2^21: c is then exact, and so are t - c = n + s and f = v - (n + s) in [-1/2, 1/2]);
+   2^f by a degree-5 polynomial (coefficients fitted for chainfuse: least squares on Chebyshev
+   nodes, reweighted towards the minimax relative error; 1.9e-7 evaluated in float32), in
+   Estrin's form: three dependent FMAs instead of Horner's five. A score strip's loop waits on
+   this chain: forming v - s first, then adding the shifter, cost one more dependent add (Zen 1,
+   interleaved: the integer shift took an attention 0.98 of the time, Estrin 0.98-1.0). v below
+   s - 126.5 (and -inf) gives 0, NaN stays NaN. About 13 instructions per vector. */
+static inline float cf_exp2_from(float v, float c, float lo)
 {
-    const float xc = x < -127.0f ? -127.0f : x; /* a max that lets NaN through */
-    const float shifted = xc + 12583039.0f; /* 0x1.8p23 + 127 */
-    const float n = shifted - 12583039.0f;
-    const float f = xc - n;
+    const float xc = v < lo ? lo : v; /* a max that lets NaN through */
+    const float t = xc + c;
+    const float f = xc - (t - c);
     const float f2 = f * f;
     const float q0 = 6.9314700365e-1f * f + 1.0f;
     const float q1 = 5.5507339537e-2f * f + 2.4022242427e-1f;
     const float q2 = 1.3264718000e-3f * f + 9.6715129912e-3f;
     const float p = (q2 * f2 + q1) * f2 + q0;
     uint32_t bits;
-    memcpy(&bits, &shifted, sizeof bits);
+    memcpy(&bits, &t, sizeof bits);
     bits <<= 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
+}
+
+/* 2^x for x <= 0 (s = 0; x < -126.5 gives 0) */
+static inline float cf_exp2_neg(float x)
+{
+    return cf_exp2_from(x, 12583039.0f, -127.0f);
 }
 
 /* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp_neg. */
@@ -1000,7 +1019,7 @@ def _rows_softmax(w: Writer, spec: GemmChainSpec) -> None:
     rescaled by exp(old max - new max)."""
     if spec.mask is MaskKind.ADDITIVE:
         w.line("const cf_elem* restrict mk = (const cf_elem*)mask_b + (m0 + i) * sMm;")
-        w.line("for (int l = 0; l < lb; ++l) si[l] += CF_LOAD(mk[(l0 + l) * sMl]) * CF_LOG2E;")
+        w.line("for (int l = 0; l < lb; ++l) si[l] += cf_mask2(CF_LOAD(mk[(l0 + l) * sMl]));")
     elif spec.mask is MaskKind.BOOL:
         w.line("const unsigned char* restrict mk = (const unsigned char*)mask_b + (m0 + i) * sMm;")
         w.line("for (int l = 0; l < lb; ++l) si[l] = mk[(l0 + l) * sMl] ? si[l] : -INFINITY;")
@@ -1215,6 +1234,16 @@ def _e_row(w: Writer, softmax: bool, row: str) -> None:
         w.line(f"const float inv = inv_sum[{row}];")
 
 
+def _exp_strip(w: Writer, exp: str) -> None:
+    """The strip's scores exponentiated in place by `exp` (of row r, column i), summed by column."""
+    with w.block("for (int r = 0; r < lc; ++r)"):
+        w.line("#pragma omp simd")
+        with w.block("for (int i = 0; i < NR; ++i)"):
+            w.line(f"const float e = {exp};")
+            w.line("p[r * NR + i] = e;")
+            w.line("sum[i] += e;")
+
+
 def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
     """f on strip `j` of the score tile (`lc` rows of NR columns), once its k blocks are done
     (a relu is not here: the micro-kernel applies it as it stores, `RELU_AT_STORE`)."""
@@ -1243,7 +1272,7 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (int c = 0; c < NR; ++c)"):
             w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
             if spec.mask is MaskKind.ADDITIVE:
-                w.line("v += CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]) * CF_LOG2E;")
+                w.line("v += cf_mask2(CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]));")
             elif spec.mask is MaskKind.BOOL:
                 w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
             if spec.causal:
@@ -1251,19 +1280,27 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
             if masked:
                 w.line("p[r * NR + c] = v;")
             w.line("mx[c] = v > mx[c] ? v : mx[c];")
+    w.line("/* shifts: the new maxima rounded up to integers where they are below 2^21 in")
+    w.line("   magnitude (every column of the strip: cf_exp2_from), else the maxima themselves */")
+    w.line("int whole = 1;")
     with w.block("for (int c = 0; c < NR; ++c)"):
         w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
+        w.line("whole &= m_new == -INFINITY || (m_new < 2097152.0f && m_new > -2097152.0f);")
+        w.line("mx[c] = m_new;")
+    with w.block("for (int c = 0; c < NR; ++c)"):
         w.line("/* a column with nothing but -inf so far keeps zero mass */")
-        w.line("shift[c] = m_new == -INFINITY ? 0.0f : m_new;")
+        w.line("shift[c] = mx[c] == -INFINITY ? 0.0f : whole ? ceilf(mx[c]) : mx[c];")
         w.line("alpha[c] = cmax[c] == -INFINITY ? 0.0f : cf_exp2_neg(cmax[c] - shift[c]);")
-        w.line("cmax[c] = m_new;")
+        w.line("cmax[c] = mx[c] == -INFINITY ? -INFINITY : shift[c];")
         w.line("sum[c] = 0.0f;")
-    with w.block("for (int r = 0; r < lc; ++r)"):
-        w.line("#pragma omp simd")
-        with w.block("for (int c = 0; c < NR; ++c)"):
-            w.line("const float e = cf_exp2_neg(p[r * NR + c] - shift[c]);")
-            w.line("p[r * NR + c] = e;")
-            w.line("sum[c] += e;")
+    with w.block("if (whole)"):
+        w.line("float c[NR], lo[NR];")
+        with w.block("for (int i = 0; i < NR; ++i)"):
+            w.line("c[i] = 12583039.0f - shift[i];")
+            w.line("lo[i] = shift[i] - 127.0f;")
+        _exp_strip(w, "cf_exp2_from(p[r * NR + i], c[i], lo[i])")
+    with w.block("else"):
+        _exp_strip(w, "cf_exp2_neg(p[r * NR + i] - shift[i])")
     with w.block("for (int c = 0; c < NR; ++c)"):
         w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
     with w.block("if (l0 > 0)"), w.block("for (long c2 = 0; c2 < N; ++c2)"):

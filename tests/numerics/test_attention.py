@@ -112,6 +112,31 @@ def test_fully_masked_rows_give_zeros_like_pytorch() -> None:
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("queries", [3, 40])  # the row path, the tiled path
+def test_masks_filled_with_the_lowest_float_behave_as_in_sdpa(queries: int) -> None:
+    # PyTorch's own padding masks fill with torch.finfo(float32).min: a row masked that way
+    # throughout has equal scores in SDPA, which weighs its keys alike (the mean of v), and a
+    # row masked in part drops the masked keys; -1e9 and -inf fills as well (-inf throughout:
+    # zeros, `test_fully_masked_rows_give_zeros_like_pytorch`)
+    torch = pytest.importorskip("torch")
+    import chainfuse.torch as cft
+
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(29)
+    q, k, v = (torch.randn(2, 2, n, 24, generator=g) for n in (queries, 70, 70))
+    low = torch.finfo(torch.float32).min
+    mask = torch.randn(2, 1, queries, 70, generator=g)
+    mask[0, :, 0] = low  # throughout
+    mask[1, :, 0, 30:] = low  # in part
+    mask[0, :, 1, ::2] = -1e9
+    mask[1, :, 1, :60] = -torch.inf
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                          attn_mask=mask.double())  # fmt: skip
+    got = cft.attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0, :, 0], v[0].mean(-2), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive", "scale", "3d"])
 def test_torch_attention_matches_sdpa_in_float64(kind: str) -> None:
     torch = pytest.importorskip("torch")
@@ -179,6 +204,38 @@ def test_large_magnitudes_stay_finite() -> None:
     v_rows = inputs["V"][0, 0]
     for row in out[0, 0]:
         assert np.min(np.abs(v_rows - row).max(axis=1)) < 1e-3 * np.abs(v_rows).max()
+
+
+def test_integer_shifts_give_way_to_exact_maxima_for_huge_scores() -> None:
+    # the tiled softmax shifts a strip by its maxima rounded up to integers (cf_exp2_from) while
+    # they stay below 2^21, else by the maxima themselves: one strip here starts with integer
+    # shifts and switches when a tile of keys ~2e6 along u arrives (queries 0-9 point along u,
+    # 10-19 against it, whose maxima stay small and exact through the switch); the other strip
+    # (queries 16-19) keeps integer shifts and sees those keys only as huge negative scores
+    rng = np.random.default_rng(23)
+    chain = chainfuse.attention_chain(1, 1, 20, 64, 8, 8)
+    u = np.zeros(8, np.float32)
+    u[0] = 1.0
+    q = rng.standard_normal((20, 8)).astype(np.float32) * 0.3
+    q[:10, 0], q[10:, 0] = 1.0, -1.0
+    k = rng.standard_normal((64, 8)).astype(np.float32)
+    k[16:32] = (3e8 + 1e6 * np.arange(16, dtype=np.float32))[:, None] * u  # tile 1 of 4
+    v = rng.standard_normal((64, 8)).astype(np.float32)
+    inputs = {"Q": q[None, None], "K": k[None, None], "V": v[None, None]}
+    want = reference.run(chain, inputs)["O"][0, 0]
+    kernel = compile(chain, tiles={"m": 16, "l": 16})
+    got = kernel(inputs["Q"], inputs["K"], inputs["V"])[0, 0]
+    np.testing.assert_allclose(got[:10], np.broadcast_to(v[31], (10, 8)), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[10:], want[10:], rtol=1e-5, atol=1e-6)
+    # the same with the keys' order reversed: the huge tile first, then exact maxima throughout
+    flip = {
+        "Q": inputs["Q"],
+        "K": inputs["K"][:, :, ::-1].copy(),
+        "V": inputs["V"][:, :, ::-1].copy(),
+    }
+    got = kernel(flip["Q"], flip["K"], flip["V"])[0, 0]
+    np.testing.assert_allclose(got[:10], np.broadcast_to(v[31], (10, 8)), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[10:], want[10:], rtol=1e-5, atol=1e-6)
 
 
 def test_attention_argument_errors() -> None:
