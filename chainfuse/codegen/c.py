@@ -532,6 +532,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
     w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many rows or fewer: _rows */")
+    if ker.part_cols:
+        w.line("/* the columns a tail strip of n < NR computes: whole narrow blocks (<uk>_cols) */")
+        pc = ker.part_cols
+        w.line(f"#define CF_NW(n) ((n) >= NR ? NR : ((n) + {pc - 1}) / {pc} * {pc})")
     w.line(f"#define ROWS_LB {ROWS_LB} /* ... l (keys) at a time */")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
     w.line("/* floats from one packed MR-row sliver of a kc-step panel to the next: whole cache")
@@ -821,12 +825,21 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line(
                 "/* whole strips of NR columns, a tail strip's too: Aᵀ is zero beyond mc, so its"
             )
-            w.line("   columns of Pᵀ come out zero, and op2 reads no stale workspace there (stale")
-            w.line("   floats may be subnormal: a microcode assist per FMA on some cores) */")
+            w.line(
+                "   columns of Pᵀ come out zero (or are set to zero by <uk>_cols, which computes"
+            )
+            w.line(
+                "   only the nw columns of a tail strip), and op2 reads no stale workspace there"
+            )
+            w.line(
+                "   (stale floats may be subnormal: a microcode assist per FMA on some cores) */"
+            )
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
                 w.line(
                     "const float* restrict a = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
                 )
+                if spec.kernel.part_cols and in_place:
+                    w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
                 if spec.epilogue is Epilogue.RELU:
                     w.line("/* the relu as each block of the last k block is stored */")
                     w.line("const int acc = (k0 > 0) | (k0 + kc >= K ? RELU_AT_STORE : 0);")
@@ -843,7 +856,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                         else:
                             place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
                         packed = "Bt + (long)s * SLIVER(kc)"
-                        _sliver_call(w, uk, "kc", "direct_b", place, packed, "a, c, NR")
+                        _sliver_call(w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR")
                     if not spec.b_transposed:
                         w.line("cf_pf_step(&pf, pf_rows);")
                 if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
@@ -1113,17 +1126,26 @@ def _rows_scores_by_k(w: Writer) -> None:
 
 
 def _sliver_call(
-    w: Writer, uk: str, kc: str, direct: str, place: tuple[str, str, str], packed: str, rest: str
+    w: Writer,
+    kernel: MicroKernel,
+    kc: str,
+    direct: str,
+    place: tuple[str, str, str],
+    packed: str,
+    rest: str,
 ) -> None:
     """One call site of the micro-kernel for an mr-row sliver of the A operand, read in place
     when `direct` (at `place`: pointer, row and step strides) or packed at `packed`; `rest` is
     the B operand, C and ldc. One inlined copy of the register block instead of two (each costs
-    compile time); a short sliver (m < MR) is always packed."""
+    compile time); a short sliver (m < MR) is always packed. A kernel with narrow blocks
+    (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`)."""
+    uk = kernel.name
     ptr, rs, ks = place
     with w.block("if (m == MR)"):
         w.line(f"const float* restrict as = {direct} ? {ptr} : {packed};")
         rows = rs if rs == "1" else f"{direct} ? {rs} : 1"
-        w.line(f"{uk}_strided({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, NR, acc);")
+        entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
+        w.line(f"{entry}({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, {cols}, acc);")
     w.line(f"else {uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);")
 
 
@@ -1136,6 +1158,8 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int acc = l0 > l_lo;")
         w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        if spec.kernel.part_cols and in_place:
+            w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
         with w.block("for (int s = 0; s * MR < nc; ++s)"):
             w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
             w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
@@ -1144,7 +1168,7 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
             else:
                 place = "D_b + l0 * sDl + n0 + s * MR", "1", "sDl"
                 packed = "Dt + (long)s * SLIVER(lc)"
-                _sliver_call(w, uk, "lc", "direct_d", place, packed, "p, c, LDE")
+                _sliver_call(w, spec.kernel, "lc", "direct_d", place, packed, "p, c, LDE")
             if not spec.b_transposed:
                 w.line("cf_pf_step(&pf, pf_rows);")
 

@@ -99,6 +99,7 @@ static inline void {name}_transpose_scaled(const float* restrict src, long lds,
     transpose=avx2_transpose8,
     transpose_block=8,
     part_rows=4,
+    part_cols=8,  # a tail strip of up to 8 columns: one vector of FMAs, not two
 )
 def avx2_fma_6x16_f32(kernel: MicroKernel) -> str:
     return emit_vector_tile(kernel, AVX2)

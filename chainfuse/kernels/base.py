@@ -18,12 +18,15 @@ A kernel module supplies only the *full tile*, every accumulator in a register, 
 ``<name>_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate)`` reads ``A(i, p) = A[i*rs + p*ks]``
 (a packed sliver is ``rs = 1, ks = mr``) and ``<name>_full_g(kc, ng, gs, A, rs, ks, ...)`` runs
 ``ng`` such groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into one register block
-(and, with ``part_rows``, ``<name>_full_p``: ``_full_s`` on that many rows). `MicroKernel.emit`
-wraps it: a full ``mr x nr`` block goes straight to the fast path; a tail block (``m < mr`` or
+(and, with ``part_rows``, ``<name>_full_p``: ``_full_s`` on that many rows; with ``part_cols``,
+``<name>_full_c<w>`` / ``_full_gc<w>``: on the first ``w`` columns). `MicroKernel.emit` wraps
+it: a full ``mr x nr`` block goes straight to the fast path; a tail block (``m < mr`` or
 ``n < nr``) goes out of line (``<name>_tail``, so that call sites inline the full tile only),
-runs the full tile (or the part tile, for ``m <= part_rows``) into an aligned ``C_tile`` on
-the stack and copies its ``m x n`` corner out. All paths round identically (the product is
-formed from zero, then added to ``C``), so results never depend on where a block falls.
+runs the full tile (or the part tile, for ``m <= part_rows``, or the narrowest column block
+covering ``n``) into an aligned ``C_tile`` on the stack and copies its ``m x n`` corner out (a
+narrow block of exactly ``n`` columns and ``mr`` rows writes ``C`` directly). All paths round
+identically (the product is formed from zero, then added to ``C``), so results never depend on
+where a block falls.
 `pack_a` / `pack_b` emit the matching packing routines, zero-padding tails.
 
 Adding an ISA is one module that defines a full-tile emitter, decorates it with `microkernel`, and
@@ -105,6 +108,13 @@ class MicroKernel:
     ``part_rows`` (optional, < ``mr``): the full tile also emits ``<name>_full_p``, the same on
     the first ``part_rows`` rows only; a tail block of at most that many rows runs it and costs
     those rows' FMAs, not ``mr`` rows' (N = 64 in rows of 6 leaves a tail of 4).
+
+    ``part_cols`` (optional, a proper divisor of ``nr``, a whole number of vectors): the full
+    tile also emits ``<name>_full_c<w>`` and ``<name>_full_gc<w>`` for every multiple ``w`` of
+    it below ``nr``, the same on the first ``w`` columns only (``Bp`` keeps its ``nr`` floats a
+    step); a tail block of ``n <= w`` columns runs the narrowest that covers it and costs ``w``
+    columns' FMAs, not ``nr`` columns' (208 queries in strips of 64 leave one of 16), and
+    `score` counts columns in steps of it.
     """
 
     name: str
@@ -120,6 +130,7 @@ class MicroKernel:
     transpose: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
     transpose_block: int = 0
     part_rows: int = 0
+    part_cols: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
@@ -141,6 +152,24 @@ class MicroKernel:
             raise ValueError(f"micro-kernel {self.name}: transpose_block must divide nr={self.nr}")
         if isinstance(self.part_rows, bool) or not 0 <= self.part_rows < self.mr:
             raise ValueError(f"micro-kernel {self.name}: part_rows must be in [0, mr={self.mr})")
+        pc = self.part_cols
+        if (
+            isinstance(pc, bool)
+            or not isinstance(pc, int)
+            or pc < 0
+            or pc >= self.nr
+            or (pc and self.nr % pc)
+        ):
+            raise ValueError(
+                f"micro-kernel {self.name}: part_cols must be 0 or a divisor of nr={self.nr} "
+                f"below it, got {pc!r}"
+            )
+
+    @property
+    def col_widths(self) -> tuple[int, ...]:
+        """The column counts of the narrow blocks (`part_cols`), narrowest first; () if none."""
+        pc = self.part_cols
+        return tuple(range(pc, self.nr, pc)) if pc else ()
 
     def applies(self, problem: Problem, hardware: Hardware) -> bool:
         """True when ``hardware`` has every ISA feature this kernel uses and it takes the dtype."""
@@ -153,7 +182,8 @@ class MicroKernel:
         - peak fraction estimate = (``flops_per_instruction`` / the flops of one arithmetic
           instruction of ``hardware``'s widest vector ISA, `Hardware.instruction_flops`, capped
           at 1) x (share of the padded ``mr x nr`` blocks
-          covering ``M x N`` that is useful work: tails compute whole blocks). A wide kernel loses
+          covering ``M x N`` that is useful work: tails compute whole blocks, a column tail
+          behind whole ones the narrowest ``part_cols`` block covering it). A wide kernel loses
           to a narrower one where its tails would waste more than its width gains;
         - then the larger register block (fewer loads per FMA, fewer loop trips);
         - then, between blocks of one size, fewer operand loads per FMA (``nr`` / lanes vector
@@ -162,7 +192,13 @@ class MicroKernel:
         """
         width = min(1.0, self.flops_per_instruction / hardware.instruction_flops(problem.dtype))
         padded_m = math.ceil(problem.M / self.mr) * self.mr
-        padded_n = math.ceil(problem.N / self.nr) * self.nr
+        # a column tail behind whole blocks runs the narrowest block covering it; a problem
+        # narrower than one block is counted at the full width: the generated code's per-strip
+        # work (a softmax over its columns, the stores) is nr wide whatever the block computes
+        # (measured, attention over 32 queries: 6x64 with a 32-column block 0.64x of 12x32)
+        full, rest = divmod(problem.N, self.nr)
+        step = self.part_cols if self.part_cols and full else self.nr
+        padded_n = full * self.nr + (math.ceil(rest / step) * step if rest else 0)
         useful = (problem.M * problem.N) / (padded_m * padded_n)
         lanes = max(1, self.flops_per_instruction // 2)
         loads_per_fma = round(lanes / self.nr + 1 / self.mr, 9)
@@ -179,6 +215,9 @@ class MicroKernel:
         accumulate)`` the same over ``ng`` runs of ``kc`` steps ``gs`` floats apart, Bp
         contiguous (a convolution's rows of taps in one call: the block stays in registers). A
         partial sliver (``m < mr``) must be packed: its missing rows would be read out of bounds.
+        With ``part_cols``, ``<name>_cols(kc, A, rs, ks, Bp, C, ldc, w, accumulate)`` is
+        ``_strided`` on ``w`` columns (``nr`` or a narrow block's width) straight into C, the
+        rest of the ``nr`` columns set to zero: a generated kernel's tail strip of columns.
         """
         mr, nr, name = self.mr, self.nr, self.name
         pad = " " * (len(name) + 20)
@@ -197,6 +236,64 @@ class MicroKernel:
                 f"if (m <= {part}) {name}_full_p(kc, A, rs, ks, Bp, C_tile, {nr}, 0);\n"
                 f"    else {tail}"
             )
+        widths = self.col_widths
+        narrow = ""  # a column tail: the narrowest block covering it, else the full width
+        narrow_g = ""
+        cols_tail = ""
+        if widths:
+            pc = self.part_cols
+            cases = "".join(
+                f"        case {w}: {name}_full_c{w}(kc, A, rs, ks, Bp, C, ldc, accumulate); break;\n"
+                for w in widths
+            )
+            cases_g = "".join(
+                f"        case {w}: {name}_full_gc{w}(kc, ng, gs, A, rs, ks, Bp, C, ldc, accumulate); "
+                "break;\n"
+                for w in widths
+            )
+            cols_tail = f"""
+/* {name}_cols_tail: C[0:{mr}, 0:w] (+)= A . Bp for w one of {", ".join(map(str, widths))} */
+static __attribute__((noinline)) void {name}_cols_tail(int kc, const float* restrict A, long rs,
+    long ks, const float* restrict Bp, float* restrict C, long ldc, int w, int accumulate)
+{{
+    switch (w) {{
+{cases}    }}
+}}
+
+static __attribute__((noinline)) void {name}_gcols_tail(int kc, int ng, long gs,
+    const float* restrict A, long rs, long ks, const float* restrict Bp, float* restrict C,
+    long ldc, int w, int accumulate)
+{{
+    switch (w) {{
+{cases_g}    }}
+}}
+"""
+            # a part-row block may be cheaper still (4 rows of 64 against 6 of 48)
+            cheaper = f" && (m > {part} || {mr} * w < {part * nr})" if part else ""
+            narrow = f"""    const int w = (n + {pc - 1}) / {pc} * {pc}; /* the narrow block covering n */
+    if (w < {nr} && m == {mr} && w == n) {{ /* exactly its columns: straight into C */
+        {name}_cols_tail(kc, A, rs, ks, Bp, C, ldc, w, accumulate);
+        return;
+    }}
+    if (w < {nr}{cheaper}) {{
+        float C_tile[{mr * nr}] __attribute__((aligned(64)));
+        {name}_cols_tail(kc, A, rs, ks, Bp, C_tile, {nr}, w, 0);
+        CF_TAIL_COPY
+        return;
+    }}
+"""
+            narrow_g = f"""    const int w = (n + {pc - 1}) / {pc} * {pc};
+    if (w < {nr}) {{
+        if (w == n) {{
+            {name}_gcols_tail(kc, ng, gs, A, rs, ks, Bp, C, ldc, w, accumulate);
+            return;
+        }}
+        float C_tile[{mr * nr}] __attribute__((aligned(64)));
+        {name}_gcols_tail(kc, ng, gs, A, rs, ks, Bp, C_tile, {nr}, w, 0);
+        CF_TAIL_COPY
+        return;
+    }}
+"""
         copy = f"""    for (int i = 0; i < m; ++i) {{
         for (int j = 0; j < n; ++j) {{
             const float v = C_tile[i * {nr} + j];
@@ -204,13 +301,35 @@ class MicroKernel:
             C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r > 0.0f ? r : 0.0f) : r;
         }}
     }}"""
-        wrapper = f"""
+        narrow = narrow.replace("CF_TAIL_COPY", copy.strip().replace("\n", "\n    "))
+        narrow_g = narrow_g.replace("CF_TAIL_COPY", copy.strip().replace("\n", "\n    "))
+        cols = ""
+        if widths:
+            cols = f"""
+/* {name}_cols: C[0:{mr}, 0:w] (+)= A . Bp, A(i, p) = A[i*rs + p*ks] read in place, for w = {nr}
+   or a multiple of {self.part_cols} below it, straight into C, and C[0:{mr}, w:{nr}] = 0: a
+   tail strip of columns kept whole ({nr} wide, zeros past its end, as a zero-padded Bp would
+   give) costs its width's FMAs, not {nr} columns' */
+static inline void {name}_cols(int kc, const float* restrict A, long rs, long ks,
+{spad[:-1]}const float* restrict Bp, float* restrict C, long ldc, int w, int accumulate)
+{{
+    if (w == {nr}) {{
+        {name}_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate);
+        return;
+    }}
+    {name}_cols_tail(kc, A, rs, ks, Bp, C, ldc, w, accumulate);
+    for (int i = 0; i < {mr}; ++i) {{
+        for (int j = w; j < {nr}; ++j) C[i * ldc + j] = 0.0f;
+    }}
+}}
+"""
+        wrapper = f"""{cols_tail}
 /* the blocks smaller than {mr}x{nr}, out of line: every call site of the entry points below
    inlines the full tile only (the tails' copies of it cost compile time, not speed) */
 static __attribute__((noinline)) void {name}_tail(int kc, const float* restrict A, long rs,
     long ks, const float* restrict Bp, float* restrict C, long ldc, int m, int n, int accumulate)
 {{
-{part_call}    float C_tile[{mr * nr}] __attribute__((aligned(64)));
+{part_call}{narrow}    float C_tile[{mr * nr}] __attribute__((aligned(64)));
     {tail}
 {copy}
 }}
@@ -220,7 +339,7 @@ static __attribute__((noinline)) void {name}_grouped_tail(int kc, int ng, long g
     long ldc, int n, int accumulate)
 {{
     const int m = {mr};
-    float C_tile[{mr * nr}] __attribute__((aligned(64)));
+{narrow_g}    float C_tile[{mr * nr}] __attribute__((aligned(64)));
     {name}_full_g(kc, ng, gs, A, rs, ks, Bp, C_tile, {nr}, 0);
 {copy}
 }}
@@ -266,7 +385,7 @@ static inline void {name}_strided(int kc, const float* restrict A, long rs, long
     }}
     {name}_tail(kc, A, rs, ks, Bp, C, ldc, {mr}, n, accumulate);
 }}
-"""
+{cols}"""
         flag = """#ifndef RELU_AT_STORE
 #define RELU_AT_STORE 2 /* accumulate's bit: v > 0 ? v : 0 of the block as it is stored */
 #endif
@@ -437,8 +556,12 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
     nv = nr // ops.lanes
     pad = " " * (len(name) + 27)
 
-    def body(rows: int) -> tuple[list[str], list[str], list[str]]:
-        """(zeroed accumulators, one k step, the store) of a block of `rows` rows."""
+    if kernel.part_cols % ops.lanes:
+        raise ValueError(f"{name}: part_cols={kernel.part_cols} is not a multiple of {ops.lanes}")
+
+    def body(rows: int, nv: int = nv) -> tuple[list[str], list[str], list[str]]:
+        """(zeroed accumulators, one k step, the store) of a block of `rows` rows and `nv`
+        vectors of columns (Bp's steps stay nr floats apart)."""
         acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(rows)]
         step = [
             f"        const float* restrict b = Bp + (long)p * {nr};",
@@ -478,8 +601,8 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         ]
         return zero, step, finish
 
-    def single(rows: int, suffix: str, what: str) -> list[str]:
-        zero, step, finish = body(rows)
+    def single(rows: int, suffix: str, what: str, nv: int = nv) -> list[str]:
+        zero, step, finish = body(rows, nv)
         # A read in place down far-apart rows (rs = 1: a weight's rows, each k step a new line,
         # a new page) misses at every step, and the next slivers' calls read the lines after
         # these: ask for the next line along each step's row, so those misses overlap this
@@ -487,8 +610,8 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         # slivers it is an L1 hit, no change measured)
         prefetch = ["        __builtin_prefetch(a + 64 / sizeof(float), 0, 3);"]
         return [
-            f"/* {name}_{suffix}: C[0:{rows}, 0:{nr}] (+)= A . Bp, {rows * nv} accumulators in "
-            f"registers{what} */",
+            f"/* {name}_{suffix}: C[0:{rows}, 0:{nv * ops.lanes}] (+)= A . Bp, {rows * nv} "
+            f"accumulators in registers{what} */",
             f"static inline void {name}_{suffix}(int kc, const float* restrict A, long rs, long ks,",
             f"{pad}const float* restrict Bp, float* restrict C, long ldc,",
             f"{pad}int accumulate)",
@@ -503,27 +626,34 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
             *finish,
         ]
 
-    zero, step, finish = body(mr)
-    grouped = [
-        f"/* {name}_full_g: the same over ng groups of kc steps, group g's A at A + g*gs, Bp",
-        "   contiguous over all ng*kc steps: one register block for several runs of A */",
-        f"static inline void {name}_full_g(int kc, int ng, long gs, const float* restrict A,",
-        f"{pad}long rs, long ks, const float* restrict Bp, float* restrict C,",
-        f"{pad}long ldc, int accumulate)",
-        "{",
-        *zero,
-        "    for (int g = 0; g < ng; ++g, A += gs, Bp += (long)kc * " + str(nr) + ") {",
-        "#pragma GCC unroll 4",
-        "        for (int p = 0; p < kc; ++p) {",
-        "            const float* restrict a = A + (long)p * ks;",
-        *("    " + line for line in step),
-        "        }",
-        "    }",
-        *finish,
-    ]
-    parts = [ops.preamble.rstrip("\n"), "", *single(mr, "full_s", ""), "", *grouped]
+    def grouped(suffix: str, what: str, nv: int = nv) -> list[str]:
+        zero, step, finish = body(mr, nv)
+        return [
+            f"/* {name}_{suffix}: {what} over ng groups of kc steps, group g's A at A + g*gs, Bp",
+            "   contiguous over all ng*kc steps: one register block for several runs of A */",
+            f"static inline void {name}_{suffix}(int kc, int ng, long gs, const float* restrict A,",
+            f"{pad}long rs, long ks, const float* restrict Bp, float* restrict C,",
+            f"{pad}long ldc, int accumulate)",
+            "{",
+            *zero,
+            "    for (int g = 0; g < ng; ++g, A += gs, Bp += (long)kc * " + str(nr) + ") {",
+            "#pragma GCC unroll 4",
+            "        for (int p = 0; p < kc; ++p) {",
+            "            const float* restrict a = A + (long)p * ks;",
+            *("    " + line for line in step),
+            "        }",
+            "    }",
+            *finish,
+        ]
+
+    parts = [ops.preamble.rstrip("\n"), "", *single(mr, "full_s", ""), ""]
+    parts += grouped("full_g", "the same")
     if kernel.part_rows:
         parts += ["", *single(kernel.part_rows, "full_p", ": a tail block's rows")]
+    for w in kernel.col_widths:  # narrow blocks: a column tail's (part_cols)
+        v = w // ops.lanes
+        parts += ["", *single(mr, f"full_c{w}", ": a tail block's columns", v)]
+        parts += ["", *grouped(f"full_gc{w}", f"C[0:{mr}, 0:{w}] (+)= A . Bp", v)]
     return "\n".join(parts) + "\n"
 
 
@@ -621,6 +751,7 @@ def microkernel(
     transpose: Callable[[MicroKernel], str] | None = None,
     transpose_block: int = 0,
     part_rows: int = 0,
+    part_cols: int = 0,
     registry: Registry = REGISTRY,
 ) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
     """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
@@ -647,6 +778,7 @@ def microkernel(
             transpose=transpose,
             transpose_block=transpose_block,
             part_rows=part_rows,
+            part_cols=part_cols,
         )
         return registry.register(kernel)
 

@@ -640,9 +640,10 @@ def test_sdpa_only_arguments_and_autograd_are_explicit() -> None:
 
 def test_every_sequence_length_and_plan_shares_one_compiled_object() -> None:
     # tiles and sizes are run-time arguments: decoding (one query, a growing number of keys),
-    # prefill lengths and plans forced to other tiles all load the same object, and each result
-    # is the reference's; a different structure (causal) is another object
-    paths = set()
+    # prefill lengths and plans forced to other tiles all load the same object per micro-kernel
+    # (`select` weighs the tails: on AVX-512 a short or odd seq_q takes 12x32, others 6x64),
+    # and each result is the reference's; a different structure (causal) is another object
+    paths: dict[str, set[object]] = {}
     shapes = [(1, 1), (1, 7), (1, 65), (1, 600), (17, 17), (129, 300), (600, 599)]
     for i, (sq, sk) in enumerate(shapes):
         chain = chainfuse.attention_chain(1, 2, sq, sk, 40, 24)
@@ -651,10 +652,11 @@ def test_every_sequence_length_and_plan_shares_one_compiled_object() -> None:
         inputs = reference.random_inputs(chain, seed=i)
         out = kernel(*[inputs[t.name] for t in chain.inputs])
         reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
-        paths.add(kernel.path)
-    assert len(paths) == 1
+        paths.setdefault(kernel.spec.kernel.name, set()).add(kernel.path)
+    assert all(len(p) == 1 for p in paths.values()), paths
+    assert len(shapes) - len(paths) >= 4  # at least four loads of an object built before
     causal = compile(chainfuse.attention_chain(1, 2, 9, 9, 40, 24, causal=True))
-    assert causal.path not in paths
+    assert all(causal.path not in p for p in paths.values())
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -51,8 +51,32 @@ def _runnable(kernel: MicroKernel) -> None:
         pytest.skip(f"this CPU lacks {sorted(f.value for f in missing)} for {kernel.name}")
 
 
+def _widths(kernel: MicroKernel) -> list[int]:
+    """Column counts that reach every path of a tail: 1, nr - 1, nr, and each narrow block's
+    width (`part_cols`: straight into C) and one column either side of it (through the copy)."""
+    near = {w + d for w in kernel.col_widths for d in (-1, 0, 1)}
+    return sorted(n for n in {1, kernel.nr - 1, kernel.nr} | near if 1 <= n <= kernel.nr)
+
+
 def _harness(kernel: MicroKernel) -> str:
     k = kernel.name
+    cols = (
+        f"""
+/* {k}_cols: w of the nr columns computed, the rest of the mr rows set to zero */
+int run_cols(int kc, const float* A, long rs, long ks, const float* B, float* C, long ldc, int w,
+             int accumulate)
+{{
+    float* Bp = malloc(sizeof(float) * (size_t)(kc > 0 ? kc : 1) * {kernel.nr});
+    if (!Bp) return -1;
+    {k}_pack_b(kc, w, B, w, Bp);
+    {k}_cols(kc, A, rs, ks, Bp, C, ldc, w, accumulate);
+    free(Bp);
+    return 0;
+}}
+"""
+        if kernel.col_widths
+        else ""
+    )
     return f"""\
 #include <stdlib.h>
 {emit_with_packing(kernel)}
@@ -93,7 +117,7 @@ void run_pack_bt(int kc, int n, const float* Bt, long ldbt, float* Bp, float sca
 {{
     {k}_pack_bt(kc, n, Bt, ldbt, Bp, scale);
 }}
-"""
+{cols}"""
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +140,10 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...,
                 built[kernel.name] = lib.run
                 built[kernel.name + ".in_place"] = lib.run_in_place
                 built[kernel.name + ".pack_bt"] = lib.run_pack_bt
+                if kernel.col_widths:
+                    lib.run_cols.argtypes = [i, ptr, lg, lg, ptr, ptr, lg, i, i]
+                    lib.run_cols.restype = ctypes.c_int
+                    built[kernel.name + ".cols"] = lib.run_cols
             return built[kernel.name if entry == "run" else f"{kernel.name}.{entry}"]
 
         yield get
@@ -174,7 +202,7 @@ def test_microkernel_matches_numpy(
     mr, nr = kernel.mr, kernel.nr
     sentinel = np.float32(7.0)
     for m in sorted({1, kernel.part_rows, mr - 1, mr} - {0}):  # part_rows: its own tile
-        for n in sorted({1, nr - 1, nr} - {0}):
+        for n in _widths(kernel):  # (part_cols: the narrow blocks)
             what = f"{kernel.name} kc={kc} m={m} n={n} accumulate={accumulate}"
             A = rng.uniform(-1, 1, (m, kc)).astype(np.float32)
             B = rng.uniform(-1, 1, (kc, n)).astype(np.float32)
@@ -228,7 +256,7 @@ def test_in_place_calls_match_numpy(
     for g in range(groups):
         for i in range(mr):
             buf[g * gs + i * rs : g * gs + i * rs + kc * ks : ks] = A[i, g * kc : (g + 1) * kc]
-    for n in sorted({1, nr - 1, nr} - {0}):
+    for n in _widths(kernel):
         what = f"{kernel.name} kc={kc} ng={ng} ks={ks} n={n} accumulate={accumulate}"
         B = rng.uniform(-1, 1, (groups * kc, n)).astype(np.float32)
         ldc = nr + 3
@@ -237,6 +265,38 @@ def test_in_place_calls_match_numpy(
         C0 = C[:mr, :n].astype(np.float64)
         status = run(kc, ng, gs, _ptr(buf), rs, ks, _ptr(B), _ptr(C), ldc, n, accumulate)
         assert status == 0
+        _assert_block(C, A, B, C0 if accumulate & 1 else None, 7.0, what, accumulate > 1)
+
+
+@pytest.mark.parametrize("accumulate", [0, 1, 3])
+@pytest.mark.parametrize("kc", [1, 7, 64])
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k.col_widths], ids=_ids)
+def test_cols_computes_its_width_and_zeroes_the_rest_of_the_strip(
+    compiled: Callable[..., Run], kernel: MicroKernel, kc: int, accumulate: int
+) -> None:
+    """`_cols(..., w, accumulate)`: C[0:mr, 0:w] (+)= A . Bp (a narrow block, or the full tile
+    at w = nr) and C[0:mr, w:nr] = 0 whatever it held (a tail strip kept whole, as if its Bp
+    columns were zeros), A read in place; nothing else of C written."""
+    _runnable(kernel)
+    run = compiled(kernel, "cols")
+    rng = np.random.default_rng(kc + accumulate)
+    mr, nr = kernel.mr, kernel.nr
+    rs, ks = 1, mr + 1  # a packed-like sliver at a stride that is not mr
+    for w in (*kernel.col_widths, nr):
+        what = f"{kernel.name} kc={kc} w={w} accumulate={accumulate}"
+        A = rng.uniform(-1, 1, (mr, kc)).astype(np.float32)
+        buf = np.full(kc * ks + mr, np.nan, np.float32)
+        for p in range(kc):
+            buf[p * ks : p * ks + mr] = A[:, p]
+        B = rng.uniform(-1, 1, (kc, w)).astype(np.float32)
+        ldc = nr + 3
+        C = np.full((mr + 2, ldc), 7.0, np.float32)
+        C[:mr, :w] = rng.uniform(-1, 1, (mr, w)) if accumulate & 1 else np.nan
+        C[:mr, w:nr] = np.nan  # set to zero, never read
+        C0 = C[:mr, :w].astype(np.float64)
+        assert run(kc, _ptr(buf), rs, ks, _ptr(B), _ptr(C), ldc, w, accumulate) == 0
+        assert (C[:mr, w:nr] == 0).all(), f"{what}: the columns past w are not zeros"
+        C[:mr, w:nr] = 7.0
         _assert_block(C, A, B, C0 if accumulate & 1 else None, 7.0, what, accumulate > 1)
 
 
@@ -371,8 +431,16 @@ def test_score_weighs_tail_waste() -> None:
         avx512_12x32_f32.score(Problem(DType.FLOAT32, 512, 64, 64), xeon)[:2]
         == (avx512_6x64_f32.score(Problem(DType.FLOAT32, 512, 64, 64), xeon)[:2])
     )
-    # N = 208 = 3 x 64 + 16: a 64-wide block computes 256 columns, a 32-wide one 224
-    assert select(Problem(DType.FLOAT32, 208, 208, 64), xeon) == avx512_12x32_f32
+    # N = 208 = 3 x 64 + 16: three 64-wide blocks and a 16-wide one (part_cols), no waste
+    assert select(Problem(DType.FLOAT32, 208, 208, 64), xeon) == avx512_6x64_f32
+    # ... which a 64-wide block without narrow ones would lose to 12x32 (256 columns, not 224)
+    whole = dataclasses.replace(avx512_6x64_f32, part_cols=0)
+    problem = Problem(DType.FLOAT32, 208, 208, 64)
+    assert whole.score(problem, xeon) < avx512_12x32_f32.score(problem, xeon)
+    assert avx512_6x64_f32.score(problem, xeon)[0] == round(208 / 210, 9)  # (rows of 6 only)
+    # N = 32, narrower than one 64-wide block: counted at the full width (the strip's softmax
+    # and stores are 64 wide whatever the block computes), so 12x32 wins
+    assert select(Problem(DType.FLOAT32, 512, 32, 64), xeon) == avx512_12x32_f32
     # N = 16: a 64-wide block would compute 4x the useful work in its tail; 16 columns of ymm
     # or 32 of zmm take as many FMAs, and the larger block wins
     assert select(Problem(DType.FLOAT32, 512, 16, 64), xeon) == avx512_12x32_f32
@@ -406,3 +474,9 @@ def test_invalid_values_are_rejected() -> None:
     for rows in (-1, 4, True):  # reference_4x4 has mr = 4: a part tile has fewer rows
         with pytest.raises(ValueError, match="part_rows"):
             dataclasses.replace(reference_4x4_f32, part_rows=rows)
+    for cols in (-2, 3, 64, True):  # avx512 6x64: a proper divisor of nr = 64, an int
+        with pytest.raises(ValueError, match="part_cols"):
+            dataclasses.replace(avx512_6x64_f32, part_cols=cols)
+    assert avx512_6x64_f32.col_widths == (16, 32, 48)
+    with pytest.raises(ValueError, match="not a multiple of 16"):  # whole vectors only
+        dataclasses.replace(avx512_6x64_f32, part_cols=8).emit()
