@@ -455,34 +455,39 @@ def pack_b(kernel: MicroKernel, *, transposed: bool = False) -> str:
         blocks = ""
         if tb:
             blocks = f"""
-    if (n == {nr}) {{ /* whole {tb}x{tb} blocks transposed in registers, then the last steps */
+    /* whole groups of {tb} columns: {tb}x{tb} blocks transposed in registers, then the last steps */
+    const int jw = n / {tb} * {tb};
+    if (jw > 0) {{
         float s[{tb}];
         for (int j = 0; j < {tb}; ++j) s[j] = scale;
         int p = 0;
         for (; p + {tb} <= kc; p += {tb}) {{
-            for (int j = 0; j < {nr}; j += {tb}) {{
+            for (int j = 0; j < jw; j += {tb}) {{
                 {name}_transpose_scaled(Bt + j * ldbt + p, ldbt, Bp + (long)p * {nr} + j, {nr}, s);
             }}
         }}
         for (; p < kc; ++p) {{
-            for (int j = 0; j < {nr}; ++j) Bp[(long)p * {nr} + j] = Bt[j * ldbt + p] * scale;
+            for (int j = 0; j < jw; ++j) Bp[(long)p * {nr} + j] = Bt[j * ldbt + p] * scale;
         }}
-        return;
     }}"""
         # with register transposes it is kept out of line: called once per strip, and inlined
         # into a generated kernel's big function it cost half a second of compile time
         linkage = "static __attribute__((noinline))" if tb else "static inline"
+        first = "jw" if tb else "0"
         return f"""
-/* Bp[p*{nr} + j] = Bt[j*ldbt + p] * scale for j < n, 0 up to {nr}: B given transposed (n x kc). */
+/* Bp[p*{nr} + j] = Bt[j*ldbt + p] * scale for j < n, 0 up to {nr}: B given transposed (n x kc).
+   The zeros row by row (contiguous stores): a tail strip of 16 queries column by column wrote
+   {nr} - 16 scalar zeros {nr} floats apart per step */
 {linkage} void {name}_pack_bt(int kc, int n, const float* restrict Bt, long ldbt,
                                   float* restrict Bp, float scale)
 {{{blocks}
-    for (int j = 0; j < {nr}; ++j) {{
+    for (int j = {first}; j < n; ++j) {{
         const float* restrict col = Bt + j * ldbt;
-        if (j < n) {{
-            for (int p = 0; p < kc; ++p) Bp[(long)p * {nr} + j] = col[p] * scale;
-        }} else {{
-            for (int p = 0; p < kc; ++p) Bp[(long)p * {nr} + j] = 0.0f;
+        for (int p = 0; p < kc; ++p) Bp[(long)p * {nr} + j] = col[p] * scale;
+    }}
+    if (n < {nr}) {{
+        for (int p = 0; p < kc; ++p) {{
+            for (int j = n; j < {nr}; ++j) Bp[(long)p * {nr} + j] = 0.0f;
         }}
     }}
 }}

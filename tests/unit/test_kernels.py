@@ -314,7 +314,10 @@ def test_pack_bt_transposes_and_scales_exactly(
     rng = np.random.default_rng(kc)
     nr = kernel.nr
     factor = np.float32(scale)
-    for n in sorted({1, nr - 1, nr} - {0}):
+    tb = kernel.transpose_block or nr  # whole groups of tb columns, then single columns
+    for n in sorted(
+        {1, tb - 1, tb, tb + 1, nr - 1, nr} & set(range(1, nr + 1)) | {*_widths(kernel)}
+    ):
         ldbt = kc + 5
         Bt = np.full((n, ldbt), np.nan, np.float32)
         Bt[:, :kc] = rng.uniform(-1e4, 1e4, (n, kc))
