@@ -243,3 +243,26 @@ def test_larger_cache_never_increases_optimum(chain: Chain, l2: int | None) -> N
     small = plan(chain, hw)
     large = plan(chain, hw.scaled("L2", 2 * cap))
     assert small.predicted_time_s >= large.predicted_time_s * (1 - 1e-9)
+
+
+def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
+    # a fused GEMM chain's micro-kernel keeps op1's packed panel (nr columns by the k tile) in
+    # L1 across a tile's slivers: the code-level k tile is capped at half of L1's floats / nr
+    from chainfuse.ir import conv_chain_spec
+    from chainfuse.model import code_level
+    from chainfuse.planner import PANEL_SHARE, _panel_caps, register_block
+
+    xeon = Hardware.preset("xeon-gold-6240")  # 32 KiB L1, a 6x64 block: at most 64 steps
+    mlp = gemm_chain(1, 64, 768, 768, 3072)
+    _, nr = register_block(mlp, xeon)
+    cap = int(xeon.levels[0].capacity * PANEL_SHARE) // (nr * 4)
+    assert _panel_caps(mlp, xeon, nr) == {"k": cap} and cap == 64
+    tiles = plan(mlp, xeon, threads=1).tiles_at(code_level(xeon))
+    assert tiles is not None and tiles["k"] <= cap  # (uncapped, the model picks 256)
+    # attention's k (a head dim of 64) is within it; a conv chain or a single GEMM has none
+    att = plan(attention_chain(1, 12, 512, 512, 64, 64), xeon, threads=1)
+    assert (att.tiles_at(code_level(xeon)) or {})["k"] == 64
+    conv = conv_chain_spec(1, 16, 12, 12, 16, 3, 3, 16, 1, 1)
+    assert plan(conv, xeon, threads=1) is not None
+    one_level = dataclasses.replace(xeon, levels=(xeon.levels[0], xeon.levels[-1]))
+    assert _panel_caps(mlp, one_level, nr) == {}  # the code level is L1 itself
