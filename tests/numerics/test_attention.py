@@ -699,3 +699,41 @@ def test_row_path_rows_without_keys_and_huge_scores() -> None:
     k[0, 1, 290, 5] = float("nan")
     nan = cft.attention(q, k, v)
     assert torch.isnan(nan[0, 1]).all() and torch.isfinite(nan[0, 0]).all()
+
+
+def _host_kernels_with_narrow_blocks() -> list[object]:
+    from chainfuse.hardware import Hardware
+    from chainfuse.kernels import available
+
+    host = Hardware.detect()
+    return [
+        pytest.param(k, id=k.name)
+        for k in available()
+        if k.col_widths and k.isa <= host.isa and k.dtypes[0].value == "float32"
+    ]
+
+
+@pytest.mark.parametrize("kernel", _host_kernels_with_narrow_blocks())
+def test_tail_strips_of_every_narrow_width_with_each_kernel(
+    kernel: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each micro-kernel this CPU runs (not only the one `select` picks here), forced: query
+    # counts whose last strip of nr columns is each narrow width (`<uk>_cols`), one column
+    # short of it or over it, in attention (masked and causal) and in a relu GEMM chain
+    from chainfuse import compiler
+    from chainfuse.kernels import MicroKernel
+
+    assert isinstance(kernel, MicroKernel)
+    monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
+    nr, pc = kernel.nr, kernel.part_cols
+    counts = sorted({nr + w + d for w in kernel.col_widths for d in (-1, 0, 1)} | {nr + 1})
+    for i, sq in enumerate(counts):
+        causal, mask = [(False, None), (True, None), (False, "additive"), (False, "bool")][i % 4]
+        _check_attention(1, 2, sq, 37 + i, 40, 24, causal, mask, i % 2 == 1, None, 10.0)
+        chain = chainfuse.gemm_chain(2, sq, 24, 40, 37 + i, "relu")
+        k = compile(chain, tiles={"m": nr * 2, "l": 18, "k": 16})  # (k blocks: acc)
+        assert k.spec.kernel is kernel
+        inputs = reference.random_inputs(chain, seed=i)
+        out = k(*[inputs[t.name] for t in chain.inputs])
+        reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+    assert pc and len(counts) == 3 * len(kernel.col_widths) + 1
