@@ -236,6 +236,15 @@ class MicroKernel:
                 f"if (m <= {part}) {name}_full_p(kc, A, rs, ks, Bp, C_tile, {nr}, 0);\n"
                 f"    else {tail}"
             )
+        copy = f"""    for (int i = 0; i < m; ++i) {{
+        for (int j = 0; j < n; ++j) {{
+            const float v = C_tile[i * {nr} + j];
+            const float r = accumulate & 1 ? C[i * ldc + j] + v : v;
+            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r > 0.0f ? r : 0.0f) : r;
+        }}
+    }}"""
+        # (the copy again, one level deeper: inside a narrow block's early return)
+        nested = copy.strip().replace("\n", "\n    ")
         widths = self.col_widths
         narrow = ""  # a column tail: the narrowest block covering it, else the full width
         narrow_g = ""
@@ -278,7 +287,7 @@ static __attribute__((noinline)) void {name}_gcols_tail(int kc, int ng, long gs,
     if (w < {nr}{cheaper}) {{
         float C_tile[{mr * nr}] __attribute__((aligned(64)));
         {name}_cols_tail(kc, A, rs, ks, Bp, C_tile, {nr}, w, 0);
-        CF_TAIL_COPY
+        {nested}
         return;
     }}
 """
@@ -290,19 +299,10 @@ static __attribute__((noinline)) void {name}_gcols_tail(int kc, int ng, long gs,
         }}
         float C_tile[{mr * nr}] __attribute__((aligned(64)));
         {name}_gcols_tail(kc, ng, gs, A, rs, ks, Bp, C_tile, {nr}, w, 0);
-        CF_TAIL_COPY
+        {nested}
         return;
     }}
 """
-        copy = f"""    for (int i = 0; i < m; ++i) {{
-        for (int j = 0; j < n; ++j) {{
-            const float v = C_tile[i * {nr} + j];
-            const float r = accumulate & 1 ? C[i * ldc + j] + v : v;
-            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r > 0.0f ? r : 0.0f) : r;
-        }}
-    }}"""
-        narrow = narrow.replace("CF_TAIL_COPY", copy.strip().replace("\n", "\n    "))
-        narrow_g = narrow_g.replace("CF_TAIL_COPY", copy.strip().replace("\n", "\n    "))
         cols = ""
         if widths:
             cols = f"""
