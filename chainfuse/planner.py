@@ -59,8 +59,8 @@ __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
 # fraction of a level the working set may fill: caches are not ideal (conflicts, code, the
 # lines the hardware prefetchers bring). 0.75 filled the AVX-512 host's 2 MiB L2 closer than it
 # delivers: interleaved against 0.6 (1 thread, plans of each), mixer-l-32-c ran 1.21-1.24x
-# faster, squeezenet's conv chain 1.08x, the 22 other changed and unchanged plans within noise
-# (0.98-1.04), geomean 1.02 (GEMM chains and attention) and 1.014 (conv)
+# faster, squeezenet's conv chain 1.08x, the 32 other cases within noise (0.98-1.06, plans it
+# left unchanged included), geomean 1.02 (GEMM chains and attention) and 1.014 (conv)
 USABLE = 0.6
 SCREENED = 3  # structures refined when costing is slow (affine indices); plain chains: all
 MAX_PREFIX = 4  # longest shared prefix enumerated (beyond it the orders are equivalent in practice)
