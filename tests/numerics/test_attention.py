@@ -10,9 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chainfuse
-from chainfuse import reference
+from chainfuse import compiler, reference
 from chainfuse.bench import workloads
 from chainfuse.compiler import compile
+from chainfuse.hardware import Hardware
+from chainfuse.ir import DType
+from chainfuse.kernels import MicroKernel, available
 
 try:
     import torch as _TORCH
@@ -701,29 +704,19 @@ def test_row_path_rows_without_keys_and_huge_scores() -> None:
     assert torch.isnan(nan[0, 1]).all() and torch.isfinite(nan[0, 0]).all()
 
 
-def _host_kernels_with_narrow_blocks() -> list[object]:
-    from chainfuse.hardware import Hardware
-    from chainfuse.kernels import available
-
-    host = Hardware.detect()
-    return [
-        pytest.param(k, id=k.name)
-        for k in available()
-        if k.col_widths and k.isa <= host.isa and k.dtypes[0].value == "float32"
-    ]
+_NARROW_HERE = [
+    k for k in available()
+    if k.col_widths and k.isa <= Hardware.detect().isa and DType.FLOAT32 in k.dtypes
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", _host_kernels_with_narrow_blocks())
+@pytest.mark.parametrize("kernel", _NARROW_HERE, ids=lambda k: k.name)
 def test_tail_strips_of_every_narrow_width_with_each_kernel(
-    kernel: object, monkeypatch: pytest.MonkeyPatch
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # each micro-kernel this CPU runs (not only the one `select` picks here), forced: query
     # counts whose last strip of nr columns is each narrow width (`<uk>_cols`), one column
     # short of it or over it, in attention (masked and causal) and in a relu GEMM chain
-    from chainfuse import compiler
-    from chainfuse.kernels import MicroKernel
-
-    assert isinstance(kernel, MicroKernel)
     monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
     nr, pc = kernel.nr, kernel.part_cols
     counts = sorted({nr + w + d for w in kernel.col_widths for d in (-1, 0, 1)} | {nr + 1})
