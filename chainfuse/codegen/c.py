@@ -68,7 +68,7 @@ _PACK_PANEL = """\
 /* Ap[(s/MR)*SLIVER(kc) + p*MR + i] = At[p*ldat + s + i] for every whole sliver (column s, a
    multiple of MR) when `whole`, and the tail sliver zero-padded: in the same pass over the rows
    when `whole` (each row is in L1 then; a pass of its own down the tail's columns was 1.8 % of
-   an attention over 208 keys), else by PACK_AT */
+   an attention over 208 keys), else by PACK_AT, unless it has PART_MR rows (read in place) */
 #define PANEL_AHEAD 8 /* rows prefetched ahead */
 static void cf_pack_at_panel(int kc, int width, const cf_elem* restrict At, long ldat,
                              float* restrict Ap, int whole)
@@ -88,7 +88,7 @@ static void cf_pack_at_panel(int kc, int width, const cf_elem* restrict At, long
             if (rest)
                 for (int i = 0; i < MR; ++i) tail[(long)p * MR + i] = i < rest ? CF_LOAD(row[full + i]) : 0.0f;
         }
-    } else if (rest) {
+    } else if (rest && rest != PART_MR) { /* (a tail of PART_MR rows is read in place) */
         PACK_AT(kc, rest, At + full, ldat, tail);
     }
 }
@@ -124,10 +124,20 @@ static void cf_pack_b_panel(int kc, int width, const float* restrict D, long ldd
 
 def _to_e(spec: GemmChainSpec) -> bool:
     """Whether op2 may write E directly (`_PACK_STRIPS`): float32 E (accumulated in place) and no
-    softmax (whose rows are rescaled as it goes, in Eᵀ). The code then also asks, at run time,
+    softmax (which packs nothing for it: `_softmax_to_e`). The code then also asks, at run time,
     for n blocks of whole nr-column strips (the planner sizes T_N in mr rows: Mixer-C's 258 =
     43 x 6 would pad 14 columns of 272, measured 4 % slower)."""
     return spec.dtype is DType.FLOAT32 and spec.epilogue is not Epilogue.SOFTMAX
+
+
+def _softmax_to_e(spec: GemmChainSpec) -> bool:
+    """Whether a softmax chain's op2 may write E directly, decided at run time (`to_e`): float32
+    E and D's rows already the micro-kernel's packed B layout (one dense strip of N = NR
+    columns, rows NR apart), read in place. No Eᵀ accumulator and no transposing store: the
+    rescales and the division by the sum act on E's rows. (Its tail strip of queries then runs
+    whole mr-row blocks in op2, not a narrow block.) Each output element sums over l in the
+    same order either way: bit-identical."""
+    return spec.dtype is DType.FLOAT32 and spec.epilogue is Epilogue.SOFTMAX
 
 
 def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
@@ -537,6 +547,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.lines(emit_with_packing(ker))
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
+    w.line(
+        f"#define PART_MR {ker.part_rows} /* a sliver of this many rows is read in place too"
+        " (<uk>_tail reads only its rows; 0: none) */"
+    )
     w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many rows or fewer: _rows */")
     if ker.part_cols:
         w.line("/* the columns a tail strip of n < NR computes: whole narrow blocks (<uk>_cols) */")
@@ -798,6 +812,9 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* op2 straight into E (see cf_pack_b_panel), unless the threads split l or D is")
         w.line("   read in place */")
         w.line("const int to_e = T_N % NR == 0 && split == 1 && !direct_d && l_end > l_lo;")
+    if _softmax_to_e(spec):
+        w.line("/* op2 straight into E where D's rows are the packed layout (_softmax_to_e) */")
+        w.line("const int to_e = N == NR && T_N >= N && sDl == NR && l_end > l_lo;")
     if not softmax:
         with w.block("if (l_end <= l_lo)"):
             w.line("/* an empty share of l (split below): it adds zeros */")
@@ -812,7 +829,9 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             if spec.b_transposed:
                 with w.block("for (int s = 0; s * MR < lc; ++s)"):
                     w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                    w.line("if (direct_b && m == MR) continue; /* read in place below */")
+                    w.line(
+                        "if (direct_b && (m == MR || m == PART_MR)) continue; /* read in place below */"
+                    )
                     w.line(
                         "PACK_A(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * SLIVER(kc));"
                     )
@@ -876,6 +895,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             if _to_e(spec):
                 w.line("if (to_e) cf_pack_b_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt);")
                 w.line("else cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
+            elif _softmax_to_e(spec):
+                w.line(
+                    "if (!to_e) cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);"
+                )
             else:
                 w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
             if not spec.b_transposed:
@@ -917,21 +940,34 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 w.line(
                     "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((nc + MR - 1) / MR));"
                 )
-            if _to_e(spec):
+            if _to_e(spec) or _softmax_to_e(spec):
                 with w.block("if (to_e)"):
-                    _op2_to_e(w, spec)
+                    # (in place: nc = N = NR, one strip, rows NR apart)
+                    d = "D_b + l0 * sDl" if _softmax_to_e(spec) else "Dt + (long)s * lc * NR"
+                    _op2_to_e(w, spec, d)
                 with w.block("else"):
                     _op2_to_et(w, spec)
             else:
                 _op2_to_et(w, spec)
     w.line(
         "/* E[m_o, :] = Eᵀ transposed"
-        + (", each row over its softmax sum */" if softmax else " */")
+        + (
+            " (or E as op2 wrote it), each row over its softmax sum */"
+            if _softmax_to_e(spec)
+            else ", each row over its softmax sum */"
+            if softmax
+            else " */"
+        )
     )
     if softmax:
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
-    if softmax:
+    if _softmax_to_e(spec):
+        with w.block("if (to_e)"), w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("cf_elem* restrict e = E_b + i * sEm;")
+            w.line("for (long n = 0; n < N; ++n) e[n] *= col_sum[i];")
+        w.line(f"else {spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
+    elif softmax:
         w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
     else:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")
@@ -1143,7 +1179,8 @@ def _sliver_call(
     """One call site of the micro-kernel for an mr-row sliver of the A operand, read in place
     when `direct` (at `place`: pointer, row and step strides) or packed at `packed`; `rest` is
     the B operand, C and ldc. One inlined copy of the register block instead of two (each costs
-    compile time); a short sliver (m < MR) is always packed. A kernel with narrow blocks
+    compile time); a short sliver (m < MR) is packed, unless it has exactly the kernel's
+    `part_rows` rows (`PART_MR`: `<uk>_tail` reads only those, in place). A kernel with narrow blocks
     (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`)."""
     uk = kernel.name
     ptr, rs, ks = place
@@ -1152,6 +1189,10 @@ def _sliver_call(
         rows = rs if rs == "1" else f"{direct} ? {rs} : 1"
         entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
         w.line(f"{entry}({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, {cols}, acc);")
+    if kernel.part_rows:  # exactly its rows: <uk>_tail reads only those
+        w.line(
+            f"else if ({direct} && m == PART_MR) {uk}_tail({kc}, {ptr}, {rs}, {ks}, {rest}, m, NR, acc);"
+        )
     w.line(f"else {uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);")
 
 
@@ -1179,16 +1220,17 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
                 w.line("cf_pf_step(&pf, pf_rows);")
 
 
-def _op2_to_e(w: Writer, spec: GemmChainSpec) -> None:
-    """op2 of one l block and n block straight into E (`_PACK_STRIPS`): rows m, mr at a time
-    within each of Pᵀ's nr-column strips, columns n from D's packed nr-column strips."""
+def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
+    """op2 of one l block and n block straight into E: rows m, mr at a time within each of Pᵀ's
+    nr-column strips, columns n from D's nr-column strips, strip `s` at `strip` (packed by
+    `_PACK_STRIPS`, or D itself, `_softmax_to_e`)."""
     uk = spec.kernel.name
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int acc = l0 > l_lo;")
         w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
         with w.block("for (int s = 0; s * NR < nc; ++s)"):
             w.line("const int n = nc - s * NR < NR ? nc - s * NR : NR;")
-            w.line("const float* restrict d = Dt + (long)s * lc * NR;")
+            w.line(f"const float* restrict d = {strip};")
             with w.block("for (int r = 0; r < NR && j * NR + r < mc; r += MR)"):
                 w.line("int m = NR - r < MR ? NR - r : MR;")
                 w.line("if (mc - j * NR - r < m) m = mc - j * NR - r;")
@@ -1333,6 +1375,12 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         _exp_strip(w, "cf_exp2_neg(p[r * NR + i] - shift[i])")
     with w.block("for (int c = 0; c < NR; ++c)"):
         w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
-    with w.block("if (l0 > 0)"), w.block("for (long c2 = 0; c2 < N; ++c2)"):
-        w.line("float* restrict et = Et + c2 * LDE + j * NR;")
-        w.line("for (int c = 0; c < NR; ++c) et[c] *= alpha[c];")
+    with w.block("if (l0 > 0)"):
+        if _softmax_to_e(spec):
+            with w.block("if (to_e)"), w.block("for (int c = 0; c < NR && j * NR + c < mc; ++c)"):
+                w.line("cf_elem* restrict e = E_b + (j * NR + c) * sEm;")
+                w.line("for (long n = 0; n < N; ++n) e[n] *= alpha[c];")
+            w.line("else")
+        with w.block("for (long c2 = 0; c2 < N; ++c2)"):
+            w.line("float* restrict et = Et + c2 * LDE + j * NR;")
+            w.line("for (int c = 0; c < NR; ++c) et[c] *= alpha[c];")

@@ -730,3 +730,83 @@ def test_tail_strips_of_every_narrow_width_with_each_kernel(
         out = k(*[inputs[t.name] for t in chain.inputs])
         reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
     assert pc and len(counts) == 3 * len(kernel.col_widths) + 1
+
+
+_FP32_HERE = [
+    k for k in available() if k.isa <= Hardware.detect().isa and DType.FLOAT32 in k.dtypes
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", _FP32_HERE, ids=lambda k: k.name)
+def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a value head of exactly nr dims with dense rows: op2 adds into E's rows directly (`to_e`,
+    # also into an `out` whose rows lie further apart); the same V as a view of a wider array
+    # takes the Eᵀ accumulator and its transposing store. Both are the reference's and equal
+    # bit for bit: over several l tiles (the rescales act on E's rows), a tail strip of
+    # queries, masks, causal, scores up to 1e4
+    from chainfuse.codegen.c import ROWS_MAX
+
+    monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
+    nr = kernel.nr
+    cases = [(ROWS_MAX + 1, 7, False, None), (nr + 5, 130, True, None),
+             (2 * nr + 3, 61, False, "bool"), (nr, 200, False, "additive")]  # fmt: skip
+    for i, (sq, sk, causal, mask) in enumerate(cases):
+        chain = chainfuse.attention_chain(1, 2, sq, sk, 24, nr, causal=causal, mask=mask)
+        k = compile(chain, tiles={"l": 12})
+        assert k.spec.kernel is kernel and k.spec.T_L == 12
+        inputs = reference.random_inputs(chain, seed=i, scale=[1.0, 100.0, 1e4][i % 3])
+        names = [t.name for t in chain.inputs]
+        dense = k(*[inputs[n] for n in names])
+        reference.assert_close(dense, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+        wide = np.zeros((*inputs["V"].shape[:-1], nr + 3), np.float32)
+        wide[..., :nr] = inputs["V"]
+        strided = k(*[wide[..., :nr] if n == "V" else inputs[n] for n in names])
+        np.testing.assert_array_equal(dense, strided)
+        out = np.full((*dense.shape[:-1], nr + 5), np.nan, np.float32)
+        k(*[inputs[n] for n in names], out=out[..., :nr])
+        np.testing.assert_array_equal(out[..., :nr], dense)
+        assert np.isnan(out[..., nr:]).all()  # nothing written past the rows' ends
+
+
+def _guarded(a: np.ndarray) -> tuple[np.ndarray, object]:
+    """A copy of `a` whose last element ends where an inaccessible page begins (reading one float
+    past it faults), and the mapping that keeps it alive."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    pages = -(-a.nbytes // page) + 1
+    buf = mmap.mmap(-1, pages * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mprotect(ctypes.c_void_p(base + (pages - 1) * page), ctypes.c_size_t(page), 0) != 0:
+        pytest.skip("mprotect is not available here")
+    start = (pages - 1) * page - a.nbytes
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=start).reshape(a.shape)
+    out[...] = a
+    return out, buf
+
+
+_PART_HERE = [k for k in _FP32_HERE if k.part_rows]
+
+
+@pytest.mark.parametrize("kernel", _PART_HERE, ids=lambda k: k.name)
+def test_short_slivers_of_part_rows_are_read_in_place_within_the_tensor(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # keys and value dims one short sliver of exactly `part_rows` past whole slivers: the last
+    # sliver of K (op1) and of V's columns (op2, through Eᵀ) is read in place, and it is the end
+    # of the tensor; a float read past it would fault (a guard page follows each operand)
+    monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
+    mr, part = kernel.mr, kernel.part_rows
+    for i, (sq, sk, dv) in enumerate([(kernel.nr + 3, 2 * mr + part, mr + part),
+                                      (20, mr + part, 3 * mr + part)]):  # fmt: skip
+        chain = chainfuse.attention_chain(1, 2, sq, sk, 2 * mr + part, dv, causal=i == 1)
+        k = compile(chain)
+        assert k.spec.kernel is kernel
+        inputs = reference.random_inputs(chain, seed=i)
+        keep = [_guarded(inputs[t.name]) for t in chain.inputs]
+        out = k(*[a for a, _ in keep])
+        reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
