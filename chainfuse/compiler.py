@@ -29,6 +29,7 @@ import numpy as np
 from chainfuse import config
 from chainfuse.codegen.c import (
     PACKED,
+    ROWS_MAX,
     Epilogue,
     GemmChainShape,
     GemmChainSpec,
@@ -269,6 +270,34 @@ class Kernel(_Built):
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.path})"
+
+    def describe(self) -> str:
+        """What the compiled code runs, beside the plan (`plan`'s register block is the model's
+        quantum; the code computes the transposed chain): the micro-kernel and how the chain's
+        loops lie on its block, the code-level tiles, and which row blocks take the row path
+        (at most ROWS_MAX rows of m: dot products and sums, compiled for the kernel's ISA)."""
+        spec, ext = self.spec, self.chain.extents
+        m, l_ = self.chain.contractions[0].output.loops[-2:]
+        n = self.chain.contractions[1].output.loops[-1]
+        uk, M = spec.kernel, ext[m]
+        tiles = f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}"
+        if M <= ROWS_MAX:
+            return (
+                f"  code: the row path for all {M} rows of {m} (<= {ROWS_MAX}), no register"
+                f" block (built for {uk.name}'s ISA); {tiles}"
+            )
+        text = (
+            f"  code: micro-kernel {uk.name}, its {uk.mr} rows along {l_} (and {n}), its"
+            f" {uk.nr} columns along {m}; {tiles}"
+        )
+        outer = max(self._outer_m, spec.T_M)  # the rows of m a parallel block holds
+        tails = {r % spec.T_M for r in (outer, M % outer or outer)} - {0}
+        short = sorted(t for t in tails if t <= ROWS_MAX)
+        if short:
+            text += (
+                f"\n  a last row block of {' or '.join(map(str, short))} rows of {m}: the row path"
+            )
+        return text
 
     def _workspace(self, threads: int) -> Any:
         """This thread's argument array for `threads` threads (`codegen.c.PACKED`), its

@@ -34,6 +34,7 @@ _PEAK: list[float] = []  # GFLOP/s of one core, measured once per run
 def run_one(chain: Chain, between: str | None, repeat: int) -> dict[str, float]:
     kernel = compile(chain, threads=1)
     print(kernel.plan)
+    print(kernel.describe())
     print(
         f"  compiled {kernel.spec.name} in {kernel.compile_seconds:.2f} s"
         f" ({'from the cache' if kernel.cached else 'cold'})"

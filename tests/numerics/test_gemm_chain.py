@@ -415,3 +415,23 @@ def test_few_rows_take_the_row_path(
     else:
         chain = chainfuse.from_einsum("bmk,bkl->bml", second, sizes=sizes, between=between)
     _check(chain, {"m": 16} if tail else None)
+
+
+def test_describe_says_which_code_runs() -> None:
+    # the micro-kernel and how the chain's loops lie on it, the code-level tiles, and the row
+    # blocks that take the row path (all of them at <= ROWS_MAX rows, or a short last block)
+    from chainfuse.codegen.c import ROWS_MAX
+
+    tiled = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 128})
+    uk = tiled.spec.kernel
+    text = tiled.describe()
+    assert f"micro-kernel {uk.name}, its {uk.mr} rows along l (and n), its {uk.nr} columns" in text
+    assert "tiles T_M=128 T_L=" in text
+    assert "a last row block of 8 rows of m: the row path" in text
+    whole = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 136})
+    assert "row path" not in whole.describe()
+    rows = compile(chainfuse.gemm_chain(1, ROWS_MAX, 16, 16, 16)).describe()
+    assert (
+        rows.startswith(f"  code: the row path for all {ROWS_MAX} rows of m")
+        and "micro-kernel" not in rows
+    )
