@@ -286,9 +286,11 @@ class Kernel(_Built):
                 f"  code: the row path for all {M} rows of {m} (<= {ROWS_MAX}), no register"
                 f" block (built for {uk.name}'s ISA); {tiles}"
             )
+        mr, nr = uk.mr, uk.nr
         text = (
-            f"  code: micro-kernel {uk.name}, its {uk.mr} rows along {l_} (and {n}), its"
-            f" {uk.nr} columns along {m}; {tiles}"
+            f"  code: micro-kernel {uk.name}; op1's blocks {mr} rows of {l_} by {nr} of {m},"
+            f" op2's {mr} of {n} by {nr} of {m} (or {mr} of {m} by {nr} of {n} where it writes"
+            f" {self.spec.tensors[3]} directly); {tiles}"
         )
         outer = max(self._outer_m, spec.T_M)  # the rows of m a parallel block holds
         tails = {r % spec.T_M for r in (outer, M % outer or outer)} - {0}

@@ -425,7 +425,7 @@ def test_describe_says_which_code_runs() -> None:
     tiled = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 128})
     uk = tiled.spec.kernel
     text = tiled.describe()
-    assert f"micro-kernel {uk.name}, its {uk.mr} rows along l (and n), its {uk.nr} columns" in text
+    assert f"micro-kernel {uk.name}; op1's blocks {uk.mr} rows of l by {uk.nr} of m," in text
     assert "tiles T_M=128 T_L=" in text
     assert "a last row block of 8 rows of m: the row path" in text
     whole = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 136})
