@@ -704,10 +704,16 @@ def test_row_path_rows_without_keys_and_huge_scores() -> None:
     assert torch.isnan(nan[0, 1]).all() and torch.isfinite(nan[0, 0]).all()
 
 
-_NARROW_HERE = [
-    k for k in available()
-    if k.col_widths and k.isa <= Hardware.detect().isa and DType.FLOAT32 in k.dtypes
+_FP32_HERE = [
+    k for k in available() if k.isa <= Hardware.detect().isa and DType.FLOAT32 in k.dtypes
 ]  # fmt: skip
+_NARROW_HERE = [k for k in _FP32_HERE if k.col_widths]
+_PART_HERE = [k for k in _FP32_HERE if k.part_rows]
+
+
+def _force(monkeypatch: pytest.MonkeyPatch, kernel: MicroKernel) -> None:
+    """Every chain compiled from here on runs `kernel` (not only the one `select` picks)."""
+    monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
 
 
 @pytest.mark.parametrize("kernel", _NARROW_HERE, ids=lambda k: k.name)
@@ -717,7 +723,7 @@ def test_tail_strips_of_every_narrow_width_with_each_kernel(
     # each micro-kernel this CPU runs (not only the one `select` picks here), forced: query
     # counts whose last strip of nr columns is each narrow width (`<uk>_cols`), one column
     # short of it or over it, in attention (masked and causal) and in a relu GEMM chain
-    monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
+    _force(monkeypatch, kernel)
     nr, pc = kernel.nr, kernel.part_cols
     counts = sorted({nr + w + d for w in kernel.col_widths for d in (-1, 0, 1)} | {nr + 1})
     for i, sq in enumerate(counts):
@@ -732,11 +738,6 @@ def test_tail_strips_of_every_narrow_width_with_each_kernel(
     assert pc and len(counts) == 3 * len(kernel.col_widths) + 1
 
 
-_FP32_HERE = [
-    k for k in available() if k.isa <= Hardware.detect().isa and DType.FLOAT32 in k.dtypes
-]  # fmt: skip
-
-
 @pytest.mark.parametrize("kernel", _FP32_HERE, ids=lambda k: k.name)
 def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
@@ -748,7 +749,7 @@ def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
     # queries, masks, causal, scores up to 1e4
     from chainfuse.codegen.c import ROWS_MAX
 
-    monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
+    _force(monkeypatch, kernel)
     nr = kernel.nr
     cases = [(ROWS_MAX + 1, 7, False, None), (nr + 5, 130, True, None),
              (2 * nr + 3, 61, False, "bool"), (nr, 200, False, "additive")]  # fmt: skip
@@ -789,9 +790,6 @@ def _guarded(a: np.ndarray) -> tuple[np.ndarray, object]:
     return out, buf
 
 
-_PART_HERE = [k for k in _FP32_HERE if k.part_rows]
-
-
 @pytest.mark.parametrize("kernel", _PART_HERE, ids=lambda k: k.name)
 def test_short_slivers_of_part_rows_are_read_in_place_within_the_tensor(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
@@ -799,7 +797,7 @@ def test_short_slivers_of_part_rows_are_read_in_place_within_the_tensor(
     # keys and value dims one short sliver of exactly `part_rows` past whole slivers: the last
     # sliver of K (op1) and of V's columns (op2, through Eᵀ) is read in place, and it is the end
     # of the tensor; a float read past it would fault (a guard page follows each operand)
-    monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
+    _force(monkeypatch, kernel)
     mr, part = kernel.mr, kernel.part_rows
     for i, (sq, sk, dv) in enumerate([(kernel.nr + 3, 2 * mr + part, mr + part),
                                       (20, mr + part, 3 * mr + part)]):  # fmt: skip
