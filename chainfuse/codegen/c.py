@@ -949,15 +949,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     _op2_to_et(w, spec)
             else:
                 _op2_to_et(w, spec)
+    written = " (or E as op2 wrote it)" if _softmax_to_e(spec) else ""
     w.line(
-        "/* E[m_o, :] = Eᵀ transposed"
-        + (
-            " (or E as op2 wrote it), each row over its softmax sum */"
-            if _softmax_to_e(spec)
-            else ", each row over its softmax sum */"
-            if softmax
-            else " */"
-        )
+        f"/* E[m_o, :] = Eᵀ transposed{written}"
+        + (", each row over its softmax sum */" if softmax else " */")
     )
     if softmax:
         with w.block("for (int i = 0; i < mc; ++i)"):
@@ -1180,8 +1175,8 @@ def _sliver_call(
     when `direct` (at `place`: pointer, row and step strides) or packed at `packed`; `rest` is
     the B operand, C and ldc. One inlined copy of the register block instead of two (each costs
     compile time); a short sliver (m < MR) is packed, unless it has exactly the kernel's
-    `part_rows` rows (`PART_MR`: `<uk>_tail` reads only those, in place). A kernel with narrow blocks
-    (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`)."""
+    `part_rows` rows (`PART_MR`: `<uk>_tail` reads only those, in place). A kernel with narrow
+    blocks (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`)."""
     uk = kernel.name
     ptr, rs, ks = place
     with w.block("if (m == MR)"):
