@@ -290,7 +290,7 @@ class Kernel(_Built):
         text = (
             f"  code: micro-kernel {uk.name}; op1's blocks {mr} rows of {l_} by {nr} of {m},"
             f" op2's {mr} of {n} by {nr} of {m} (or {mr} of {m} by {nr} of {n} where it writes"
-            f" {self.spec.tensors[3]} directly); {tiles}"
+            f" {spec.tensors[3]} directly); {tiles}"
         )
         outer = max(self._outer_m, spec.T_M)  # the rows of m a parallel block holds
         tails = {r % spec.T_M for r in (outer, M % outer or outer)} - {0}

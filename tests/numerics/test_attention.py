@@ -720,7 +720,7 @@ def _force(monkeypatch: pytest.MonkeyPatch, kernel: MicroKernel) -> None:
 def test_tail_strips_of_every_narrow_width_with_each_kernel(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # each micro-kernel this CPU runs (not only the one `select` picks here), forced: query
+    # each micro-kernel this CPU runs, forced: query
     # counts whose last strip of nr columns is each narrow width (`<uk>_cols`), one column
     # short of it or over it, in attention (masked and causal) and in a relu GEMM chain
     _force(monkeypatch, kernel)
