@@ -3,10 +3,17 @@
 A shared 2-core machine drifts by tens of percent within seconds, so implementations are timed
 round-robin (one call each per round) rather than one after another: a slow moment then slows
 every contender alike, and ratios stay meaningful even when absolute times do not.
+
+Each round calls them in a new order (a seeded shuffle, the same sequence every run). In a fixed
+order each contender always follows the same one, and what that one leaves in the caches is
+part of its time: after PyTorch's unfused attention (its score matrices evict the inputs from
+L2) the next call ran 2-12 % slower than the one after it on the same inputs, measured here.
+Shuffled, every contender follows every other about equally often.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -31,7 +38,8 @@ def interleave(
     best: bool = False,
     budget_s: float = 20.0,
 ) -> dict[str, Timing]:
-    """Time every function of `fns` round-robin after one warm-up call each.
+    """Time every function of `fns` once per round, each round in a shuffled order (seeded:
+    the same orders every run), after one warm-up call each in `fns`' order.
 
     `best=True` reports the minimum instead of the median (used with more than one thread,
     where a shared machine only ever slows a run down). Stops after `rounds` rounds, or earlier
@@ -43,8 +51,12 @@ def interleave(
         fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
     deadline = time.perf_counter() + budget_s
+    order = list(fns)
+    shuffle = random.Random(0).shuffle
     for r in range(rounds):
-        for name, fn in fns.items():
+        shuffle(order)
+        for name in order:
+            fn = fns[name]
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)

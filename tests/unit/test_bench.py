@@ -6,7 +6,9 @@ turns measurements into the report.
 
 from __future__ import annotations
 
+import collections
 import io
+import itertools
 import json
 import math
 import warnings
@@ -40,12 +42,22 @@ def _machine() -> Machine:
     return Machine(hw, 0.1, 150.0, hw.peak("float32") / 1e9, (("L2", 1e11), ("DRAM", 1.2e10)))
 
 
-def test_interleave_calls_every_function_round_robin() -> None:
+def test_interleave_calls_every_function_once_a_round_in_shuffled_orders() -> None:
     calls: list[str] = []
-    fns = {n: (lambda n=n: calls.append(n)) for n in ("a", "b")}
-    out = interleave(fns, rounds=4)
-    assert calls == ["a", "b"] + ["a", "b"] * 4  # one warm-up each, then alternating
-    assert set(out) == {"a", "b"} and all(t.samples == 4 and t.ms >= 0 for t in out.values())
+    names = ("a", "b", "c")
+    fns = {n: (lambda n=n: calls.append(n)) for n in names}
+    out = interleave(fns, rounds=30)
+    assert calls[:3] == list(names)  # one warm-up each, in order
+    rounds = [tuple(calls[i : i + 3]) for i in range(3, len(calls), 3)]
+    assert len(rounds) == 30 and all(sorted(r) == list(names) for r in rounds)
+    # each contender runs after each other one about equally often (what the one before
+    # leaves in the caches is part of a call's time), never always after the same one
+    after = collections.Counter(itertools.pairwise(calls[3:]))
+    assert all(after[x, y] >= 8 for x in names for y in names if x != y)  # of ~14.5 each
+    calls.clear()
+    interleave(fns, rounds=30)
+    assert [tuple(calls[i : i + 3]) for i in range(3, len(calls), 3)] == rounds  # seeded
+    assert set(out) == {"a", "b", "c"} and all(t.samples == 30 and t.ms >= 0 for t in out.values())
     assert all(0 <= t.best_ms <= t.ms for t in out.values())  # the fastest call, the median
     with pytest.raises(ValueError, match="rounds"):
         interleave(fns, rounds=0)
