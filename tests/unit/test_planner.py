@@ -262,6 +262,13 @@ def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     # attention's k (a head dim of 64) is within it; a conv chain or a single GEMM has none
     att = plan(attention_chain(1, 12, 512, 512, 64, 64), xeon, threads=1)
     assert (att.tiles_at(code_level(xeon)) or {})["k"] == 64
+    # a reduction of up to 2.5 caps stays whole: split, every later k block would reload and
+    # store the score tile; beyond that the cap holds
+    for d in (80, 128, 160):
+        chain = attention_chain(1, 12, 512, 512, d, d)
+        assert _panel_caps(chain, xeon, nr) == {}
+        assert (plan(chain, xeon, threads=1).tiles_at(code_level(xeon)) or {})["k"] == d
+    assert _panel_caps(attention_chain(1, 12, 512, 512, 161, 64), xeon, nr) == {"k": cap}
     conv = conv_chain_spec(1, 16, 12, 12, 16, 3, 3, 16, 1, 1)
     assert plan(conv, xeon, threads=1) is not None
     one_level = dataclasses.replace(xeon, levels=(xeon.levels[0], xeon.levels[-1]))
