@@ -4,8 +4,8 @@
 
 For each `between`, it prints the plan, checks the fused kernel against the float64 reference,
 then times it against PyTorch (two `bmm`s into preallocated outputs, the activation in place)
-and numpy (`matmul`), interleaved in shuffled rounds in this one process, everyone on 1 thread, and
-prints the medians and the speedups.
+and numpy (`matmul`), interleaved in shuffled rounds in this one process, everyone on 1 thread,
+and prints the medians and the speedups.
 """
 
 from __future__ import annotations

@@ -288,7 +288,8 @@ def _panel_caps(chain: Chain, hw: Hardware, nr: int) -> dict[str, int]:
     A reduction of at most `WHOLE_REDUCTION` times that is not capped: cut into k blocks, every
     block after the first reloads and stores the whole score tile it adds to, and the last one
     runs short micro-kernel calls. Attention heads of 80, 96, 128 and 160 dims on a 32 KiB L1
-    (a 64-step cap) ran 0.5-1.4 % faster with k whole (Zen 4, interleaved A/B, two rounds). {} when the code level is the innermost cache, or the chain has no such GEMM."""
+    (a 64-step cap) ran 0.5-1.4 % faster with k whole (Zen 4, interleaved A/B, two rounds).
+    {} when the code level is the innermost cache, or the chain has no such GEMM."""
     if len(chain.contractions) < 2 or code_level(hw) == hw.levels[0].name:
         return {}
     first = chain.contractions[0]

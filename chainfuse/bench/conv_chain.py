@@ -4,8 +4,8 @@ For every workload (x between none / relu): compile the fused kernel, check it a
 float64 reference, then time chainfuse (channels-last input and output, zero-copy; and as
 `chainfuse_nchw` on NCHW input and output, which it reads and writes through channels-last row
 buffers) and PyTorch's `conv2d -> [relu] -> conv2d` in channels_last and in NCHW memory format,
-interleaved in shuffled rounds in this one process. 1 thread reports medians; more threads the best of
-the rounds (a shared machine only ever slows a run down). The headline speedup is over the
+interleaved in shuffled rounds in this one process. 1 thread reports medians; more threads the
+best of the rounds (a shared machine only ever slows a run down). The headline speedup is over the
 faster of the two PyTorch formats.
 """
 

@@ -2,9 +2,9 @@
 
 For every workload (x between none / relu): compile, check against the float64 reference, then
 time chainfuse, `torch.bmm` twice into preallocated outputs, `torch.bmm` with fresh outputs and
-numpy, interleaved in shuffled rounds in this one process. 1 thread reports medians; more threads report
-the best of the rounds (a shared machine only ever slows a run down). Each figure is also given as
-a fraction of the FP32 FMA peak measured by a probe in the same run.
+numpy, interleaved in shuffled rounds in this one process. 1 thread reports medians; more threads
+report the best of the rounds (a shared machine only ever slows a run down). Each figure is also
+given as a fraction of the FP32 FMA peak measured by a probe in the same run.
 """
 
 from __future__ import annotations

@@ -172,7 +172,8 @@ def write(
         + f". Load average at the start: {machine.load_average:.2f}.",
         "",
         "Timing: every implementation in one process, interleaved (one call each a round, every "
-        "round in a shuffled order) after a warm-up call; 1 thread reports the median (± the interquartile range over the median), more "
+        "round in a shuffled order) after a warm-up call; 1 thread reports the median (± the "
+        "interquartile range over the median), more "
         "threads the best of the rounds. Every chainfuse result was checked against the "
         "float64 reference before it was timed. Speedup = the fastest baseline's time over "
         "chainfuse's. % FP32 peak: chainfuse's GFLOP/s (median) over the probe's peak times "

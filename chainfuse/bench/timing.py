@@ -1,7 +1,7 @@
 """Interleaved timing of several implementations of the same computation, in one process.
 
 A shared 2-core machine drifts by tens of percent within seconds, so implementations are timed
-round-robin (one call each per round) rather than one after another: a slow moment then slows
+in rounds (one call each per round) rather than one after another: a slow moment then slows
 every contender alike, and ratios stay meaningful even when absolute times do not.
 
 Each round calls them in a new order (a seeded shuffle, the same sequence every run). In a fixed
