@@ -245,6 +245,32 @@ def test_larger_cache_never_increases_optimum(chain: Chain, l2: int | None) -> N
     assert small.predicted_time_s >= large.predicted_time_s * (1 - 1e-9)
 
 
+def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
+    # op2 computes Eᵀ with n along the micro-kernel's rows: a tail of 1-3 rows runs its 4-row
+    # block (part_rows), so 80 = 13 x 6 + 2 would run 82 rows; two blocks of 40 run 80
+    from chainfuse.compiler import _row_blocks, _rows_run, compile
+    from chainfuse.hardware import resolve
+    from chainfuse.model import code_level
+
+    assert _rows_run(80, 80, 6, 4) == 82 and _rows_run(80, 40, 6, 4) == 80
+    assert _rows_run(7, 7, 6, 4) == 10 and _rows_run(5, 5, 6, 4) == 6
+    assert _row_blocks(80, 80, 6, 4) == 40
+    assert _row_blocks(128, 128, 6, 4) == 64 and _row_blocks(200, 200, 6, 4) == 100
+    for d in (1, 4, 6, 40, 59, 64, 96, 111, 160, 256):  # nothing to gain: the tile stays
+        assert _row_blocks(d, d, 6, 4) == d
+    assert _row_blocks(80, 48, 6, 4) == 48  # the planner's own split of n is left alone
+    assert _row_blocks(80, 80, 6, 0) == 80  # no part block: every tail runs mr rows anyway
+    for n in range(1, 300):
+        assert _rows_run(n, _row_blocks(n, n, 6, 4), 6, 4) <= _rows_run(n, n, 6, 4)
+    kernel = compile(attention_chain(1, 2, 128, 128, 80, 80), threads=1)
+    mk = kernel.spec.kernel
+    planned = kernel.plan.tiles_at(code_level(resolve(None)))
+    assert planned is not None
+    assert _row_blocks(80, planned["n"], mk.mr, mk.part_rows) == kernel.spec.T_N
+    if (mk.mr, mk.part_rows) == (6, 4) and planned["n"] >= 80:
+        assert kernel.spec.T_N == 40
+
+
 def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     # a fused GEMM chain's micro-kernel keeps op1's packed panel (nr columns by the k tile) in
     # L1 across a tile's slivers: the code-level k tile is capped at half of L1's floats / nr
