@@ -173,8 +173,8 @@ def write(
         "",
         "Timing: every implementation in one process, interleaved (one call each a round, every "
         "round in a shuffled order) after a warm-up call; 1 thread reports the median (± the "
-        "interquartile range over the median), more "
-        "threads the best of the rounds. Every chainfuse result was checked against the "
+        "interquartile range over the median), more threads the best of the rounds. Every "
+        "chainfuse result was checked against the "
         "float64 reference before it was timed. Speedup = the fastest baseline's time over "
         "chainfuse's. % FP32 peak: chainfuse's GFLOP/s (median) over the probe's peak times "
         "the threads; `fastest call`: the same for chainfuse's fastest call of the rounds (the "
