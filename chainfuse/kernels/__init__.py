@@ -9,6 +9,7 @@ from chainfuse.kernels import avx2, avx512, portable, reference
 from chainfuse.kernels.avx2 import avx2_fma_6x16_f32
 from chainfuse.kernels.avx512 import avx512_6x64_f32, avx512_12x32_f32
 from chainfuse.kernels.base import (
+    PREFETCH_FAR,
     REGISTRY,
     MicroKernel,
     Problem,
@@ -29,6 +30,7 @@ from chainfuse.kernels.portable import portable_4x16_f32
 from chainfuse.kernels.reference import reference_4x4_f32
 
 __all__ = [
+    "PREFETCH_FAR",
     "REGISTRY",
     "MicroKernel",
     "Problem",

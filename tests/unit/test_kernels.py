@@ -17,6 +17,7 @@ from chainfuse import config
 from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import DType
 from chainfuse.kernels import (
+    PREFETCH_FAR,
     MicroKernel,
     Problem,
     Registry,
@@ -236,7 +237,9 @@ def test_microkernel_matches_numpy(
 
 @pytest.mark.parametrize("accumulate", [0, 1, 2, 3])
 @pytest.mark.parametrize(
-    ("kc", "ng", "ks"), [(1, 0, 1), (19, 0, 3), (1, 1, 1), (7, 3, 1), (16, 2, 2)]
+    ("kc", "ng", "ks"),
+    # (ks = PREFETCH_FAR + 1: the steps far apart enough for the full tile's prefetch)
+    [(1, 0, 1), (19, 0, 3), (1, 1, 1), (7, 3, 1), (16, 2, 2), (5, 0, PREFETCH_FAR + 1)],
 )
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
 def test_in_place_calls_match_numpy(
@@ -368,6 +371,18 @@ def test_one_signature_for_every_kernel(kernel: MicroKernel) -> None:
     assert expected in source
     assert kernel.emit() == kernel.emit()  # deterministic: the source is the cache key
     assert re.search(rf"static [^\n]*void {kernel.name}_pack_bt\(", emit_with_packing(kernel))
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
+def test_full_tiles_prefetch_only_far_apart_steps(kernel: MicroKernel) -> None:
+    """A full tile asks for the next line along A's rows only when its steps are at least
+    PREFETCH_FAR floats apart: below that the hardware follows them (module docstring of base)."""
+    source = kernel.emit()
+    prefetches = re.findall(r"^.*__builtin_prefetch\(a \+.*$", source, re.M)
+    if not prefetches:
+        pytest.skip(f"{kernel.name} emits its own full tile without the shared prefetch")
+    for line in prefetches:
+        assert f"if (ks >= {PREFETCH_FAR})" in line, line
 
 
 def test_registry_has_the_reference_and_rejects_duplicates() -> None:
