@@ -598,8 +598,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.lines(_CLAIM)
     if _to_e(spec):
         w.lines(_PACK_STRIPS)
-    if not spec.b_transposed:
-        w.lines(_PREFETCH)
+    w.lines(_PREFETCH)
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
     w.line("   packed Dᵀ, the Eᵀ accumulator, the softmax column statistics, and the row path's")
     w.line("   rows of A and accumulators (_rows) */")
@@ -901,7 +900,18 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 )
             else:
                 w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
-            if not spec.b_transposed:
+            if spec.b_transposed:
+                # B and D are read in place (attention's K and V: rows of l, a new head's from
+                # L3 once, then from L2), and so is the next l block's B; what waits on its loads
+                # is the packing of the next row block's Aᵀ (Q), which reads its rows a few
+                # floats at a time. Measured on Zen 3, 1 thread, interleaved: vit-*-14/16
+                # 0.95-0.98, bert-* and mixer-*-s 0.98-1.0 of the time without; the next head's
+                # K asked for as well took 1 % more than Q alone
+                w.line("/* what is packed next: the next row block's Aᵀ (below) */")
+                w.line("cf_pf pf;")
+                w.line("if (n0 + nc < N || l0 + T_L < l_end) cf_pf_set(&pf, D_b, 0, 0, 0);")
+                next_b = ""
+            else:
                 w.line("/* the panel packed next: D's next n block, or B's for the next l block */")
                 w.line("cf_pf pf;")
                 w.line(
@@ -912,34 +922,28 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     "else if (l0 + T_L < l_end) cf_pf_set(&pf, B_b + l0 + T_L, sBr,"
                     " (int)TK, l_end - l0 - T_L < T_L ? l_end - l0 - T_L : T_L);"
                 )
-                with w.block("else"):
-                    w.line(
-                        "/* the next row block's A, and its B if another batch's: packed first */"
-                    )
-                    w.line("long nm0 = m0 + T_M, nblk = blk;")
-                    with w.block("if (nm0 >= mo_end)"):
-                        w.line(
-                            "/* claimed now, so that its panels are fetched while this one ends */"
-                        )
-                        w.line("if (nxt < 0) nxt = cf_claim(&next_blk);")
-                        w.line("nblk = nxt;")
-                        w.line("nm0 = (nblk % mblocks) * T_MO;")
-                    with w.block("if (nblk < last)"):
-                        w.line(
-                            "const long q0 = nblk / (nb1 * mblocks), q1 = (nblk / mblocks) % nb1;"
-                        )
-                        w.line("const int rows = (int)(M - nm0 < T_M ? M - nm0 : T_M);")
-                        w.line(
-                            "cf_pf_set(&pf, A + q0 * sA0 + q1 * sA1 + nm0 * sAm, sAm, rows, TK);"
-                        )
-                        w.line(
-                            "if (q0 != b0 || q1 != b1) cf_pf_then(&pf, B + q0 * sB0 + q1 * sB1"
-                            " + l_lo, sBr, (int)TK, l_end - l_lo < T_L ? l_end - l_lo : T_L);"
-                        )
-                    w.line("else cf_pf_set(&pf, D_b, 0, 0, 0);")
-                w.line(
-                    "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((nc + MR - 1) / MR));"
+                next_b = (
+                    "if (q0 != b0 || q1 != b1) cf_pf_then(&pf, B + q0 * sB0 + q1 * sB1"
+                    " + l_lo, sBr, (int)TK, l_end - l_lo < T_L ? l_end - l_lo : T_L);"
                 )
+            with w.block("else"):
+                w.line("/* the next row block's A, and its B if another batch's: packed first */")
+                w.line("long nm0 = m0 + T_M, nblk = blk;")
+                with w.block("if (nm0 >= mo_end)"):
+                    w.line("/* claimed now, so that its panels are fetched while this one ends */")
+                    w.line("if (nxt < 0) nxt = cf_claim(&next_blk);")
+                    w.line("nblk = nxt;")
+                    w.line("nm0 = (nblk % mblocks) * T_MO;")
+                with w.block("if (nblk < last)"):
+                    w.line("const long q0 = nblk / (nb1 * mblocks), q1 = (nblk / mblocks) % nb1;")
+                    w.line("const int rows = (int)(M - nm0 < T_M ? M - nm0 : T_M);")
+                    w.line("cf_pf_set(&pf, A + q0 * sA0 + q1 * sA1 + nm0 * sAm, sAm, rows, TK);")
+                    if next_b:
+                        w.line(next_b)
+                w.line("else cf_pf_set(&pf, D_b, 0, 0, 0);")
+            w.line(
+                "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((nc + MR - 1) / MR));"
+            )
             if _to_e(spec) or _softmax_to_e(spec):
                 with w.block("if (to_e)"):
                     # (in place: nc = N = NR, one strip, rows NR apart)
@@ -1211,8 +1215,7 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
                 place = "D_b + l0 * sDl + n0 + s * MR", "1", "sDl"
                 packed = "Dt + (long)s * SLIVER(lc)"
                 _sliver_call(w, spec.kernel, "lc", "direct_d", place, packed, "p, c, LDE")
-            if not spec.b_transposed:
-                w.line("cf_pf_step(&pf, pf_rows);")
+            w.line("cf_pf_step(&pf, pf_rows);")
 
 
 def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
@@ -1236,8 +1239,7 @@ def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
                 w.line("/* (a short block's tail reads the kernel's mr rows, or its part: rows")
                 w.line("   of the next strip's rows at worst, inside the workspace, discarded) */")
                 w.line(f"else {uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
-                if not spec.b_transposed:
-                    w.line("cf_pf_step(&pf, pf_rows);")
+                w.line("cf_pf_step(&pf, pf_rows);")
 
 
 def _store_e(w: Writer, spec: GemmChainSpec) -> None:
