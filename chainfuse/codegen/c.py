@@ -901,12 +901,12 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             else:
                 w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
             if spec.b_transposed:
-                # B and D are read in place (attention's K and V: rows of l, a new head's from
-                # L3 once, then from L2), and so is the next l block's B; what waits on its loads
-                # is the packing of the next row block's Aᵀ (Q), which reads its rows a few
-                # floats at a time. Measured on Zen 3, 1 thread, interleaved: vit-*-14/16
-                # 0.95-0.98, bert-* and mixer-*-s 0.98-1.0 of the time without; the next head's
-                # K asked for as well took 1 % more than Q alone
+                # B is read in place by rows of l (attention's K: a new head's from L3 once, then
+                # from L2), the next l block's too, and so is D in the row blocks of attention's
+                # plans (direct_d); what waits on its loads is the packing of the next row
+                # block's Aᵀ (Q), which reads its rows a few floats at a time. Measured on Zen 3,
+                # 1 thread, interleaved: the 12 paper workloads 0.95-0.995 of the time without;
+                # the next head's K asked for as well took 1 % more than Q alone
                 w.line("/* what is packed next: the next row block's Aᵀ (below) */")
                 w.line("cf_pf pf;")
                 w.line("if (n0 + nc < N || l0 + T_L < l_end) cf_pf_set(&pf, D_b, 0, 0, 0);")
@@ -927,7 +927,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     " + l_lo, sBr, (int)TK, l_end - l_lo < T_L ? l_end - l_lo : T_L);"
                 )
             with w.block("else"):
-                w.line("/* the next row block's A, and its B if another batch's: packed first */")
+                whose = "" if spec.b_transposed else ", and its B if another batch's"
+                w.line(f"/* the next row block's A{whose}: packed first */")
                 w.line("long nm0 = m0 + T_M, nblk = blk;")
                 with w.block("if (nm0 >= mo_end)"):
                     w.line("/* claimed now, so that its panels are fetched while this one ends */")
