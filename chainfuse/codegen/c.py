@@ -56,6 +56,8 @@ DIRECT_STRIDE = 256  # if the slivers' rows are at most this many elements apart
 DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: Mixer-S-C's
 # weights, rows 8 KiB apart, 1.67 ms in place vs 2.84 ms packed in one strip of 64, 2.05 vs 2.36
 # ms in two of 32: a packed copy used once or twice does not pay for its writes)
+DT_PANELS = 4  # a softmax chain keeps up to this many packed n blocks of D (all of it) for the
+# row blocks of a batch that follow (`_row_block`: reuse_d)
 ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 
@@ -593,6 +595,19 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS} /* ... or at most this many strips */"
         )
+    if spec.epilogue is Epilogue.SOFTMAX:
+        w.line(
+            "/* packed n blocks of D kept for the next row blocks (reuse_d): all of N, in blocks of"
+        )
+        w.line(
+            "   T_N, when it takes at most DT_PANELS blocks; else one block, packed each time */"
+        )
+        w.line(f"#define DT_PANELS {DT_PANELS}")
+        w.line(
+            "#define CF_DTN(N) ((N) > T_N && (N) <= DT_PANELS * T_N ? ((N) + T_N - 1) / T_N : 1)"
+        )
+    else:
+        w.line("#define CF_DTN(N) 1 /* (one packed block of D: see the softmax chains') */")
     w.line("")
     w.lines(_PACK_PANEL)
     w.lines(_CLAIM)
@@ -606,9 +621,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("CF_TILES(tiles)")
         w.line("const long TK = K < T_K ? K : T_K;")
         w.line("const long AK = TK == K ? K : TK;")
+        w.line("const long DTN = CF_DTN(N);")
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
-            " + DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN)"
+            " + DTN * DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN)"
             " + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N);"
         )
     w.line("")
@@ -638,6 +654,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
         w.line("const long TK = K < T_K ? K : T_K;")
         w.line("const long AK = TK == K ? K : TK;")
+        w.line("const long DTN = CF_DTN(N);")
         w.line("/* the parallel blocks: a batch index and T_MO rows of m (the plan's outermost m")
         w.line("   tile: the blocks its model deals to the cores), run as row blocks of T_M */")
         w.line("const long T_MO = outer_m < T_M ? T_M : outer_m;")
@@ -682,11 +699,17 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict Bt = At + ALIGN16(MPN * AK);")
             w.line("float* restrict Pt = Bt + LPM / MR * SLIVER(TK);")
             w.line("float* restrict Dt = Pt + ALIGN16(MPN * LPM);")
-            w.line("float* restrict Et = Dt + DTF;")
+            w.line("float* restrict Et = Dt + DTN * DTF;")
             w.line("float* restrict col_max = Et + ALIGN16(N * LDE);")
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
             w.line("float* restrict rows_q = col_sum + ALIGN16(MPN); /* see _rows */")
             w.line("float* restrict rows_o = rows_q + ALIGN16(ROWS_MAX * K);")
+            if spec.epilogue is Epilogue.SOFTMAX and not spec.causal:
+                w.line(
+                    "/* whose D the packed blocks in Dt hold (reuse_d): where it starts, its l */"
+                )
+                w.line("const cf_elem* dt_from = 0;")
+                w.line("long dt_lc = 0;")
             w.line(
                 "/* split: share t % split of block t / split; else blocks claimed one by one */"
             )
@@ -733,7 +756,7 @@ def _split_sum(w: Writer, spec: GemmChainSpec) -> None:
             w.line("/* Eᵀ of the thread that ran share q of this block (region one's layout) */")
             w.line(
                 "#define ET_OF(q) (work + (blk * split + (q)) * work_per_thread + ALIGN16(MPN * AK)"
-                " + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM) + DTF)"
+                " + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM) + DTN * DTF)"
             )
             w.line("float* restrict et0 = ET_OF(0);")
             with w.block("for (long q = 1; q < split; ++q)"):
@@ -793,7 +816,13 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const int few = mc <= DIRECT_FAR_STRIPS * NR;")
     far_b = "" if spec.b_transposed else " && (few || sBr <= DIRECT_STRIDE)"
     w.line(f"const int direct_b = direct{far_b};")
-    w.line("const int direct_d = direct && (few || sDl <= DIRECT_STRIDE);")
+    if softmax:
+        if _softmax_to_e(spec):
+            w.line("/* op2 straight into E where D's rows are the packed layout (_softmax_to_e) */")
+            w.line("const int to_e = N == NR && T_N >= N && sDl == NR && l_end > l_lo;")
+        _reuse_d(w, spec)
+    reused = " && !reuse_d" if softmax else ""
+    w.line(f"const int direct_d = direct{reused} && (few || sDl <= DIRECT_STRIDE);")
     if spec.mask is MaskKind.ADDITIVE:
         w.line("const cf_elem* mask_b = (const cf_elem*)mask_data + b0 * sM0 + b1 * sM1;")
     elif spec.mask is MaskKind.BOOL:
@@ -811,9 +840,6 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* op2 straight into E (see cf_pack_b_panel), unless the threads split l or D is")
         w.line("   read in place */")
         w.line("const int to_e = T_N % NR == 0 && split == 1 && !direct_d && l_end > l_lo;")
-    if _softmax_to_e(spec):
-        w.line("/* op2 straight into E where D's rows are the packed layout (_softmax_to_e) */")
-        w.line("const int to_e = N == NR && T_N >= N && sDl == NR && l_end > l_lo;")
     if not softmax:
         with w.block("if (l_end <= l_lo)"):
             w.line("/* an empty share of l (split below): it adds zeros */")
@@ -894,9 +920,12 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             if _to_e(spec):
                 w.line("if (to_e) cf_pack_b_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt);")
                 w.line("else cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
-            elif _softmax_to_e(spec):
+            elif softmax:
+                w.line("/* (or packed for an earlier row block of this batch: reuse_d) */")
+                w.line("float* restrict Dn = Dt + (reuse_d ? n0 / T_N * DTF : 0);")
+                to_e = "!to_e && " if _softmax_to_e(spec) else ""
                 w.line(
-                    "if (!to_e) cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);"
+                    f"if ({to_e}fresh_d) cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dn, !direct_d);"
                 )
             else:
                 w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
@@ -1196,10 +1225,38 @@ def _sliver_call(
     w.line(f"else {uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);")
 
 
+def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
+    """`reuse_d`: whether this row block packs all of D's l block (every n block: `CF_DTN`) and
+    leaves it in the workspace for the next row blocks of its batch, which then pack nothing
+    (`fresh_d` false). A head's V is packed once per thread, not once per row block or read in
+    place by every one: its rows lie a row apart, a cache line each per step of the micro-kernel,
+    which uses a quarter of it (six of N = 64 floats), and the next row block reads them again.
+    Only where D's l block is the row block's whole range of keys (a causal chain's grows from
+    one row block to the next) and another row block of the batch follows (M > T_M), or D is
+    the same for every batch index. Measured on Zen 3 (AVX2, 1 thread, interleaved against the
+    kernel that read V in place, or packed it for each row block where it had more than 8
+    strips): the 12 paper workloads 0.944-0.982 of the time (geomean 0.962), vit-huge-14 and -16
+    (T_N = 40: two packed blocks) 0.969 and 0.956; packing it for each row block instead took
+    1.00-1.04."""
+    if spec.causal:
+        w.line("const int reuse_d = 0, fresh_d = 1; /* (causal: l_end moves with m0) */")
+        return
+    to_e = "!to_e && " if _softmax_to_e(spec) else ""
+    w.line("/* all of D packed once for the row blocks of this batch (see _reuse_d in c.py) */")
+    w.line(
+        f"const int reuse_d = {to_e}l_end > l_lo && l_end - l_lo <= T_L && DTN * T_N >= N"
+        " && (M > T_M || (sD0 == 0 && sD1 == 0));"
+    )
+    w.line("const int fresh_d = !reuse_d || dt_from != D_b + l_lo * sDl || dt_lc != l_end - l_lo;")
+    w.line("dt_from = reuse_d ? D_b + l_lo * sDl : 0;")
+    w.line("dt_lc = l_end - l_lo;")
+
+
 def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
     """op2 of one l block and n block into the Eᵀ accumulator: rows n (Dᵀ slivers, or D read
     in place), columns m (Pᵀ's strips)."""
     uk = spec.kernel.name
+    dt = "Dn" if spec.epilogue is Epilogue.SOFTMAX else "Dt"  # (this n block's: reuse_d)
     in_place = spec.dtype is DType.FLOAT32
     w.line("/* whole strips again: Eᵀ has MPN columns, the store reads the first mc */")
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
@@ -1211,10 +1268,10 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
             w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
             w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
             if not in_place:
-                w.line(f"{uk}(lc, Dt + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
+                w.line(f"{uk}(lc, {dt} + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
             else:
                 place = "D_b + l0 * sDl + n0 + s * MR", "1", "sDl"
-                packed = "Dt + (long)s * SLIVER(lc)"
+                packed = f"{dt} + (long)s * SLIVER(lc)"
                 _sliver_call(w, spec.kernel, "lc", "direct_d", place, packed, "p, c, LDE")
             w.line("cf_pf_step(&pf, pf_rows);")
 

@@ -808,3 +808,38 @@ def test_short_slivers_of_part_rows_are_read_in_place_within_the_tensor(
         keep = [_guarded(inputs[t.name]) for t in chain.inputs]
         out = k(*[a for a, _ in keep])
         reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
+
+
+@pytest.mark.parametrize("kernel", _FP32_HERE, ids=lambda k: k.name)
+def test_a_packed_value_head_serves_the_row_blocks_of_its_head_only(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # V packed once per head for the row blocks that follow (reuse_d): several row blocks per
+    # head, V in one n block, in two or three (T_N < N, each packed block kept), in more than
+    # DT_PANELS (packed per row block), heads that share one V (stride 0: one packing serves
+    # them all), causal (packed per row block); then the same arrays with new values: a new
+    # call packs them again
+    from chainfuse.codegen.c import DT_PANELS
+
+    _force(monkeypatch, kernel)
+    mr = kernel.mr
+    cases = [(3 * kernel.nr + 5, 70, 37, {"m": kernel.nr}, False),
+             (2 * kernel.nr + 1, 41, 2 * mr + 3, {"m": kernel.nr, "n": mr + 1}, False),
+             (2 * kernel.nr + 1, 41, 3 * mr, {"m": kernel.nr, "n": mr}, False),
+             (2 * kernel.nr, 33, (DT_PANELS + 1) * mr, {"m": kernel.nr, "n": mr}, False),
+             (3 * kernel.nr, 90, 21, {"m": kernel.nr}, True)]  # fmt: skip
+    for i, (sq, sk, dv, tiles, causal) in enumerate(cases):
+        chain = chainfuse.attention_chain(2, 3, sq, sk, 19, dv, causal=causal)
+        k = compile(chain, tiles=tiles)
+        assert k.spec.kernel is kernel and sq > k.spec.T_M
+        inputs = reference.random_inputs(chain, seed=40 + i, scale=3.0)
+        names = [t.name for t in chain.inputs]
+        out = k(*[inputs[n] for n in names])
+        reference.assert_close(out, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+        shared = np.broadcast_to(inputs["V"][:1, :1], inputs["V"].shape)  # one head's V for all
+        got = k(*[shared if n == "V" else inputs[n] for n in names])
+        want = reference.run(chain, {**inputs, "V": np.ascontiguousarray(shared)})["O"]
+        reference.assert_close(got, want, chain, inputs=inputs)
+        inputs["V"][...] = np.flip(inputs["V"], axis=-2) * 2.0  # same array, new values
+        out = k(*[inputs[n] for n in names])
+        reference.assert_close(out, reference.run(chain, inputs)["O"], chain, inputs=inputs)
