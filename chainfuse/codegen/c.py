@@ -1229,8 +1229,8 @@ def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
     """`reuse_d`: whether this row block packs all of D's l block (every n block: `CF_DTN`) and
     leaves it in the workspace for the next row blocks of its batch, which then pack nothing
     (`fresh_d` false). A head's V is packed once per thread, not once per row block or read in
-    place by every one: its rows lie a row apart, a cache line each per step of the micro-kernel,
-    which uses a quarter of it (six of N = 64 floats), and the next row block reads them again.
+    place by every one: in place, each step of op2's micro-kernel reads a new cache line of V and
+    uses six of its 16 floats, and the next row block reads the same lines again.
     Only where D's l block is the row block's whole range of keys (a causal chain's grows from
     one row block to the next) and another row block of the batch follows (M > T_M), or D is
     the same for every batch index. Measured on Zen 3 (AVX2, 1 thread, interleaved against the

@@ -67,6 +67,20 @@ def test_bf16_attention_matches_reference_and_torch(
     reference.assert_close(theirs.float().numpy(), want, chain, inputs=x)
 
 
+@pytest.mark.parametrize(("dv", "tiles"), [(37, {"m": 16}), (20, {"m": 16, "n": 6})])
+def test_bf16_attention_packs_each_value_head_once_for_its_row_blocks(
+    dv: int, tiles: dict[str, int]
+) -> None:
+    # several row blocks per head: V widened and packed by the first, kept for the rest (in one
+    # n block, or in four of 6 columns each), heads told apart by where their V starts
+    chain = chainfuse.attention_chain(2, 3, 50, 41, 19, dv, dtype="bfloat16")
+    x = reference.random_inputs(chain, seed=dv)
+    kernel = compile(chain, tiles=tiles)
+    assert kernel.spec.T_M < 50
+    out = kernel(*[_bf16(x[t.name]) for t in chain.inputs])
+    reference.assert_close(out.float().numpy(), reference.run(chain, x)["O"], chain, inputs=x)
+
+
 def test_bf16_kernel_says_what_it_computes_in() -> None:
     chain = chainfuse.gemm_chain(1, 8, 8, 8, 8, "relu", dtype="bfloat16")
     kernel = compile(chain)
