@@ -3,7 +3,12 @@
 For one chain the planner's choice is compiled, then the plans the model ranks right behind it:
 the same block order with other code-level tiles (multiples of the micro-kernel's block around
 the chosen ones, each costed by `model.estimate` over every level, capacity respected). The
-top `k` by predicted time are compiled and timed interleaved on one thread, and two figures
+top `k` by predicted time are compiled and timed interleaved on one thread; each plan's measured
+time is the chosen plan's median times the median of its per-round ratios to the chosen plan
+(`timing.paired_ms`). By their medians alone the least of ten close plans is mostly the one that
+caught the quiet rounds: on a shared Zen 3, bert-base attention's chosen plan came out 7.2 and
+9.3 % behind the best of its ten (two quick bench runs, 9 rounds), where 16 paired rounds
+against that plan put the chosen one 2.7 % ahead; paired, the gap was 0.1 and 1.3 %. Two figures
 come out:
 
 - Spearman's rank correlation between the model's ranking and the measured times (1: the model
@@ -27,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from chainfuse import reference
-from chainfuse.bench.timing import interleave
+from chainfuse.bench.timing import Timing, interleave, paired_ms
 from chainfuse.compiler import ConvKernel, Kernel, compile, compile_conv
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain
@@ -230,8 +235,14 @@ def _time_ranked(
         tiles=labels,
         predicted_ms=[p[0] * 1e3 for p, _ in ranked],
         predicted_memory_ms=[p[1] * 1e3 for p, _ in ranked],
-        measured_ms=[timing[str(i)].ms for i in range(len(kernels))],
+        measured_ms=_measured(timing, len(kernels)),
     )
+
+
+def _measured(timing: Mapping[str, Timing], n: int) -> list[float]:
+    """The plans' measured ms, "0" (the chosen plan) first: paired with it (`paired_ms`)."""
+    paired = paired_ms(timing, "0")
+    return [paired[str(i)] for i in range(n)]
 
 
 # -- convolution chains ---------------------------------------------------------------------------

@@ -199,7 +199,9 @@ def write(
     md += ["", "## Model fidelity", "",
            "For each workload the planner's first choice and the plans the model ranks next "
            "(same block order, other code-level tiles; for a conv chain, other heights of its "
-           "band of output rows) were compiled and timed on one thread. "
+           "band of output rows) were compiled and timed on one thread, interleaved; a plan's "
+           "measured time is the first choice's median times the median of its per-round ratios "
+           "to the first choice (round by round the machine's drift cancels). "
            "rho: Spearman's rank correlation between the model's ranking (predicted time, ties "
            "broken by predicted memory time) and the measured times (nan: the model ranks all "
            "of them equal). Tuning gap: how much slower the first choice ran than the best of "

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Timing", "interleave"]
+__all__ = ["Timing", "interleave", "paired_ms"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Timing:
     spread: float  # (75th - 25th percentile) / median: how noisy the samples were
     samples: int
     best_ms: float = float("nan")  # the fastest call: what the code does when nothing interferes
+    times_s: tuple[float, ...] = ()  # every round's call in seconds, in round order
 
 
 def interleave(
@@ -70,5 +71,30 @@ def interleave(
             spread = (q[2] - q[0]) / median
         else:
             spread = (max(xs) - min(xs)) / median
-        out[name] = Timing((min(xs) if best else median) * 1e3, spread, len(xs), min(xs) * 1e3)
+        out[name] = Timing(
+            (min(xs) if best else median) * 1e3, spread, len(xs), min(xs) * 1e3, tuple(xs)
+        )
+    return out
+
+
+def paired_ms(timing: Mapping[str, Timing], base: str) -> dict[str, float]:
+    """Each implementation's time as `base`'s median times the median over rounds of its call
+    over `base`'s call in the same round (`interleave`'s rounds).
+
+    A round's calls see the same moment of a drifting machine, so their ratio keeps little of
+    the drift that the ratio of two medians still carries, and the least of many close
+    contenders' medians is mostly the one that caught the quiet rounds (see
+    `chainfuse.bench.fidelity`). `base` maps to its own median.
+    """
+    ref = timing[base].times_s
+    if not ref:
+        raise ValueError(f"paired_ms: {base!r} has no per-round times")
+    out: dict[str, float] = {}
+    for name, t in timing.items():
+        if len(t.times_s) != len(ref):
+            raise ValueError(
+                f"paired_ms: {name!r} ran {len(t.times_s)} rounds, {base!r} {len(ref)}"
+            )
+        ratio = statistics.median(a / b for a, b in zip(t.times_s, ref, strict=True))
+        out[name] = statistics.median(ref) * 1e3 * ratio
     return out

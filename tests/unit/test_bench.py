@@ -11,6 +11,7 @@ import io
 import itertools
 import json
 import math
+import statistics
 import warnings
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from chainfuse.bench import fidelity, report, runner
 from chainfuse.bench.fidelity import Fidelity, spearman
 from chainfuse.bench.probe import Machine
 from chainfuse.bench.results import Result, geomean
-from chainfuse.bench.timing import interleave
+from chainfuse.bench.timing import Timing, interleave, paired_ms
 from chainfuse.hardware import Hardware
 
 
@@ -63,8 +64,51 @@ def test_interleave_calls_every_function_once_a_round_in_shuffled_orders() -> No
     assert rounds_of(calls) == rounds  # seeded
     assert set(out) == set(names) and all(t.samples == 30 and t.ms >= 0 for t in out.values())
     assert all(0 <= t.best_ms <= t.ms for t in out.values())  # the fastest call, the median
+    for t in out.values():  # every round's time, in order: the median and the fastest of them
+        assert len(t.times_s) == 30
+        assert t.ms == pytest.approx(statistics.median(t.times_s) * 1e3)
+        assert t.best_ms == pytest.approx(min(t.times_s) * 1e3)
     with pytest.raises(ValueError, match="rounds"):
         interleave(fns, rounds=0)
+
+
+def _timing(times_s: list[float]) -> Timing:
+    ms = statistics.median(times_s) * 1e3
+    return Timing(ms, 0.0, len(times_s), min(times_s) * 1e3, tuple(times_s))
+
+
+def test_paired_times_keep_the_ratio_of_each_round_not_the_drift() -> None:
+    # the machine drifts by up to 3x from round to round; "b" takes 1.1x "a" in every round;
+    # "c" has 0.9x a's median but ran fast where "a" ran slow and the other way round: what
+    # it took against "a" is each round's ratio, the median of those
+    drift = [1.0, 3.0, 1.2, 2.5, 1.0, 2.8, 1.1]
+    a = _timing(drift)
+    b = _timing([1.1 * x for x in drift])
+    c = _timing([0.9 * x for x in [3.0, 1.0, 2.5, 1.2, 2.8, 1.0, 1.1]])
+    assert c.ms == pytest.approx(0.9 * a.ms)
+    paired = paired_ms({"a": a, "b": b}, "a")
+    assert paired["a"] == pytest.approx(a.ms)
+    assert paired["b"] == pytest.approx(1.1 * a.ms)
+    skewed = paired_ms({"a": a, "c": c}, "a")
+    ratios = sorted(cx / ax for cx, ax in zip(c.times_s, a.times_s, strict=True))
+    assert skewed["c"] == pytest.approx(a.ms * ratios[3])  # the median round's ratio
+    with pytest.raises(ValueError, match="rounds"):
+        paired_ms({"a": a, "d": _timing(drift[:3])}, "a")
+    with pytest.raises(ValueError, match="per-round"):
+        paired_ms({"a": Timing(1.0, 0.0, 1)}, "a")
+
+
+def test_fidelity_measures_every_plan_against_the_chosen_one_round_by_round() -> None:
+    drift = [1.0, 2.0, 1.5, 3.0, 1.2]
+    timing = {"0": _timing(drift), "1": _timing([0.95 * x for x in drift]),
+              "2": _timing([1.2 * x for x in (3.0, 1.0, 2.0, 1.2, 1.5)])}  # fmt: skip
+    measured = fidelity._measured(timing, 3)  # ms
+    assert measured[0] == pytest.approx(1500.0)
+    assert measured[1] == pytest.approx(0.95 * 1500.0)  # 5 % faster every round: a 5 % gap
+    # its median is 1.2x the chosen one's, but round by round it took 0.48-3.6x: the median
+    # round 1.5x (1.25 x 1.2)
+    assert timing["2"].ms == pytest.approx(1.2 * 1500.0)
+    assert measured[2] == pytest.approx(1.5 * 1500.0)
 
 
 def test_result_speedup_is_against_the_fastest_baseline() -> None:
