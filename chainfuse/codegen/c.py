@@ -705,11 +705,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict rows_q = col_sum + ALIGN16(MPN); /* see _rows */")
             w.line("float* restrict rows_o = rows_q + ALIGN16(ROWS_MAX * K);")
             if spec.epilogue is Epilogue.SOFTMAX and not spec.causal:
-                w.line(
-                    "/* whose D the packed blocks in Dt hold (reuse_d): where it starts, its l */"
-                )
+                w.line("/* whose D the packed blocks in Dt hold (reuse_d): where it starts */")
                 w.line("const cf_elem* dt_from = 0;")
-                w.line("long dt_lc = 0;")
             w.line(
                 "/* split: share t % split of block t / split; else blocks claimed one by one */"
             )
@@ -1247,9 +1244,9 @@ def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
         f"const int reuse_d = {to_e}l_end > l_lo && l_end - l_lo <= T_L && DTN * T_N >= N"
         " && (M > T_M || (sD0 == 0 && sD1 == 0));"
     )
-    w.line("const int fresh_d = !reuse_d || dt_from != D_b + l_lo * sDl || dt_lc != l_end - l_lo;")
+    w.line("/* (l_lo and l_end are the call's own here: the same for every row block) */")
+    w.line("const int fresh_d = !reuse_d || dt_from != D_b + l_lo * sDl;")
     w.line("dt_from = reuse_d ? D_b + l_lo * sDl : 0;")
-    w.line("dt_lc = l_end - l_lo;")
 
 
 def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
