@@ -77,7 +77,8 @@ def _hw(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from chainfuse.bench import runner
 
-    return runner.main(args.rest)
+    rest = list(args.rest)
+    return runner.main(rest[1:] if rest[:1] == ["--"] else rest)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # its own parser takes everything after it: argparse's REMAINDER does not take a first
+        # argument that looks like an option (`chainfuse bench --help`, `bench --quick`)
+        argv = ["bench", "--", *argv[1:]]
     parser = _parser()
     args = parser.parse_args(argv)
     try:

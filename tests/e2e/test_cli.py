@@ -116,3 +116,20 @@ def test_console_script_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
     main = getattr(importlib.import_module(module), attr)
     assert main(["hw"]) == 0
     assert "L1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bench_help_is_the_bench_parsers(flag: str) -> None:
+    """`chainfuse bench --help` shows the suites and options: the top-level parser hands bench
+    all of its arguments, a first one that looks like an option too."""
+    proc = run("bench", flag)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--quick", "--threads", "--out", "attention", "gemm-chain"):
+        assert option in proc.stdout
+
+
+def test_bench_names_an_unknown_option() -> None:
+    proc = run("bench", "--no-such-option")
+    assert proc.returncode == 2
+    assert "--no-such-option" in proc.stderr
+    assert "Traceback" not in proc.stderr
