@@ -1,12 +1,64 @@
-"""PyTorch integration: the only module of chainfuse that needs torch (imported lazily)."""
+"""PyTorch integration: the only module of chainfuse that needs torch (imported lazily: importing
+`chainfuse` does not import this module).
+
+`attention` is also the operator `torch.ops.chainfuse.attention`, with a shape function, so that
+`torch.compile` (and `torch.export`) keep it in their graphs as one opaque call instead of
+tracing into chainfuse's Python, where they would break the graph at the kernel's ctypes call.
+Called outside a compiled region, `attention` runs the kernel directly: the dispatcher's
+per-call cost stays out of a short sequence's call.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from chainfuse import ops
 
 __all__ = ["attention"]
+
+
+@torch.library.custom_op("chainfuse::attention", mutates_args=(), device_types="cpu")
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """The operator's CPU kernel: `ops.attention`, which checks every argument."""
+    out: torch.Tensor = ops.attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return out
+
+
+@_attention_op.register_fake
+def _attention_shape(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """The result a compiler plans with: q's shape with v's head dim, q's dtype, contiguous (as
+    the kernel returns it). The shapes are checked here as `ops.attention` checks them, so that
+    a compiled graph with wrong sizes fails while it is traced, naming the argument."""
+    if not q.dim() == k.dim() == v.dim() or q.dim() not in (3, 4):
+        raise ValueError(
+            f"q, k, v: expected all 3-D or all 4-D, got shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: expected head dim {q.shape[-1]} (q's), got {k.shape[-1]}")
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"v: expected {k.shape[-2]} keys (k's), got {v.shape[-2]}")
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 def attention(
@@ -27,9 +79,8 @@ def attention(
     `enable_gqa=True` lets k and v have fewer heads (a divisor of q's), each serving a group of
     q's heads. `dropout_p` (keyword-only here) must be 0. Inputs that require grad are refused
     while grad mode is on (no backward): use `torch.no_grad()` or `torch.inference_mode()`.
+    Inside `torch.compile` it is the operator `torch.ops.chainfuse.attention` (see the module).
     """
-    import torch
-
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -42,6 +93,20 @@ def attention(
             raise TypeError(
                 f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}"
             )
+    if torch.compiler.is_compiling():
+        if dropout_p != 0:
+            raise ValueError(
+                f"dropout_p: expected 0.0, got {dropout_p!r}: chainfuse's attention is for "
+                "inference (no dropout, no backward)"
+            )
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            name = next(n for n, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad)
+            raise RuntimeError(
+                f"{name}: requires grad, and chainfuse's kernels have no backward (inference "
+                f"only): call under torch.no_grad() or torch.inference_mode(), or pass "
+                f"{name}.detach()"
+            )
+        return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
     return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                          dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
