@@ -10,13 +10,16 @@ per-call cost stays out of a short sequence's call.
 
 from __future__ import annotations
 
+import collections
+import warnings
+from types import TracebackType
 from typing import Any
 
 import torch
 
 from chainfuse import ops
 
-__all__ = ["attention"]
+__all__ = ["SDPAPatch", "attention", "patch_sdpa"]
 
 
 @torch.library.custom_op("chainfuse::attention", mutates_args=(), device_types="cpu")
@@ -110,3 +113,105 @@ def attention(
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
     return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                          dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
+
+
+def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> str | None:
+    """Why chainfuse's kernels cannot run this SDPA call (None: they can). Only what they lack;
+    what PyTorch itself refuses (mismatched shapes, a mask together with is_causal) is not here:
+    chainfuse raises its own error for it."""
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
+        return "arguments that are not tensors"
+    for t in (q, k, v, attn_mask):
+        if t is not None and t.device.type != "cpu":
+            return f"{t.device.type} tensors"
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {q.dtype}" if q.dtype == k.dtype == v.dtype else "mixed dtypes"
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
+        return f"an attn_mask of dtype {attn_mask.dtype}"
+    if dropout_p != 0:
+        return "dropout_p > 0"
+    if torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, attn_mask) if t is not None
+    ):
+        return "inputs that require grad"
+    if not q.dim() == k.dim() == v.dim() or q.dim() not in (3, 4):
+        return f"{q.dim()}-D inputs" if q.dim() == k.dim() == v.dim() else "inputs of mixed ranks"
+    for t in (q, k, v, attn_mask):
+        if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            return "a last dimension that is not contiguous"
+    return None
+
+
+class SDPAPatch:
+    """While active (a `with` block), `torch.nn.functional.scaled_dot_product_attention` is
+    chainfuse's attention: a model that calls SDPA through the module, as Hugging Face models
+    and most others do, runs chainfuse's kernels without a change to its code.
+
+    A call chainfuse's kernels cannot run (another device, float16/float64, dropout_p > 0 while
+    training, inputs that require grad, 5-D inputs, a last dimension that is not contiguous)
+    goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
+    per reason; with `strict=True` it is an error instead. `calls` counts the calls chainfuse
+    ran. Errors of the call itself (mismatched shapes, a mask with `is_causal`) are raised as
+    chainfuse raises them, never passed on. Patches nest; each restores what it replaced. The
+    patch is process-wide (the module attribute), not per thread.
+    """
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+        self.calls = 0
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self._saved: Any = None
+
+    def __enter__(self) -> SDPAPatch:
+        if self._saved is not None:
+            raise RuntimeError("patch_sdpa: this patch is already active (use a new one to nest)")
+        functional = torch.nn.functional
+        self._saved = functional.scaled_dot_product_attention
+        functional.scaled_dot_product_attention = self._sdpa
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        torch.nn.functional.scaled_dot_product_attention = self._saved
+        self._saved = None
+
+    def _sdpa(
+        self,
+        query: Any,
+        key: Any,
+        value: Any,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Any:
+        """SDPA's signature (its fifth positional argument is dropout_p)."""
+        why = _unsupported(query, key, value, attn_mask, dropout_p)
+        if why is None:
+            self.calls += 1
+            return attention(query, key, value, attn_mask, is_causal, scale, enable_gqa=enable_gqa)
+        if self.strict:
+            raise ValueError(f"scaled_dot_product_attention: chainfuse cannot run calls with {why}")
+        if not self.fallbacks[why]:
+            warnings.warn(
+                f"chainfuse.torch.patch_sdpa: calls with {why} run PyTorch's SDPA (chainfuse's "
+                "kernels cannot); see the patch's fallbacks",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.fallbacks[why] += 1
+        return self._saved(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+
+
+def patch_sdpa(strict: bool = False) -> SDPAPatch:
+    """`with chainfuse.torch.patch_sdpa() as patch: model(x)`: the model's calls of
+    `torch.nn.functional.scaled_dot_product_attention` run chainfuse's attention (see
+    `SDPAPatch`; `patch.calls`, `patch.fallbacks` say what ran where)."""
+    return SDPAPatch(strict=strict)

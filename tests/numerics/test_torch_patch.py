@@ -1,0 +1,147 @@
+"""`chainfuse.torch.patch_sdpa`: a model's own calls of
+`torch.nn.functional.scaled_dot_product_attention` run chainfuse's attention, unchanged code."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+
+import chainfuse
+from chainfuse import reference
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+cft = pytest.importorskip("chainfuse.torch")
+ORIGINAL = F.scaled_dot_product_attention
+
+
+class Attend(torch.nn.Module):
+    """Self-attention as Hugging Face models write it: SDPA looked up on the module at each call,
+    dropout_p by training mode, a mask or is_causal."""
+
+    def __init__(self, dim: int = 48, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: Any, mask: Any = None, causal: bool = False) -> Any:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=0.1 if self.training else 0.0, is_causal=causal
+        )
+        return y.transpose(1, 2).reshape(b, n, d)
+
+
+def _model(dtype: Any = None) -> Any:
+    torch.manual_seed(0)
+    model = Attend().eval()
+    return model.to(dtype) if dtype is not None else model
+
+
+def _x(n: int = 37, dtype: Any = None) -> Any:
+    x = torch.randn(2, n, 48, generator=torch.Generator().manual_seed(n))
+    return x.to(dtype) if dtype is not None else x
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive"])
+def test_a_models_sdpa_calls_run_chainfuse(kind: str) -> None:
+    model, x = _model(), _x()
+    mask = None
+    if kind == "bool":
+        mask = torch.rand(37, 37, generator=torch.Generator().manual_seed(1)) > 0.3
+    elif kind == "additive":
+        mask = torch.randn(2, 1, 37, 37, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.double()(x.double(), None if mask is None else
+                              (mask if kind == "bool" else mask.double()), kind == "causal")  # fmt: skip
+        model.float()
+        with cft.patch_sdpa(strict=True) as patch:
+            assert F.scaled_dot_product_attention is not ORIGINAL
+            got = model(x, mask, kind == "causal")
+            got2 = model(x, mask, kind == "causal")
+    assert F.scaled_dot_product_attention is ORIGINAL
+    assert patch.calls == 2 and not patch.fallbacks
+    chain = chainfuse.attention_chain(2, 4, 37, 37, 12, 12)
+    reference.assert_close(got.double().numpy(), want.numpy(), chain)
+    assert torch.equal(got, got2)
+
+
+def test_calls_chainfuse_cannot_run_go_to_pytorch_counted_and_warned_once() -> None:
+    x = _x()
+    with cft.patch_sdpa() as patch:
+        with torch.no_grad(), pytest.warns(RuntimeWarning, match="dtype torch.float64") as seen:
+            model = _model(torch.float64)
+            want = model(x.double())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a second call with the same reason: no warning
+                again = model(x.double())
+        assert len(seen) == 1
+        model = _model().train()
+        with pytest.warns(RuntimeWarning, match="dropout_p > 0"):
+            model(x).sum().backward()  # training: dropout, grad, PyTorch's SDPA
+    assert patch.fallbacks == {"dtype torch.float64": 2, "dropout_p > 0": 1}
+    assert patch.calls == 0
+    assert torch.equal(want, again)
+    assert model.qkv.weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (lambda q: (q.half(), q.half(), q.half()), "dtype torch.float16"),
+        (lambda q: (q, q, q.double()), "mixed dtypes"),
+        (lambda q: (q[None], q[None], q[None]), "5-D inputs"),
+        (lambda q: (q.transpose(-1, -2).contiguous().transpose(-1, -2), q, q),
+         "a last dimension that is not contiguous"),
+    ],
+)  # fmt: skip
+def test_strict_patch_names_what_chainfuse_cannot_run(args: Any, reason: str) -> None:
+    q = torch.randn(2, 3, 9, 8)
+    with cft.patch_sdpa(strict=True), torch.no_grad():
+        with pytest.raises(ValueError, match=f"chainfuse cannot run calls with {reason}"):
+            F.scaled_dot_product_attention(*args(q))
+
+
+def test_errors_of_the_call_itself_are_raised_not_passed_on() -> None:
+    q = torch.randn(1, 2, 5, 8)
+    with cft.patch_sdpa() as patch, torch.no_grad():
+        with pytest.raises(ValueError, match="k: expected head dim 8"):
+            F.scaled_dot_product_attention(q, q[..., :4], q)
+        with pytest.raises(ValueError, match="attn_mask: must be None when is_causal"):
+            F.scaled_dot_product_attention(q, q, q, torch.ones(5, 5, dtype=torch.bool), 0.0, True)
+    assert not patch.fallbacks
+
+
+def test_patches_nest_and_restore_on_error() -> None:
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(KeyError), cft.patch_sdpa() as outer:
+        with cft.patch_sdpa() as inner:
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, q, q)
+        assert F.scaled_dot_product_attention is not ORIGINAL
+        raise KeyError("in the block")
+    assert F.scaled_dot_product_attention is ORIGINAL
+    assert (inner.calls, outer.calls) == (1, 0)
+    with pytest.raises(RuntimeError, match="already active"), outer, outer:
+        pass
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+def test_a_model_compiled_inside_the_patch_keeps_chainfuses_operator() -> None:
+    model, x = _model(), _x(29)
+    targets: list[Any] = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    with torch.no_grad():
+        want = model(x, causal=True)
+        with cft.patch_sdpa(strict=True):
+            got = torch.compile(model, backend=backend, fullgraph=True)(x, causal=True)
+    assert torch.ops.chainfuse.attention.default in targets
+    reference.assert_close(got.double().numpy(), want.double().numpy(),
+                           chainfuse.attention_chain(2, 4, 29, 29, 12, 12))  # fmt: skip
