@@ -550,9 +550,9 @@ def compile(
         return compile_conv(chain, hardware, threads, tiles)  # type: ignore[return-value]
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
-    if chain.dtype not in (DType.FLOAT32, DType.BFLOAT16):
+    if chain.dtype not in (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16):
         raise TypeError(
-            f"{chain.name}: float32 and bfloat16 chains compile, got {chain.dtype.value}"
+            f"{chain.name}: float32, bfloat16 and float16 chains compile, got {chain.dtype.value}"
         )
     hw = resolve(hardware)
     shape = match_gemm_chain(chain)
@@ -672,6 +672,12 @@ def arithmetic(spec: GemmChainSpec) -> str:
             f"bf16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
             "fp32 intermediate, output rounded to bf16 once (no AMX / AVX512-BF16 kernel is "
             "registered for this CPU)"
+        )
+    if spec.dtype is DType.FLOAT16:
+        return (
+            f"fp16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
+            "fp32 intermediate, output rounded to fp16 once (no AVX512-FP16 / AMX-FP16 kernel "
+            "is registered)"
         )
     return f"fp32 micro-kernel {uk}, fp32 intermediate"
 

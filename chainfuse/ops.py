@@ -53,7 +53,7 @@ def _shape(name: str, x: Any, float32: bool = True) -> tuple[int, ...]:
 
 
 _DTYPES = {"float32": "float32", "torch.float32": "float32", "bfloat16": "bfloat16",
-           "torch.bfloat16": "bfloat16"}  # fmt: skip
+           "torch.bfloat16": "bfloat16", "float16": "float16", "torch.float16": "float16"}  # fmt: skip
 
 
 _NAMES: dict[Any, str | None] = {}  # dtype object -> its name in _DTYPES (str() costs ~1 us)
@@ -70,8 +70,8 @@ def _dtype_name(dtype: Any) -> str | None:
 
 
 def _dtype(names: str, *xs: Any) -> str:
-    """The common dtype of the operands: float32, or bfloat16 (a torch.bfloat16 tensor or a
-    numpy array of ml_dtypes.bfloat16); anything else, or a mix, is an error naming them."""
+    """The common dtype of the operands: float32, bfloat16 (a torch.bfloat16 tensor or a numpy
+    array of ml_dtypes.bfloat16) or float16; anything else, or a mix, is an error naming them."""
     first = getattr(xs[0], "dtype", None)
     if all(getattr(x, "dtype", None) is first for x in xs):  # one dtype object: name it once
         found = [_dtype_name(first)]
@@ -79,7 +79,7 @@ def _dtype(names: str, *xs: Any) -> str:
         found = [_dtype_name(getattr(x, "dtype", None)) for x in xs]
     if None in found or len(set(found)) != 1:
         got = ", ".join(str(getattr(x, "dtype", type(x).__name__)) for x in xs)
-        raise TypeError(f"{names}: expected all float32 or all bfloat16, got {got}")
+        raise TypeError(f"{names}: expected all float32, all bfloat16 or all float16, got {got}")
     return str(found[0])
 
 
@@ -358,7 +358,8 @@ def gemm_chain(
 ) -> Any:
     """`between(A @ B) @ D` for A [b, M, K] (or [M, K]), B [b, K, L], D [b, L, N].
 
-    float32, or bfloat16 in and out (fp32 arithmetic inside; `Kernel.arithmetic` says so).
+    float32, or bfloat16 or float16 in and out (fp32 arithmetic inside; `Kernel.arithmetic`
+    says so).
     `between` is None, "relu", "gelu" or "softmax" (over L). Returns [b, M, N] ([M, N] for 2-D
     inputs) of the inputs' kind; `out=` writes into a preallocated result. Zero-size
     dimensions give what numpy's matmul gives (an empty result, or zeros for K = 0 or L = 0;
@@ -430,8 +431,8 @@ def attention(
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
 ) -> Any:
-    """`softmax(q kᵀ * scale + mask) v`, fused, for numpy arrays or torch CPU tensors, float32
-    or bfloat16 (then an additive mask is bfloat16 too, as in PyTorch).
+    """`softmax(q kᵀ * scale + mask) v`, fused, for numpy arrays or torch CPU tensors, float32,
+    bfloat16 or float16 (an additive mask then has q's dtype too, as in PyTorch).
 
     q [batch, heads, seq_q, d_qk] (or [batch, seq_q, d_qk]), k [.., seq_k, d_qk],
     v [.., seq_k, d_v]. `attn_mask` is boolean (True takes part) or additive float, and

@@ -59,6 +59,9 @@ DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: 
 DT_PANELS = 4  # a softmax chain keeps up to this many packed n blocks of D (all of it) for the
 # row blocks of a batch that follow (`_row_block`: reuse_d)
 ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
+#: half-precision dtypes and their short names (the C conversions `cf_from_<short>`/`cf_to_<short>`):
+#: 16-bit in and out, fp32 arithmetic inside
+HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 
 
@@ -268,7 +271,7 @@ class GemmChainSpec:
     kernel: MicroKernel
     mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
     causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
-    dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16: fp32 arithmetic inside)
+    dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16, fp16: fp32 arithmetic)
 
     @property
     def name(self) -> str:
@@ -283,7 +286,7 @@ class GemmChainSpec:
             f"{self.kernel.name}|"
             f"{self.mask.value}|{self.causal}|{self.dtype.value}"
         ).encode()
-        short = {DType.FLOAT32: "f32", DType.BFLOAT16: "bf16"}[self.dtype]
+        short = {DType.FLOAT32: "f32", **HALF}[self.dtype]
         return f"{word}_gemm_{short}_{hashlib.sha256(key).hexdigest()[:8]}"
 
 
@@ -465,8 +468,9 @@ static inline float cf_erf(float x)
 """
 
 
-_BF16 = r"""
+_HALF = r"""
 #include <stdint.h>
+#include <string.h>
 
 /* bf16 <-> fp32: a bf16 is the high half of an fp32, so widening is a shift; narrowing rounds
    to nearest, ties to even (NaN kept quiet). */
@@ -486,34 +490,74 @@ static inline uint16_t cf_to_bf16(float f)
     return (uint16_t)(v.u >> 16);
 }
 
-/* packing from bf16 sources into the micro-kernel's fp32 panels (same layouts as the fp32
-   routines: zeros beyond m / n) */
-static inline void cf_bf16_pack_a(int kc, int m, const uint16_t* restrict A, long lda,
+/* IEEE fp16 <-> fp32, exact in C (no F16C or _Float16 needed, and loops over them vectorise):
+   widening rebiases the exponent (subnormals: mantissa times 2^-24, exact in fp32; inf and
+   NaN keep their payload); narrowing rounds to nearest, ties to even: |f| >= 65520 gives inf,
+   |f| < 2^-14 a subnormal rounded by one fp32 addition (the magic 0.5 puts fp16's last
+   subnormal bit at fp32's last mantissa bit), NaN stays a quiet NaN. */
+static inline float cf_from_f16(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (e == 0) {
+        v.f = (float)m * 5.9604644775390625e-8f; /* 2^-24 */
+        v.u |= sign;
+    } else {
+        v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
+    }
+    return v.f;
+}
+
+static inline uint16_t cf_to_f16(float f)
+{
+    union { uint32_t u; float f; } v, magic;
+    v.f = f;
+    const uint32_t sign = (v.u >> 16) & 0x8000u;
+    v.u &= 0x7fffffffu;
+    uint32_t o;
+    if (v.u >= 0x47800000u) { /* 65536 and up: inf, or NaN */
+        o = v.u > 0x7f800000u ? 0x7e00u | ((v.u >> 13) & 0x3ffu) : 0x7c00u;
+    } else if (v.u < 0x38800000u) { /* below 2^-14: fp16 subnormal or zero */
+        magic.u = 0x3f000000u; /* 0.5f */
+        v.f += magic.f;
+        o = v.u - magic.u;
+    } else {
+        const uint32_t odd = (v.u >> 13) & 1u;
+        v.u += 0xc8000fffu + odd; /* exponent rebiased (-112 << 23), half an ulp minus one */
+        o = v.u >> 13;
+    }
+    return (uint16_t)(o | sign);
+}
+
+/* packing from half-precision sources (CF_LOAD widens) into the micro-kernel's fp32 panels (the
+   same layouts as the fp32 routines: zeros beyond m / n) */
+static inline void cf_half_pack_a(int kc, int m, const uint16_t* restrict A, long lda,
                                   float* restrict Ap)
 {
     for (int i = 0; i < MR; ++i) {
         const uint16_t* restrict row = A + i * lda;
-        for (int p = 0; p < kc; ++p) Ap[(long)p * MR + i] = i < m ? cf_from_bf16(row[p]) : 0.0f;
+        for (int p = 0; p < kc; ++p) Ap[(long)p * MR + i] = i < m ? CF_LOAD(row[p]) : 0.0f;
     }
 }
 
-static inline void cf_bf16_pack_at(int kc, int m, const uint16_t* restrict At, long ldat,
+static inline void cf_half_pack_at(int kc, int m, const uint16_t* restrict At, long ldat,
                                    float* restrict Ap)
 {
     for (int p = 0; p < kc; ++p) {
         for (int i = 0; i < MR; ++i) {
-            Ap[(long)p * MR + i] = i < m ? cf_from_bf16(At[p * ldat + i]) : 0.0f;
+            Ap[(long)p * MR + i] = i < m ? CF_LOAD(At[p * ldat + i]) : 0.0f;
         }
     }
 }
 
-static inline void cf_bf16_pack_bt(int kc, int n, const uint16_t* restrict Bt, long ldbt,
+static inline void cf_half_pack_bt(int kc, int n, const uint16_t* restrict Bt, long ldbt,
                                    float* restrict Bp, float scale)
 {
     for (int j = 0; j < NR; ++j) {
         const uint16_t* restrict col = Bt + j * ldbt;
         for (int p = 0; p < kc; ++p)
-            Bp[(long)p * NR + j] = j < n ? cf_from_bf16(col[p]) * scale : 0.0f;
+            Bp[(long)p * NR + j] = j < n ? CF_LOAD(col[p]) * scale : 0.0f;
     }
 }
 """
@@ -568,17 +612,22 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         "#define SLIVER(kc) (ALIGN16((long)(kc) * MR) + (ALIGN16((long)(kc) * MR) / 16 % 2 ? 0 : 16))"
     )
     _tiles_macro(w, spec)
-    if spec.dtype is DType.BFLOAT16:
-        w.line("/* bf16 inputs and output: converted to fp32 while packing (the micro-kernel and")
-        w.line("   the intermediate are fp32), E rounded to bf16 once at the end */")
-        w.lines(_BF16)
+    if spec.dtype in HALF:
+        short = HALF[spec.dtype]
+        w.line(
+            f"/* {short} inputs and output: converted to fp32 while packing (the micro-kernel and"
+        )
+        w.line(f"   the intermediate are fp32), E rounded to {short} once at the end */")
+        w.line(f"#define CF_LOAD(x) cf_from_{short}(x)")
+        w.line(f"#define CF_STORE(x) cf_to_{short}(x)")
+        w.lines(_HALF)
         w.line("typedef uint16_t cf_elem;")
-        w.line("#define CF_LOAD(x) cf_from_bf16(x)")
-        w.line("#define CF_STORE(x) cf_to_bf16(x)")
-        w.line("#define PACK_A cf_bf16_pack_a")
-        w.line("#define PACK_AT cf_bf16_pack_at")
-        w.line("#define PACK_BT cf_bf16_pack_bt")
-        w.line("#define DIRECT_MC 0 /* bf16 slivers cannot be read in place by an fp32 kernel */")
+        w.line("#define PACK_A cf_half_pack_a")
+        w.line("#define PACK_AT cf_half_pack_at")
+        w.line("#define PACK_BT cf_half_pack_bt")
+        w.line(
+            f"#define DIRECT_MC 0 /* {short} slivers cannot be read in place by an fp32 kernel */"
+        )
         w.line(f"#define DIRECT_STRIDE {DIRECT_STRIDE}")
         w.line(f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS}")
     else:
@@ -1327,7 +1376,7 @@ def _store_e(w: Writer, spec: GemmChainSpec) -> None:
                             )
                         else:
                             w.line(f"{uk}_transpose(Et + c * LDE + i, LDE, e, sEm);")
-                    else:  # through a block on the stack, rounded to bf16 on the way out
+                    else:  # through a block on the stack, rounded to bf16/fp16 on the way out
                         w.line(f"float blk[{tb * tb}] __attribute__((aligned(32)));")
                         w.line(f"{uk}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
                         with w.block(f"for (int r = 0; r < {tb}; ++r)"):

@@ -125,7 +125,11 @@ def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> st
     for t in (q, k, v, attn_mask):
         if t is not None and t.device.type != "cpu":
             return f"{t.device.type} tensors"
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
         return f"dtype {q.dtype}" if q.dtype == k.dtype == v.dtype else "mixed dtypes"
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
         return f"an attn_mask of dtype {attn_mask.dtype}"
@@ -148,7 +152,7 @@ class SDPAPatch:
     chainfuse's attention: a model that calls SDPA through the module, as Hugging Face models
     and most others do, runs chainfuse's kernels without a change to its code.
 
-    A call chainfuse's kernels cannot run (another device, float16/float64, dropout_p > 0 while
+    A call chainfuse's kernels cannot run (another device, float64, dropout_p > 0 while
     training, inputs that require grad, 5-D inputs, a last dimension that is not contiguous)
     goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
     per reason; with `strict=True` it is an error instead. `calls` counts the calls chainfuse

@@ -252,7 +252,9 @@ def test_attention_argument_errors() -> None:
         chainfuse.ops.attention(q, torch.randn(1, 2, 5, 7), q)
     with pytest.raises(ValueError, match="does not broadcast"):
         chainfuse.ops.attention(q, q, q, attn_mask=torch.ones(3, 5, dtype=torch.bool))
-    with pytest.raises(TypeError, match="q, k, v: expected all float32 or all bfloat16"):
+    with pytest.raises(
+        TypeError, match="q, k, v: expected all float32, all bfloat16 or all float16"
+    ):
         chainfuse.ops.attention(q.double(), q, q)
     with pytest.raises(TypeError, match="scale: expected a real number or None"):
         chainfuse.ops.attention(q, q, q, scale=[0.5])

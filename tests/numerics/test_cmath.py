@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from chainfuse import config
-from chainfuse.codegen.c import _MATH
+from chainfuse.codegen.c import _HALF, _MATH
 from chainfuse.runtime import build, load
 
 HARNESS = (
@@ -111,3 +111,99 @@ def test_erf(lib: ctypes.CDLL) -> None:
     assert np.abs(got - want).max() < 5e-7
     special = _apply(lib, "run_erf", np.array([np.inf, -np.inf, np.nan], np.float32))
     assert special[0] == 1.0 and special[1] == -1.0 and np.isnan(special[2])
+
+
+HALF_HARNESS = (
+    "#define MR 6\n#define NR 16\n#define CF_LOAD(x) cf_from_f16(x)\n"
+    + _HALF
+    + r"""
+void run_from_f16(const uint16_t* x, float* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_from_f16(x[i]);
+}
+
+void run_to_f16(const float* x, uint16_t* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_to_f16(x[i]);
+}
+
+void run_from_bf16(const uint16_t* x, float* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_from_bf16(x[i]);
+}
+
+void run_to_bf16(const float* x, uint16_t* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_to_bf16(x[i]);
+}
+"""
+)
+
+
+@pytest.fixture(scope="module")
+def half_lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("half-cache")))
+        built = load(build(HALF_HARNESS, "test_half", ()).path)
+        for name in ("run_from_f16", "run_to_f16", "run_from_bf16", "run_to_bf16"):
+            fn = getattr(built, name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+        yield built
+
+
+def _convert(lib: ctypes.CDLL, name: str, x: np.ndarray, out: type) -> np.ndarray:
+    x = np.ascontiguousarray(x)
+    y = np.zeros(x.shape, out)
+    getattr(lib, name)(x.ctypes.data, y.ctypes.data, x.size)
+    return y
+
+
+def test_f16_widens_every_bit_pattern_exactly(half_lib: ctypes.CDLL) -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = _convert(half_lib, "run_from_f16", bits, np.float32)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0.0 too
+
+
+def _f32_edges() -> np.ndarray:
+    """float32 values around every fp16 rounding decision: each fp16 value, the halfway points
+    between neighbours (ties to even) and one float32 step either side of them, fp16's subnormal
+    and overflow edges, and random bit patterns of every magnitude."""
+    f16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    f16 = f16[np.isfinite(f16)].astype(np.float64)
+    f16 = np.unique(f16)
+    mid = ((f16[1:] + f16[:-1]) / 2).astype(np.float32)  # exact: fp16 halves fit in float32
+    edges = [f16.astype(np.float32), mid, np.nextafter(mid, np.float32(np.inf)),
+             np.nextafter(mid, np.float32(-np.inf)),
+             np.array([65504, 65519.99, 65520, 65535.9, 65536, 1e9, 2.0**-24, 2.0**-25,
+                       2.0**-25 * 1.0000001, 2.0**-26, 1e-30, 0.0], np.float32)]  # fmt: skip
+    rng = np.random.default_rng(0)
+    edges.append(
+        rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    )
+    x = np.concatenate(edges).astype(np.float32)
+    return np.concatenate([x, -x])
+
+
+def test_f16_narrows_to_nearest_ties_to_even(half_lib: ctypes.CDLL) -> None:
+    x = _f32_edges()
+    got = _convert(half_lib, "run_to_f16", x, np.uint16)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    nan = np.isnan(x)
+    assert np.all(np.isnan(got[nan].view(np.float16)))
+    assert np.array_equal(got[~nan], want[~nan].view(np.uint16))
+    special = np.array([np.inf, -np.inf, np.nan], np.float32)
+    back = _convert(half_lib, "run_to_f16", special, np.uint16).view(np.float16)
+    assert back[0] == np.inf and back[1] == -np.inf and np.isnan(back[2])
+
+
+def test_bf16_round_trips(half_lib: ctypes.CDLL) -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    wide = _convert(half_lib, "run_from_bf16", bits, np.float32)
+    assert np.array_equal(wide.view(np.uint32), bits.astype(np.uint32) << 16)
+    finite = np.isfinite(wide)
+    assert np.array_equal(_convert(half_lib, "run_to_bf16", wide[finite], np.uint16), bits[finite])

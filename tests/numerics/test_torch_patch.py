@@ -91,7 +91,7 @@ def test_calls_chainfuse_cannot_run_go_to_pytorch_counted_and_warned_once() -> N
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        (lambda q: (q.half(), q.half(), q.half()), "dtype torch.float16"),
+        (lambda q: (q.double(), q.double(), q.double()), "dtype torch.float64"),
         (lambda q: (q, q, q.double()), "mixed dtypes"),
         (lambda q: (q[None], q[None], q[None]), "5-D inputs"),
         (lambda q: (q.transpose(-1, -2).contiguous().transpose(-1, -2), q, q),
