@@ -140,11 +140,16 @@ void run_to_bf16(const float* x, uint16_t* y, long n)
 )
 
 
-@pytest.fixture(scope="module")
-def half_lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
+@pytest.fixture(scope="module", params=["as built", "plain C"])
+def half_lib(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ctypes.CDLL]:
+    """The conversions as a kernel build compiles them (F16C's instructions where the host has
+    them), and the plain C ones that other hosts get (`CF_NO_F16C`)."""
+    flags = ("-DCF_NO_F16C",) if request.param == "plain C" else ()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("half-cache")))
-        built = load(build(HALF_HARNESS, "test_half", ()).path)
+        built = load(build(HALF_HARNESS, "test_half", flags).path)
         for name in ("run_from_f16", "run_to_f16", "run_from_bf16", "run_to_bf16"):
             fn = getattr(built, name)
             fn.restype = None
