@@ -1,11 +1,11 @@
 """PyTorch integration: the only module of chainfuse that needs torch (imported lazily: importing
 `chainfuse` does not import this module).
 
-`attention` is also the operator `torch.ops.chainfuse.attention`, with a shape function, so that
-`torch.compile` (and `torch.export`) keep it in their graphs as one opaque call instead of
-tracing into chainfuse's Python, where they would break the graph at the kernel's ctypes call.
-Called outside a compiled region, `attention` runs the kernel directly: the dispatcher's
-per-call cost stays out of a short sequence's call.
+`attention`, `gemm_chain` and `conv_chain` are also the operators `torch.ops.chainfuse.*`,
+with shape functions, so that `torch.compile` (and `torch.export`) keep each in their graphs
+as one opaque call instead of tracing into chainfuse's Python, where they would break the graph
+at the kernel's ctypes call. Called outside a compiled region, they run the kernel directly:
+the dispatcher's per-call cost stays out of a short call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from chainfuse import ops
 
-__all__ = ["SDPAPatch", "attention", "patch_sdpa"]
+__all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
 
 
 @torch.library.custom_op("chainfuse::attention", mutates_args=(), device_types="cpu")
@@ -219,3 +219,153 @@ def patch_sdpa(strict: bool = False) -> SDPAPatch:
     `torch.nn.functional.scaled_dot_product_attention` run chainfuse's attention (see
     `SDPAPatch`; `patch.calls`, `patch.fallbacks` say what ran where)."""
     return SDPAPatch(strict=strict)
+
+
+def _refuse_grad(names: str, *xs: Any) -> None:
+    """Inside a compiled region (where `ops` is not traced): inputs that require grad while grad
+    mode is on are an error naming the first, as `ops` raises it eagerly."""
+    if torch.is_grad_enabled():
+        for name, t in zip(names.split(", "), xs, strict=True):
+            if t is not None and t.requires_grad:
+                raise RuntimeError(
+                    f"{name}: requires grad, and chainfuse's kernels have no backward (inference "
+                    f"only): call under torch.no_grad() or torch.inference_mode(), or pass "
+                    f"{name}.detach()"
+                )
+
+
+@torch.library.custom_op("chainfuse::gemm_chain", mutates_args=(), device_types="cpu")
+def _gemm_chain_op(
+    A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
+) -> torch.Tensor:
+    """The operator's CPU kernel: `ops.gemm_chain`, which checks every argument."""
+    out: torch.Tensor = ops.gemm_chain(A, B, D, between=between)
+    return out
+
+
+@_gemm_chain_op.register_fake
+def _gemm_chain_shape(
+    A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
+) -> torch.Tensor:
+    """[.., M, N] of A's dtype, contiguous; the sizes checked as `ops.gemm_chain` checks them."""
+    if not A.dim() == B.dim() == D.dim() or A.dim() not in (2, 3):
+        raise ValueError(
+            f"A, B, D: expected all 2-D or all 3-D, got shapes {tuple(A.shape)}, "
+            f"{tuple(B.shape)}, {tuple(D.shape)}"
+        )
+    if B.shape[-2] != A.shape[-1]:
+        raise ValueError(f"B: expected {A.shape[-1]} rows (A's K), got shape {tuple(B.shape)}")
+    if D.shape[-2] != B.shape[-1]:
+        raise ValueError(f"D: expected {B.shape[-1]} rows (B's L), got shape {tuple(D.shape)}")
+    return A.new_empty((*A.shape[:-1], D.shape[-1]))
+
+
+def gemm_chain(A: Any, B: Any, D: Any, between: str | None = None) -> Any:
+    """`chainfuse.ops.gemm_chain` for torch tensors: `between(A @ B) @ D` in one kernel
+    (`between`: None, "relu", "gelu" or "softmax"); inside `torch.compile`, the operator
+    `torch.ops.chainfuse.gemm_chain`."""
+    if torch.compiler.is_compiling():
+        _refuse_grad("A, B, D", A, B, D)
+        return _gemm_chain_op(A, B, D, between)
+    return ops.gemm_chain(A, B, D, between=between)
+
+
+def _conv_out(x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
+    """The result of a conv chain in x's memory order: channels-last where x is (its channels
+    dense and innermost), else NCHW; the operator's kernel and its shape function agree on it."""
+    last = (
+        x.shape[1] > 1 and x.stride(1) == 1 and x.is_contiguous(memory_format=torch.channels_last)
+    )
+    fmt = torch.channels_last if last else torch.contiguous_format
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+
+
+def _conv_shape(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, stride: list[int], padding: list[int]
+) -> tuple[Any, ...]:
+    if x.dim() != 4 or w1.dim() != 4 or w2.dim() != 4:
+        raise ValueError(
+            f"x, w1, w2: expected 4-D [N, C, H, W] and [K, C, R, S], got shapes "
+            f"{tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}"
+        )
+    if w1.shape[1] != x.shape[1]:
+        raise ValueError(f"w1: expected {x.shape[1]} input channels (x's C), got {w1.shape[1]}")
+    if w2.shape[1] != w1.shape[0]:
+        raise ValueError(
+            f"w2: expected {w1.shape[0]} input channels (w1's output channels), got {w2.shape[1]}"
+        )
+    h, w = x.shape[2], x.shape[3]
+    for weight, st, pad in ((w1, stride[0], padding[0]), (w2, stride[1], padding[1])):
+        h = (h + 2 * pad - weight.shape[2]) // st + 1
+        w = (w + 2 * pad - weight.shape[3]) // st + 1
+    return (x.shape[0], w2.shape[0], h, w)
+
+
+@torch.library.custom_op("chainfuse::conv_chain", mutates_args=(), device_types="cpu")
+def _conv_chain_op(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    between: str | None,
+    after: str | None,
+) -> torch.Tensor:
+    """The operator's CPU kernel: `ops.conv_chain` into a result laid out as `_conv_out` says
+    (`ops.conv_chain` checks every argument)."""
+    out = _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
+    ops.conv_chain(x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
+                   padding=(padding[0], padding[1]), between=between, after=after, out=out)  # fmt: skip
+    return out
+
+
+@_conv_chain_op.register_fake
+def _conv_chain_fake(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    between: str | None,
+    after: str | None,
+) -> torch.Tensor:
+    return _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
+
+
+def _pair(name: str, value: Any) -> list[int]:
+    """stride or padding as the operator's two ints (one int serves both convs)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value, value]
+    if (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return [value[0], value[1]]
+    raise ValueError(f"{name}: expected an int or two ints (one per conv), got {value!r}")
+
+
+def conv_chain(
+    x: Any,
+    w1: Any,
+    w2: Any,
+    b1: Any = None,
+    b2: Any = None,
+    stride: int | tuple[int, int] = (1, 1),
+    padding: int | tuple[int, int] = (0, 0),
+    between: str | None = None,
+    after: str | None = None,
+) -> Any:
+    """`chainfuse.ops.conv_chain` for torch tensors (conv -> [bias, relu] -> conv, fused);
+    inside `torch.compile`, the operator `torch.ops.chainfuse.conv_chain`, whose result is
+    channels-last where x is."""
+    if torch.compiler.is_compiling():
+        _refuse_grad("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
+        pairs = _pair("stride", stride), _pair("padding", padding)
+        return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
+    return ops.conv_chain(x, w1, w2, b1, b2, stride=stride, padding=padding, between=between,
+                          after=after)  # fmt: skip

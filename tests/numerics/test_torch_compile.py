@@ -153,3 +153,62 @@ def test_inductor_compiles_a_model_around_the_operator() -> None:
     assert ours.shape == (2, 37, 32)
     reference.assert_close(ours.numpy(), eager.double().numpy(),
                            chainfuse.attention_chain(2, 2, 37, 37, 16, 16))  # fmt: skip
+
+
+GEMM = torch.ops.chainfuse.gemm_chain.default
+CONV = torch.ops.chainfuse.conv_chain.default
+
+
+@pytest.mark.parametrize("between", [None, "relu", "gelu", "softmax"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_compiled_gemm_chain_is_one_operator_and_matches_reference(
+    between: str | None, batched: bool
+) -> None:
+    chain = chainfuse.gemm_chain(2 if batched else 1, 17, 7, 65, 63, between)
+    x = reference.random_inputs(chain, seed=3)
+    A, B, D = (torch.from_numpy(x[n]) for n in ("A", "B", "D"))
+    if not batched:
+        A, B, D = A[0], B[0], D[0]
+    backend = _Graphs()
+    compiled = torch.compile(lambda a, b, d: cft.gemm_chain(a, b, d, between) - 1.0,
+                             backend=backend, fullgraph=True)  # fmt: skip
+    ours = compiled(A, B, D) + 1.0
+    assert backend.targets().count(GEMM) == 1
+    want = reference.run(chain, x)["E"]
+    reference.assert_close(ours.numpy(), want if batched else want[0], chain, inputs=x)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compiled_conv_chain_matches_the_eager_kernel_in_its_layout(channels_last: bool) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 8, 13, 11, generator=g)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w1, w2 = torch.randn(16, 8, 3, 3, generator=g) / 8, torch.randn(12, 16, 1, 1, generator=g) / 4
+    b1, b2 = torch.randn(16, generator=g), torch.randn(12, generator=g)
+    kw: dict[str, Any] = {"stride": (2, 1), "padding": (1, 0), "between": "relu", "after": "relu"}
+    backend = _Graphs()
+    compiled = torch.compile(lambda *a: cft.conv_chain(*a, **kw), backend=backend,
+                             fullgraph=True)  # fmt: skip
+    ours = compiled(x, w1, w2, b1, b2)
+    eager = cft.conv_chain(x, w1, w2, b1, b2, **kw)
+    assert backend.targets().count(CONV) == 1
+    assert ours.shape == (2, 12, 7, 6) and ours.stride() == eager.stride()
+    assert ours.is_contiguous(memory_format=torch.channels_last) is channels_last
+    assert torch.equal(ours, eager)  # the same kernel on the same numbers
+    theirs = F.relu(F.conv2d(F.relu(F.conv2d(x.double(), w1.double(), b1.double(), 2, 1)),
+                             w2.double(), b2.double()))  # fmt: skip
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_chains_name_wrong_arguments_while_tracing() -> None:
+    A, B, D = torch.randn(3, 5), torch.randn(4, 6), torch.randn(6, 2)
+    compiled = torch.compile(lambda a, b, d: cft.gemm_chain(a, b, d), backend="eager",
+                             fullgraph=True)  # fmt: skip
+    with pytest.raises(Exception, match=r"B: expected 5 rows \(A's K\)"):
+        compiled(A, B, D)
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 2, 1, 1)
+    compiled = torch.compile(lambda x, w: cft.conv_chain(x, w, w, stride=(1, 1, 1)),
+                             backend="eager", fullgraph=True)  # fmt: skip
+    with pytest.raises(Exception, match=r"stride: expected an int or two ints"):
+        compiled(x, w)
