@@ -177,7 +177,7 @@ def test_ops_gemm_chain_numpy_and_2d() -> None:
         chainfuse.ops.gemm_chain(A, B[:, :4], D)
     with pytest.raises(ValueError, match="between"):
         chainfuse.ops.gemm_chain(A, B, D, between="tanh")
-    with pytest.raises(TypeError, match=r"A, B, D: expected all float32 .* got list, float32"):
+    with pytest.raises(TypeError, match=r"A, B, D: expected all float32, .* got list, float32"):
         chainfuse.ops.gemm_chain(A.tolist(), B, D)
     with pytest.raises(TypeError, match="got float32, float64, float32"):
         chainfuse.ops.gemm_chain(A, B.astype(np.float64), D)
