@@ -21,7 +21,7 @@ import numpy as np
 from chainfuse import ops, reference
 from chainfuse.bench import workloads
 from chainfuse.bench.gemm_chain import model_facts, predicted_ms, set_threads
-from chainfuse.bench.results import Result, geomean
+from chainfuse.bench.results import HALF_SUFFIX, Result, geomean, suite_name
 from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
 from chainfuse.ir import Chain, attention_chain
@@ -89,18 +89,19 @@ def run(
     progress: Callable[[str], None] | None = None,
     dtype: str = "float32",
 ) -> list[Result]:
-    """Compile, check and time every case at every thread count (bf16: suite "attention-bf16",
-    bf16 tensors for chainfuse, SDPA and the unfused PyTorch alike)."""
-    bf16 = dtype == "bfloat16"
+    """Compile, check and time every case at every thread count (bf16 or fp16: suite
+    "attention-bf16" / "-fp16", 16-bit tensors for chainfuse, SDPA and the unfused PyTorch
+    alike)."""
+    half = dtype in HALF_SUFFIX
     results: list[Result] = []
     for name in names:
         chain = chain_of(name, dtype)
         inputs = reference.random_inputs(chain, seed=5)
         qkv: list[Any] = [inputs[n] for n in ("Q", "K", "V")]
-        if bf16:
+        if half:
             import torch
 
-            qkv = [torch.from_numpy(a).to(torch.bfloat16) for a in qkv]
+            qkv = [torch.from_numpy(a).to(getattr(torch, dtype)) for a in qkv]
         want = reference.run(chain, inputs)["O"]
         baselines = _torch_fns(qkv)
         for n in threads:
@@ -108,14 +109,14 @@ def run(
             kernel = compile(chain, threads=n)  # planned for the threads it runs on
             drop_in = _drop_in(qkv)
             out: Any = drop_in()
-            reference.assert_close(np.asarray(out.float() if bf16 else out), want, chain)
+            reference.assert_close(np.asarray(out.float() if half else out), want, chain)
             fns: dict[str, Callable[[], object]] = {"chainfuse": drop_in}
             fns.update(baselines)
             facts = model_facts(chain, kernel)
             spec = kernel.spec
             timing = interleave(fns, rounds, best=n > 1)
             results.append(Result(
-                SUITE + ("-bf16" if bf16 else ""), name, "softmax", n, chain.flops() / 1e9,
+                suite_name(SUITE, dtype), name, "softmax", n, chain.flops() / 1e9,
                 ms={k: t.ms for k, t in timing.items()}, baselines=BASELINES,
                 spread={k: t.spread for k, t in timing.items()},
                 best_ms={k: t.best_ms for k, t in timing.items()}, dtype=dtype,

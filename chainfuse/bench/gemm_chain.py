@@ -21,7 +21,7 @@ import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench import workloads
-from chainfuse.bench.results import Result, geomean
+from chainfuse.bench.results import HALF_SUFFIX, Result, geomean, suite_name
 from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware, resolve
@@ -203,30 +203,31 @@ def run(
 ) -> list[Result]:
     """Compile, check and time every (workload, between) at every thread count.
 
-    `dtype="bfloat16"`: bf16 tensors in and out for chainfuse and PyTorch alike (no numpy
-    baseline: numpy has no bf16); the results' suite is "gemm-chain-bf16".
+    `dtype="bfloat16"` or `"float16"`: 16-bit tensors in and out for chainfuse and PyTorch alike
+    (no numpy baseline: numpy has no bf16, and its float16 matmul no BLAS); the results' suite is
+    "gemm-chain-bf16" / "-fp16".
     """
-    bf16 = dtype == "bfloat16"
+    half = dtype in HALF_SUFFIX
     results: list[Result] = []
     for name in names:
         for between in betweens:
             chain = workloads.chain_of(name, between, dtype)
             inputs = reference.random_inputs(chain, seed=7)
             args: list[Any] = [inputs[t.name] for t in chain.inputs]
-            if bf16:
+            if half:
                 import torch
 
-                args = [torch.from_numpy(a).to(torch.bfloat16) for a in args]
+                args = [torch.from_numpy(a).to(getattr(torch, dtype)) for a in args]
             want = reference.run(chain, inputs)["E"]
             baselines = dict(torch_baselines(between, args))
-            np_fn = None if bf16 else numpy_baseline(between, args)
+            np_fn = None if half else numpy_baseline(between, args)
             if np_fn is not None:
                 baselines["numpy"] = np_fn
             for n in threads:
                 set_threads(n)
                 kernel = compile(chain, threads=n)  # planned for the threads it runs on
                 out = kernel(*args)
-                got = out.float().numpy() if bf16 else out
+                got = out.float().numpy() if half else out
                 reference.assert_close(got, want, chain)
                 fns = {"chainfuse": _call(kernel, args, out), **baselines}
                 if n > 1:
@@ -236,7 +237,7 @@ def run(
                 facts = model_facts(chain, kernel)
                 timing = interleave(fns, rounds, best=n > 1)
                 results.append(Result(
-                    SUITE + ("-bf16" if bf16 else ""), name, between or "none", n,
+                    suite_name(SUITE, dtype), name, between or "none", n,
                     chain.flops() / 1e9, ms={k: t.ms for k, t in timing.items()},
                     baselines=BASELINES,
                     spread={k: t.spread for k, t in timing.items()},

@@ -11,7 +11,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Result", "geomean"]
+__all__ = ["HALF_SUFFIX", "Result", "geomean", "suite_name"]
+
+#: the suffix a 16-bit run adds to its suite's name ("attention-bf16"); float32 adds none
+HALF_SUFFIX = {"bfloat16": "-bf16", "float16": "-fp16"}
+
+
+def suite_name(suite: str, dtype: str) -> str:
+    """The results' suite of `suite` run in `dtype` ("attention", "attention-fp16")."""
+    return suite + HALF_SUFFIX.get(dtype, "")
 
 
 @dataclass

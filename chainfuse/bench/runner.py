@@ -24,7 +24,7 @@ from typing import Any
 from chainfuse.bench import attention, fidelity, gemm_chain, report, workloads
 from chainfuse.bench.fidelity import Fidelity
 from chainfuse.bench.probe import measure_machine
-from chainfuse.bench.results import Result
+from chainfuse.bench.results import HALF_SUFFIX, Result
 
 __all__ = ["Progress", "main"]
 
@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a representative subset (~2 minutes)")
     p.add_argument("--threads", default="1,2", help="thread counts, e.g. 1,2")
     p.add_argument("--dtype", default="fp32",
-                   help="fp32, bf16 or fp32,bf16 (bf16: GEMM chains and attention; conv is fp32)")  # fmt: skip
+                   help="fp32, bf16, fp16 or a list, e.g. fp32,bf16 (16-bit: GEMM chains and "
+                        "attention; conv is fp32)")  # fmt: skip
     p.add_argument("--between", default="none,relu", help="gemm-chain/conv-chain variants")
     p.add_argument("--rounds", type=int, default=15, help="timing rounds per case")
     p.add_argument("--top", type=int, default=10, help="plans per fidelity run (0: no fidelity)")
@@ -119,19 +120,22 @@ def _torch_threads() -> int | None:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
-    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp16": "float16", "float16": "float16"}  # fmt: skip
     try:
         dtypes = list(dict.fromkeys(names[d] for d in args.dtype.split(",")))
     except KeyError as exc:
-        print(f"chainfuse bench: --dtype: unknown {exc.args[0]!r}; expected fp32, bf16 or both "
-              "(fp32,bf16)", file=sys.stderr)  # fmt: skip
+        print(f"chainfuse bench: --dtype: unknown {exc.args[0]!r}; expected fp32, bf16, fp16 "
+              "or a list of them (fp32,bf16)", file=sys.stderr)  # fmt: skip
         return 2
     threads = _parse_threads(args.threads)
     betweens = [None if b == "none" else b for b in args.between.split(",")]
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     conv = _conv_module()
-    if "bfloat16" in dtypes and args.suite == "conv-chain":
-        print("chainfuse bench: --dtype bf16: conv chains compile in fp32 only", file=sys.stderr)
+    half = [d for d in dtypes if d in HALF_SUFFIX]
+    if half and args.suite == "conv-chain":
+        print(f"chainfuse bench: --dtype {half[0]}: conv chains compile in fp32 only",
+              file=sys.stderr)  # fmt: skip
         return 2
     if "conv-chain" in suites and conv is None:
         if args.suite == "conv-chain":
@@ -189,7 +193,10 @@ def _main(argv: Sequence[str] | None) -> int:
     # the figures each issue's acceptance lines are stated in, per suite that has them
     summaries = {"gemm-chain": gemm_chain.summarise, "attention": attention.summarise}
     for suite in dict.fromkeys(r.suite for r in results):
-        summarise = summaries.get(suite.removesuffix("-bf16"))
+        base = suite
+        for suffix in HALF_SUFFIX.values():
+            base = base.removesuffix(suffix)
+        summarise = summaries.get(base)
         if summarise is not None:
             key = suite.replace("-", "_") + "_issue_figures"
             extra[key] = summarise([r for r in results if r.suite == suite], peak)

@@ -36,3 +36,16 @@ def test_bench_attention_quick_writes_the_report(tmp_path: Path) -> None:
     assert len(fid["measured_ms"]) == 2 and fid["tuning_gap"] >= 0
     assert "Spearman" in md and data["machine"]["fp32_peak_gflops_per_core_measured"] > 0
     assert set(data["predicted_vs_measured_rho"]) == {"attention"}
+
+
+def test_bench_half_precision_attention_is_its_own_suite(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench"
+    argv = ["bench", "attention", "--quick", "--threads", "1", "--rounds", "2", "--top", "0",
+            "--dtype", "fp16", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert {r["suite"] for r in data["results"]} == {"attention-fp16"}
+    assert all(r["dtype"] == "float16" for r in data["results"])
+    assert "attention_fp16_issue_figures" in data

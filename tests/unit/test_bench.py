@@ -195,8 +195,9 @@ def test_progress_without_a_terminal_prints_one_line_per_step() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["gemm-chain", "--dtype", "fp16"], "--dtype: unknown 'fp16'"),
+        (["gemm-chain", "--dtype", "fp8"], "--dtype: unknown 'fp8'"),
         (["conv-chain", "--dtype", "bf16"], "conv chains compile in fp32 only"),
+        (["conv-chain", "--dtype", "fp32,fp16"], "conv chains compile in fp32 only"),
         (["gemm-chain", "--threads", "1,x"], "--threads"),
         (["gemm-chain", "--threads", "0"], "--threads"),
     ],
