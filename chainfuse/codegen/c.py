@@ -544,6 +544,18 @@ static inline uint16_t cf_to_f16(float f)
 }
 #endif
 
+/* n elements widened into fp32 (the row path's rows of K, V, B and D, once for all its rows):
+   with F16C eight fp16 at a time, else element by element (bf16's shift vectorises) */
+static inline void cf_widen(const uint16_t* restrict src, float* restrict dst, long n)
+{
+    long i = 0;
+#if defined(__F16C__) && !defined(CF_NO_F16C) && defined(CF_F16)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = CF_LOAD(src[i]);
+}
+
 /* packing from half-precision sources (CF_LOAD widens) into the micro-kernel's fp32 panels (the
    same layouts as the fp32 routines: zeros beyond m / n) */
 static inline void cf_half_pack_a(int kc, int m, const uint16_t* restrict A, long lda,
@@ -634,6 +646,13 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(f"   the intermediate are fp32), E rounded to {short} once at the end */")
         w.line(f"#define CF_LOAD(x) cf_from_{short}(x)")
         w.line(f"#define CF_STORE(x) cf_to_{short}(x)")
+        if spec.dtype is DType.FLOAT16:
+            w.line("#define CF_F16 1")
+        w.line("/* floats of the row path's widened rows: four of K, N or ROWS_LB (_rows) */")
+        w.line(
+            "#define CF_WIDE(K, N) ALIGN16(4 * ((K) > (N) ? ((K) > ROWS_LB ? (K) : ROWS_LB)"
+            " : ((N) > ROWS_LB ? (N) : ROWS_LB)))"
+        )
         w.lines(_HALF)
         w.line("typedef uint16_t cf_elem;")
         w.line("#define PACK_A cf_half_pack_a")
@@ -648,6 +667,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("typedef float cf_elem;")
         w.line("#define CF_LOAD(x) (x)")
         w.line("#define CF_STORE(x) (x)")
+        w.line("#define CF_WIDE(K, N) 0 /* (fp32: the row path reads rows in place) */")
         w.line(f"#define PACK_A {ker.name}_pack_a")
         w.line(f"#define PACK_AT {ker.name}_pack_at")
         w.line(f"#define PACK_BT {ker.name}_pack_bt")
@@ -688,7 +708,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
             " + DTN * DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN)"
-            " + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N);"
+            " + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N) + CF_WIDE(K, N);"
         )
     w.line("")
     _store_e(w, spec)
@@ -767,6 +787,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict col_sum = col_max + ALIGN16(MPN);")
             w.line("float* restrict rows_q = col_sum + ALIGN16(MPN); /* see _rows */")
             w.line("float* restrict rows_o = rows_q + ALIGN16(ROWS_MAX * K);")
+            w.line("float* restrict rows_w = rows_o + ALIGN16(ROWS_MAX * N); /* (16-bit: _rows) */")
             if spec.epilogue is Epilogue.SOFTMAX and not spec.causal:
                 w.line("/* whose D the packed blocks in Dt hold (reuse_d): where it starts */")
                 w.line("const cf_elem* dt_from = 0;")
@@ -1081,7 +1102,7 @@ def _rows_call(w: Writer, spec: GemmChainSpec) -> None:
         w.line(
             f"{spec.name}_rows(mc, m0, K, N, l_lo, l_end, A + b0 * sA0 + b1 * sA1 + m0 * sAm,"
             " sAm, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
-            f" E + b0 * sE0 + b1 * sE1 + m0 * sEm, sEm, {scale}, {mask}, rows_q, rows_o, {et},"
+            f" E + b0 * sE0 + b1 * sE1 + m0 * sEm, sEm, {scale}, {mask}, rows_q, rows_o, rows_w, {et},"
             " LDE);"
         )
         w.line("continue;")
@@ -1105,10 +1126,13 @@ def _rows(w: Writer, spec: GemmChainSpec) -> None:
         " long l_lo, long l_end, const cf_elem* restrict A_b, long sAm,"
         " const cf_elem* restrict B_b,\n    long sBr, const cf_elem* restrict D_b, long sDl,"
         " cf_elem* restrict E_b, long sEm,\n    float qscale, const void* mask_b, long sMm,"
-        " long sMl, float* restrict q, float* restrict o,\n    float* restrict et, long lde)"
+        " long sMl, float* restrict q, float* restrict o,\n    float* restrict wide, float* restrict et,"
+        " long lde)"
     ):
         if spec.mask is MaskKind.NONE:
             w.line("(void)mask_b; (void)sMm; (void)sMl; (void)m0;")
+        if spec.dtype not in HALF:
+            w.line("(void)wide; /* (16-bit rows are widened into it once for all the rows) */")
         w.line("float s[ROWS_MAX][ROWS_LB] __attribute__((aligned(32)));")
         if softmax:
             w.line("float cmax[ROWS_MAX], csum[ROWS_MAX];")
@@ -1123,10 +1147,11 @@ def _rows(w: Writer, spec: GemmChainSpec) -> None:
                 w.line("csum[i] = 0.0f;")
         with w.block("for (long l0 = l_lo; l0 < l_end; l0 += ROWS_LB)"):
             w.line("const int lb = (int)(l_end - l0 < ROWS_LB ? l_end - l0 : ROWS_LB);")
+            half = spec.dtype in HALF
             if spec.b_transposed:
-                _rows_scores_by_key(w)
+                _rows_scores_by_key(w, half)
             else:
-                _rows_scores_by_k(w)
+                _rows_scores_by_k(w, half)
             with w.block("for (int i = 0; i < mc; ++i)"):
                 w.line("float* restrict si = s[i];")
                 if softmax:
@@ -1142,7 +1167,7 @@ def _rows(w: Writer, spec: GemmChainSpec) -> None:
                         )
                 else:
                     w.line("(void)si;")
-            _rows_add_d(w)
+            _rows_add_d(w, half)
         with w.block("for (int i = 0; i < mc; ++i)"):
             if softmax:
                 w.line("const float inv = csum[i] > 0.0f ? 1.0f / csum[i] : 0.0f;")
@@ -1187,73 +1212,94 @@ def _rows_softmax(w: Writer, spec: GemmChainSpec) -> None:
     w.line("if (alpha != 1.0f) for (long n = 0; n < N; ++n) o[i * N + n] *= alpha;")
 
 
-def _rows_add_d(w: Writer) -> None:
+def _rows_add_d(w: Writer, half: bool) -> None:
     """`_rows`' second GEMM: D's rows times the rows' values of f, into the accumulators."""
-    _rows_add_rows(w, "l", "lb", "D_b + (l0 + l) * sDl", "sDl", "s[i][l + {j}]", "o + i * N", "N")
+    _rows_add_rows(w, "l", "lb", "D_b + (l0 + l) * sDl", "sDl", "s[i][l + {j}]", "o + i * N", "N",
+                   half)  # fmt: skip
 
 
 def _rows_add_rows(
-    w: Writer, at: str, count: str, row: str, stride: str, weight: str, acc: str, width: str
-) -> None:
+    w: Writer, at: str, count: str, row: str, stride: str, weight: str, acc: str, width: str,
+    half: bool,
+) -> None:  # fmt: skip
     """For `at` over [0, count): `acc` (row i's accumulator, `width` floats) += `weight` (of
     row i and `at` + {j}) times the row of an operand at `row` (`stride` apart from the next),
     four rows at a time (each accumulator loaded and stored once per four, not once per row: a
-    store-to-load wait each time), then one at a time."""
+    store-to-load wait each time), then one at a time. 16-bit rows (`half`) are widened into
+    `wide` first, once for all the rows i: the loops then vectorise as fp32's do (an fp16
+    conversion inside them kept them scalar)."""
     w.line(f"long {at} = 0;")
     with w.block(f"for (; {at} + 4 <= {count}; {at} += 4)"):
-        w.line(f"const cf_elem* restrict r0 = {row};")
-        for j in range(1, 4):
-            w.line(f"const cf_elem* restrict r{j} = r{j - 1} + {stride};")
+        if half:
+            w.line(f"const cf_elem* restrict h0 = {row};")
+            for j in range(4):
+                w.line(f"float* restrict r{j} = wide + {j} * {width};")
+                w.line(f"cf_widen(h0 + {j} * {stride}, r{j}, {width});")
+        else:
+            w.line(f"const cf_elem* restrict r0 = {row};")
+            for j in range(1, 4):
+                w.line(f"const cf_elem* restrict r{j} = r{j - 1} + {stride};")
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line(f"const float w0 = {weight.format(j=0)}, w1 = {weight.format(j=1)};")
             w.line(f"const float w2 = {weight.format(j=2)}, w3 = {weight.format(j=3)};")
             w.line(f"float* restrict a = {acc};")
             w.line("#pragma omp simd")
             with w.block(f"for (long x = 0; x < {width}; ++x)"):
-                w.line(
-                    "a[x] += w0 * CF_LOAD(r0[x]) + w1 * CF_LOAD(r1[x]) + w2 * CF_LOAD(r2[x])"
-                    " + w3 * CF_LOAD(r3[x]);"
-                )
+                load = "{}" if half else "CF_LOAD({})"
+                terms = [f"w{j} * " + load.format(f"r{j}[x]") for j in range(4)]
+                w.line(f"a[x] += {' + '.join(terms)};")
     with w.block(f"for (; {at} < {count}; ++{at})"):
-        w.line(f"const cf_elem* restrict r0 = {row};")
+        if half:
+            w.line("float* restrict r0 = wide;")
+            w.line(f"cf_widen({row}, r0, {width});")
+        else:
+            w.line(f"const cf_elem* restrict r0 = {row};")
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line(f"const float w0 = {weight.format(j=0)};")
             w.line(f"float* restrict a = {acc};")
             w.line("#pragma omp simd")
-            w.line(f"for (long x = 0; x < {width}; ++x) a[x] += w0 * CF_LOAD(r0[x]);")
+            load = "r0[x]" if half else "CF_LOAD(r0[x])"
+            w.line(f"for (long x = 0; x < {width}; ++x) a[x] += w0 * {load};")
 
 
-def _rows_scores_by_key(w: Writer) -> None:
-    """`_rows`' scores when K is stored [l, k] (attention): dot products along k."""
+def _rows_scores_by_key(w: Writer, half: bool) -> None:
+    """`_rows`' scores when K is stored [l, k] (attention): dot products along k (16-bit keys
+    widened into `wide` first, once for all the rows)."""
     w.line("/* four keys at a time: four independent FMA chains (one waits on its")
     w.line("   latency), their rows read from L1 for every query; past the last key the")
     w.line("   group re-reads it, and those scores are not kept */")
     with w.block("for (int l = 0; l < lb; l += 4)"):
-        w.line("const cf_elem* restrict k0 = B_b + (l0 + l) * sBr;")
-        w.line("const cf_elem* restrict k1 = l + 1 < lb ? k0 + sBr : k0;")
-        w.line("const cf_elem* restrict k2 = l + 2 < lb ? k0 + 2 * sBr : k0;")
-        w.line("const cf_elem* restrict k3 = l + 3 < lb ? k0 + 3 * sBr : k0;")
+        if half:
+            w.line("const cf_elem* restrict h0 = B_b + (l0 + l) * sBr;")
+            for j in range(4):
+                w.line(f"float* restrict k{j} = wide + {j} * K;")
+                last = "h0" if j == 0 else f"l + {j} < lb ? h0 + {j} * sBr : h0"
+                w.line(f"cf_widen({last}, k{j}, K);")
+        else:
+            w.line("const cf_elem* restrict k0 = B_b + (l0 + l) * sBr;")
+            w.line("const cf_elem* restrict k1 = l + 1 < lb ? k0 + sBr : k0;")
+            w.line("const cf_elem* restrict k2 = l + 2 < lb ? k0 + 2 * sBr : k0;")
+            w.line("const cf_elem* restrict k3 = l + 3 < lb ? k0 + 3 * sBr : k0;")
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("const float* restrict qi = q + i * K;")
             w.line("float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;")
             w.line("#pragma omp simd reduction(+:a0, a1, a2, a3)")
             with w.block("for (long k = 0; k < K; ++k)"):
-                w.line("a0 += qi[k] * CF_LOAD(k0[k]);")
-                w.line("a1 += qi[k] * CF_LOAD(k1[k]);")
-                w.line("a2 += qi[k] * CF_LOAD(k2[k]);")
-                w.line("a3 += qi[k] * CF_LOAD(k3[k]);")
+                for j in range(4):
+                    w.line(f"a{j} += qi[k] * " + (f"k{j}[k];" if half else f"CF_LOAD(k{j}[k]);"))
             w.line("s[i][l] = a0;")
             w.line("if (l + 1 < lb) s[i][l + 1] = a1;")
             w.line("if (l + 2 < lb) s[i][l + 2] = a2;")
             w.line("if (l + 3 < lb) s[i][l + 3] = a3;")
 
 
-def _rows_scores_by_k(w: Writer) -> None:
+def _rows_scores_by_k(w: Writer, half: bool) -> None:
     """`_rows`' scores when B is stored [k, l] (GEMM chains): rows of B added in, vectorised
     along l."""
     with w.block("for (int i = 0; i < mc; ++i)"):
         w.line("for (int l = 0; l < lb; ++l) s[i][l] = 0.0f;")
-    _rows_add_rows(w, "k", "K", "B_b + k * sBr + l0", "sBr", "q[i * K + k + {j}]", "s[i]", "lb")
+    _rows_add_rows(w, "k", "K", "B_b + k * sBr + l0", "sBr", "q[i * K + k + {j}]", "s[i]", "lb",
+                   half)  # fmt: skip
 
 
 def _sliver_call(

@@ -114,7 +114,7 @@ def test_erf(lib: ctypes.CDLL) -> None:
 
 
 HALF_HARNESS = (
-    "#define MR 6\n#define NR 16\n#define CF_LOAD(x) cf_from_f16(x)\n"
+    "#define MR 6\n#define NR 16\n#define CF_LOAD(x) cf_from_f16(x)\n#define CF_F16 1\n"
     + _HALF
     + r"""
 void run_from_f16(const uint16_t* x, float* y, long n)
@@ -130,6 +130,11 @@ void run_to_f16(const float* x, uint16_t* y, long n)
 void run_from_bf16(const uint16_t* x, float* y, long n)
 {
     for (long i = 0; i < n; ++i) y[i] = cf_from_bf16(x[i]);
+}
+
+void run_widen_f16(const uint16_t* x, float* y, long n)
+{
+    cf_widen(x, y, n);
 }
 
 void run_to_bf16(const float* x, uint16_t* y, long n)
@@ -150,7 +155,7 @@ def half_lib(
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("half-cache")))
         built = load(build(HALF_HARNESS, "test_half", flags).path)
-        for name in ("run_from_f16", "run_to_f16", "run_from_bf16", "run_to_bf16"):
+        for name in ("run_from_f16", "run_to_f16", "run_from_bf16", "run_to_bf16", "run_widen_f16"):
             fn = getattr(built, name)
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
@@ -212,3 +217,14 @@ def test_bf16_round_trips(half_lib: ctypes.CDLL) -> None:
     assert np.array_equal(wide.view(np.uint32), bits.astype(np.uint32) << 16)
     finite = np.isfinite(wide)
     assert np.array_equal(_convert(half_lib, "run_to_bf16", wide[finite], np.uint16), bits[finite])
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 65536])
+def test_f16_rows_widen_exactly(half_lib: ctypes.CDLL, n: int) -> None:
+    # eight at a time (F16C) and the tail one by one: every bit pattern, odd lengths
+    bits = np.arange(1 << 16, dtype=np.uint16)[:n]
+    got = _convert(half_lib, "run_widen_f16", bits, np.float32)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))

@@ -159,3 +159,27 @@ def test_half_attention_of_drawn_shapes_matches_reference(
     assert out.dtype == getattr(torch, dtype)
     assert torch.isfinite(out).all()
     reference.assert_close(out.float().numpy(), reference.run(chain, x)["O"], chain, inputs=x)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize(
+    ("kind", "sizes"),
+    [("attention", (1, 1031, 160, 300)), ("attention", (5, 300, 700, 9)),
+     ("gemm", (3, 290, 700, 300)), ("gemm", (1, 7, 9, 1000))],
+)  # fmt: skip
+def test_half_row_path_widens_rows_longer_than_its_key_block(
+    dtype: str, kind: str, sizes: tuple[int, int, int, int]
+) -> None:
+    # the row path (<= 8 rows of m) widens four rows of K, V, B or D at a time into one scratch
+    # sized for the longest of them (K, N or ROWS_LB): every one of those longer than the rest
+    if kind == "attention":
+        sq, sk, dqk, dv = sizes
+        chain = chainfuse.attention_chain(1, 2, sq, sk, dqk, dv, causal=sq > 1, dtype=dtype)
+        name = "O"
+    else:
+        M, N, K, L = sizes
+        chain = chainfuse.gemm_chain(2, M, N, K, L, "gelu", dtype=dtype)
+        name = "E"
+    x = reference.random_inputs(chain, seed=sum(sizes))
+    out = compile(chain)(*[_half(x[t.name], dtype) for t in chain.inputs])
+    reference.assert_close(out.float().numpy(), reference.run(chain, x)[name], chain, inputs=x)
