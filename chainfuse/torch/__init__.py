@@ -295,9 +295,13 @@ def _conv_shape(
             f"w2: expected {w1.shape[0]} input channels (w1's output channels), got {w2.shape[1]}"
         )
     h, w = x.shape[2], x.shape[3]
-    for weight, st, pad in ((w1, stride[0], padding[0]), (w2, stride[1], padding[1])):
-        h = (h + 2 * pad - weight.shape[2]) // st + 1
-        w = (w + 2 * pad - weight.shape[3]) // st + 1
+    for name, weight, st, pad in (("w1", w1, stride[0], padding[0]),
+                                  ("w2", w2, stride[1], padding[1])):  # fmt: skip
+        r, s = weight.shape[2], weight.shape[3]
+        if h + 2 * pad < r or w + 2 * pad < s:
+            raise ValueError(f"{name}: kernel {r}x{s} is larger than its padded input "
+                             f"{h + 2 * pad}x{w + 2 * pad}")  # fmt: skip
+        h, w = (h + 2 * pad - r) // st + 1, (w + 2 * pad - s) // st + 1
     return (x.shape[0], w2.shape[0], h, w)
 
 

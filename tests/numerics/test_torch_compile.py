@@ -212,3 +212,7 @@ def test_compiled_chains_name_wrong_arguments_while_tracing() -> None:
                              backend="eager", fullgraph=True)  # fmt: skip
     with pytest.raises(Exception, match=r"stride: expected an int or two ints"):
         compiled(x, w)
+    compiled = torch.compile(lambda x, w1, w2: cft.conv_chain(x, w1, w2), backend="eager",
+                             fullgraph=True)  # fmt: skip
+    with pytest.raises(Exception, match=r"w1: kernel 7x7 is larger than its padded input 5x5"):
+        compiled(x, torch.randn(2, 2, 7, 7), w)
