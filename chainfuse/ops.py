@@ -598,6 +598,14 @@ def _grouped(
         _run(kernel, tuple(inputs), out[:, j::group], threads, None, None, False, keys)
 
 
+def _grad_refused(name: str) -> str:
+    """The error for a torch operand `name` that requires grad while grad mode is on."""
+    return (
+        f"{name}: requires grad, and chainfuse's kernels have no backward (inference only): "
+        f"call under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()"
+    )
+
+
 def _inference_only(names: str, *xs: Any) -> None:
     """torch tensors that require grad, while grad mode is on, are an error naming the first:
     chainfuse's kernels have no backward, and a result detached from the graph without a word
@@ -605,12 +613,7 @@ def _inference_only(names: str, *xs: Any) -> None:
     for i, x in enumerate(xs):
         if getattr(x, "requires_grad", False) is True and _is_torch(x):
             if sys.modules["torch"].is_grad_enabled():
-                name = names.split(", ")[i]
-                raise RuntimeError(
-                    f"{name}: requires grad, and chainfuse's kernels have no backward (inference "
-                    f"only): call under torch.no_grad() or torch.inference_mode(), or pass "
-                    f"{name}.detach()"
-                )
+                raise RuntimeError(_grad_refused(names.split(", ")[i]))
             return
 
 

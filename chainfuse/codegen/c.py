@@ -58,10 +58,10 @@ DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: 
 # ms in two of 32: a packed copy used once or twice does not pay for its writes)
 DT_PANELS = 4  # a softmax chain keeps up to this many packed n blocks of D (all of it) for the
 # row blocks of a batch that follow (`_row_block`: reuse_d)
-ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
 #: half-precision dtypes and their short names (the C conversions `cf_from_<short>`/`cf_to_<short>`):
 #: 16-bit in and out, fp32 arithmetic inside
 HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
+ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 
 
@@ -470,7 +470,6 @@ static inline float cf_erf(float x)
 
 _HALF = r"""
 #include <stdint.h>
-#include <string.h>
 
 /* bf16 <-> fp32: a bf16 is the high half of an fp32, so widening is a shift; narrowing rounds
    to nearest, ties to even (NaN kept quiet). */

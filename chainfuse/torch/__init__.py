@@ -102,13 +102,7 @@ def attention(
                 f"dropout_p: expected 0.0, got {dropout_p!r}: chainfuse's attention is for "
                 "inference (no dropout, no backward)"
             )
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            name = next(n for n, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad)
-            raise RuntimeError(
-                f"{name}: requires grad, and chainfuse's kernels have no backward (inference "
-                f"only): call under torch.no_grad() or torch.inference_mode(), or pass "
-                f"{name}.detach()"
-            )
+        _refuse_grad("q, k, v, attn_mask", q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
     return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
@@ -227,11 +221,7 @@ def _refuse_grad(names: str, *xs: Any) -> None:
     if torch.is_grad_enabled():
         for name, t in zip(names.split(", "), xs, strict=True):
             if t is not None and t.requires_grad:
-                raise RuntimeError(
-                    f"{name}: requires grad, and chainfuse's kernels have no backward (inference "
-                    f"only): call under torch.no_grad() or torch.inference_mode(), or pass "
-                    f"{name}.detach()"
-                )
+                raise RuntimeError(ops._grad_refused(name))
 
 
 @torch.library.custom_op("chainfuse::gemm_chain", mutates_args=(), device_types="cpu")
