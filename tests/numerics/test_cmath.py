@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -38,11 +39,18 @@ void run_erf(const float* x, float* y, long n)
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
+    yield from _harness(tmp_path_factory, HARNESS, "test_cmath", ())
+
+
+def _harness(
+    tmp_path_factory: pytest.TempPathFactory, source: str, name: str, flags: tuple[str, ...]
+) -> Iterator[ctypes.CDLL]:
+    """`source` built in a cache of its own, its `run_*(in, out, n)` entry points typed."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("cmath-cache")))
-        built = load(build(HARNESS, "test_cmath", ()).path)
-        for name in ("run_exp", "run_exp2", "run_erf"):
-            fn = getattr(built, name)
+        mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp(f"{name}-cache")))
+        built = load(build(source, name, flags).path)
+        for entry in re.findall(r"^void (run_\w+)\(", source, re.MULTILINE):
+            fn = getattr(built, entry)
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
         yield built
@@ -152,14 +160,7 @@ def half_lib(
     """The conversions as a kernel build compiles them (F16C's instructions where the host has
     them), and the plain C ones that other hosts get (`CF_NO_F16C`)."""
     flags = ("-DCF_NO_F16C",) if request.param == "plain C" else ()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(config.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("half-cache")))
-        built = load(build(HALF_HARNESS, "test_half", flags).path)
-        for name in ("run_from_f16", "run_to_f16", "run_from_bf16", "run_to_bf16", "run_widen_f16"):
-            fn = getattr(built, name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
-        yield built
+    yield from _harness(tmp_path_factory, HALF_HARNESS, "test_half", flags)
 
 
 def _convert(lib: ctypes.CDLL, name: str, x: np.ndarray, out: type) -> np.ndarray:
