@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import numbers
 import sys
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -435,7 +436,8 @@ def attention(
     bfloat16 or float16 (an additive mask then has q's dtype too, as in PyTorch).
 
     q [batch, heads, seq_q, d_qk] (or [batch, seq_q, d_qk]), k [.., seq_k, d_qk],
-    v [.., seq_k, d_v]. `attn_mask` is boolean (True takes part) or additive float, and
+    v [.., seq_k, d_v]; a batch size or head count of 1 in any of them broadcasts against the
+    others' as in PyTorch (read in place, not copied). `attn_mask` is boolean (True takes part) or additive float, and
     broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros, and so does every query when there are no keys (seq_k = 0); an empty q
@@ -501,10 +503,18 @@ def attention(
     elif flat:
         q, k, v = q[:, None], k[:, None], v[:, None]
         sq, sk, sv = (sq[0], 1, *sq[1:]), (sk[0], 1, *sk[1:]), (sv[0], 1, *sv[1:])
+    wide = attention_dims(sq, sk, sv, bool(enable_gqa))
+    if (*sq[:2], *sk[:2], *sv[:2]) != (wide[0], wide[1], *(wide[0], wide[2]) * 2):
+        # batch or head dims of 1 stretched as PyTorch broadcasts them: views with stride 0,
+        # read in place (a repeat call replays these strides; a call with another number of
+        # keys is not matched by its keys alone: `by_keys` pairs k and v as the caller's)
+        batch, heads, kv_heads = wide
+        q = _stretched(q, (batch, heads, *sq[2:]))
+        k, v = (_stretched(x, (batch, kv_heads, *s[2:])) for x, s in ((k, sk), (v, sv)))
+        sq, sk, sv = (batch, heads, *sq[2:]), (batch, kv_heads, *sk[2:]), (batch, kv_heads, *sv[2:])
+        by_keys = None
     batch, heads, seq_q, d_qk = sq
     kv_heads = sk[1]
-    if sv[:2] != sk[:2] or sk[0] != batch:
-        raise ValueError(f"q, k, v: batch and heads differ: {sq[:2]}, {sk[:2]}, {sv[:2]}")
     if kv_heads != heads and not (enable_gqa and kv_heads > 0 and heads % kv_heads == 0):
         want = "a divisor of q's heads" if enable_gqa else "q's heads (or pass enable_gqa=True)"
         raise ValueError(
@@ -549,6 +559,42 @@ def attention(
         inputs = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
         _run(kernel, inputs, out, threads, key, result, like, keys, by_keys)
     return result
+
+
+def attention_dims(
+    sq: Sequence[Any], sk: Sequence[Any], sv: Sequence[Any], gqa: bool
+) -> tuple[Any, Any, Any]:
+    """(batch, q's heads, k's and v's heads) of an attention on 4-D q, k, v of shapes `sq`,
+    `sk`, `sv`, broadcast as `torch.nn.functional.scaled_dot_product_attention` broadcasts
+    them: each batch size and head count equal or 1 (a 1 stretches; q's heads stretch to k's
+    only without `gqa`, and k's and v's one head to q's heads unless `gqa` groups them).
+    Other sizes are a ValueError naming the three shapes."""
+    batch, heads, kv_heads = sq[0], sq[1], sk[1]
+    for n in (sk[0], sv[0]):
+        if n != batch and batch != 1 and n != 1:
+            raise ValueError(
+                f"q, k, v: batch sizes {sq[0]}, {sk[0]}, {sv[0]} do not broadcast "
+                f"(shapes {tuple(sq)}, {tuple(sk)}, {tuple(sv)})"
+            )
+        batch = n if batch == 1 else batch
+    if sv[1] != kv_heads:
+        if kv_heads != 1 and sv[1] != 1:
+            raise ValueError(
+                f"k, v: head counts {sk[1]} and {sv[1]} differ (shapes {tuple(sk)}, {tuple(sv)})"
+            )
+        kv_heads = sv[1] if kv_heads == 1 else kv_heads
+    if kv_heads == 1 and heads > 1 and not gqa:
+        kv_heads = heads
+    elif heads == 1 and kv_heads > 1 and not gqa:
+        heads = kv_heads
+    return batch, heads, kv_heads
+
+
+def _stretched(x: Any, shape: tuple[int, ...]) -> Any:
+    """`x` seen with `shape`, its dims of 1 stretched (stride 0): the same memory."""
+    if tuple(x.shape) == shape:
+        return x
+    return np.broadcast_to(x, shape) if type(x) is np.ndarray else x.expand(*shape)
 
 
 def _grouped(

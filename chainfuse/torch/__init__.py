@@ -49,8 +49,8 @@ def _attention_shape(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """The result a compiler plans with: q's shape with v's head dim, q's dtype, contiguous (as
-    the kernel returns it). The shapes are checked here as `ops.attention` checks them, so that
+    """The result a compiler plans with: q's shape with v's head dim, batch and heads broadcast
+    with k's and v's, q's dtype, contiguous (as the kernel returns it). The shapes are checked here as `ops.attention` checks them, so that
     a compiled graph with wrong sizes fails while it is traced, naming the argument."""
     if not q.dim() == k.dim() == v.dim() or q.dim() not in (3, 4):
         raise ValueError(
@@ -61,7 +61,14 @@ def _attention_shape(
         raise ValueError(f"k: expected head dim {q.shape[-1]} (q's), got {k.shape[-1]}")
     if v.shape[-2] != k.shape[-2]:
         raise ValueError(f"v: expected {k.shape[-2]} keys (k's), got {v.shape[-2]}")
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lead: tuple[Any, ...]
+    if q.dim() == 4:  # batch and heads broadcast (PyTorch's rule, `ops.attention_dims`)
+        lead = ops.attention_dims(q.shape, k.shape, v.shape, enable_gqa)[:2]
+    elif enable_gqa and k.shape[0] != q.shape[0]:  # 3-D with GQA: the first dim is the heads
+        lead = (q.shape[0],)
+    else:
+        lead = ops.attention_dims((q.shape[0], 1), (k.shape[0], 1), (v.shape[0], 1), False)[:1]
+    return q.new_empty((*lead, q.shape[-2], v.shape[-1]))
 
 
 def attention(

@@ -606,6 +606,69 @@ def test_grouped_query_attention_matches_reference(
     reference.assert_close(ours, reference.run(chain, inputs)["O"], chain, inputs=inputs)
 
 
+BROADCASTS = {  # q, k, v shapes (batch and heads of 1 stretch, as PyTorch broadcasts them)
+    "kv-batch": ((3, 4, 33, 17), (1, 4, 29, 17), (1, 4, 29, 24)),
+    "q-batch": ((1, 4, 33, 17), (3, 4, 29, 17), (3, 4, 29, 24)),
+    "k-batch-only": ((3, 4, 33, 17), (1, 4, 29, 17), (3, 4, 29, 24)),
+    "kv-heads": ((2, 4, 33, 17), (2, 1, 29, 17), (2, 1, 29, 24)),
+    "q-heads": ((2, 1, 33, 17), (2, 4, 29, 17), (2, 4, 29, 24)),
+    "k-heads-only": ((2, 4, 33, 17), (2, 1, 29, 17), (2, 4, 29, 24)),
+    "both": ((1, 4, 33, 17), (3, 1, 29, 17), (1, 1, 29, 24)),
+    "decoding": ((3, 4, 1, 17), (1, 4, 29, 17), (1, 4, 29, 24)),
+    "3d": ((3, 33, 17), (1, 29, 17), (1, 29, 24)),
+}
+
+
+@pytest.mark.parametrize("kind", [*BROADCASTS, "mask", "causal", "gqa", "numpy"])
+def test_batch_and_heads_broadcast_as_sdpa_broadcasts_them(kind: str) -> None:
+    # q, k and v whose batch or heads are 1 where the others' are not: PyTorch's SDPA
+    # broadcasts them (a model may pass one k, v for a batch of queries); read in place
+    # (stride 0), checked against SDPA in float64, a repeat call (its replay) too
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(11)
+    sq, sk, sv = BROADCASTS.get(kind, BROADCASTS["kv-batch"])
+    kw: dict[str, object] = {}
+    if kind == "mask":
+        kw["attn_mask"] = torch.randn(3, 1, 33, 29, generator=g)
+    elif kind == "causal":
+        kw["is_causal"] = True
+    elif kind == "gqa":  # k and v: one batch, 2 heads grouping q's 4
+        sk, sv = (1, 2, 29, 17), (1, 2, 29, 24)
+        kw["enable_gqa"] = True
+    for _ in range(2):
+        q, k, v = (torch.randn(*s, generator=g) for s in (sq, sk, sv))
+        kw64 = {n: x.double() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+        theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                **kw64)  # type: ignore[arg-type]  # fmt: skip
+        if kind == "numpy":
+            ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy())
+            assert isinstance(ours, np.ndarray)
+        else:
+            ours = cft.attention(q, k, v, **kw).numpy()  # type: ignore[arg-type]
+        assert ours.shape == tuple(theirs.shape)
+        dims = theirs.shape if theirs.dim() == 4 else (theirs.shape[0], 1, *theirs.shape[1:])
+        chain = chainfuse.attention_chain(dims[0], dims[1], dims[2], k.shape[-2], q.shape[-1],
+                                          dims[3])  # fmt: skip
+        reference.assert_close(ours.astype(np.float64), theirs.numpy(), chain)
+
+
+def test_sizes_that_do_not_broadcast_are_named() -> None:
+    q = np.zeros((2, 4, 5, 8), np.float32)
+    with pytest.raises(ValueError, match=r"q, k, v: batch sizes 2, 3, 3 do not broadcast"):
+        chainfuse.ops.attention(q, np.zeros((3, 4, 5, 8), np.float32),
+                                np.zeros((3, 4, 5, 8), np.float32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"k, v: head counts 2 and 3 differ"):
+        chainfuse.ops.attention(q, np.zeros((2, 2, 5, 8), np.float32),
+                                np.zeros((2, 3, 5, 8), np.float32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"k, v: expected q's heads \(or pass enable_gqa"):
+        chainfuse.ops.attention(q, np.zeros((2, 2, 5, 8), np.float32),
+                                np.zeros((2, 2, 5, 8), np.float32))  # fmt: skip
+
+
 def test_sdpa_only_arguments_and_autograd_are_explicit() -> None:
     torch = pytest.importorskip("torch")
     import chainfuse.torch as cft

@@ -37,8 +37,12 @@ class _Graphs:
         return [n.target for g in self.graphs for n in g.nodes if n.op == "call_function"]
 
 
-@pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive", "scale", "gqa", "3d"])
+@pytest.mark.parametrize(
+    "kind",
+    ["none", "causal", "bool", "additive", "scale", "gqa", "3d", "broadcast", "3d-broadcast"],
+)
 def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
+    torch._dynamo.reset()  # (every case compiles the same `model` code: more than the 8 recompiles)
     hk = 1 if kind == "gqa" else 3
     q, k, v = _inputs(2, 3, hk, 65, 47, 40, 59, seed=3)
     kw: dict[str, Any] = {}
@@ -54,6 +58,10 @@ def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
         kw["enable_gqa"] = True
     elif kind == "3d":
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
+    elif kind == "broadcast":  # one batch of k, one head of v: stretched as SDPA stretches them
+        k, v = k[:1], v[:1, :1]
+    elif kind == "3d-broadcast":
+        q, k, v = q[:, 0], k[:1, 0], v[:1, 0]
     backend = _Graphs()
 
     def model(q: Any, k: Any, v: Any) -> Any:
