@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import struct
 from dataclasses import dataclass, replace
 
 from chainfuse.codegen.writer import Writer
+from chainfuse.hardware import Isa
 from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
 from chainfuse.kernels import MicroKernel, emit_with_packing
 
@@ -468,6 +470,80 @@ static inline float cf_erf(float x)
 """
 
 
+def _exp2_eighths() -> str:
+    """`2^(k/8)`, k = 0..7, for `_EXP2_STRIP`'s table: each as its float32 bits (rounded to
+    nearest) less 1.0's and less `k << 20`, the low bits the shifter leaves above the index."""
+    bits = [struct.unpack("<I", struct.pack("<f", 2.0 ** (k / 8)))[0] for k in range(8)]
+    return ", ".join(str(b - 0x3F800000 - (k << 20)) for k, b in enumerate(bits))
+
+
+# The softmax strip's exponentials on AVX2 (16 columns: two vectors a row), the "whole" shifts'
+# case (integers below 2^21 in magnitude). The same 2^(v - s) as cf_exp2_from but with the
+# shifter rounding to eighths: t = v + (0x1.8p20 + 127 - s) keeps 8 (round(v - s, 1/8) + 127) in
+# its low bits, whose lowest three pick 2^(k/8) from an eight-entry table in a register
+# (vpermd) and the rest, shifted into the exponent, scale it by 2^n: one integer add makes
+# T = 2^(n + k/8). The remainder r in [-1/16, 1/16] needs only a degree-3 polynomial,
+# 2^r = 1 + r (c1 + r (c2 + r c3)) (fitted for chainfuse as cf_exp2_from's; 1.4e-7 relative
+# error evaluated in float32), and T 2^r = T + (r T) q: four FMA-unit operations a vector instead
+# of seven. The loop is bound by those units (Zen 3: one strip's pass took 6 % of bert-base's
+# time); measured on Zen 3, 1 thread, interleaved: 0.97-1.0 of the time on the 12 paper
+# attentions, geomean 0.989. v = s gives 1 exactly, v <= s - 127 and -inf 0 exactly (t's
+# index and exponent bits are then 0, and so is the table's first entry), NaN stays NaN (the
+# max lets it through and r carries it).
+_EXP2_STRIP = (
+    r"""
+static inline void cf_exp2_strip(float* restrict p, int rows, const float* restrict shift,
+                                 float* restrict sum)
+{
+    const __m256i tab = _mm256_setr_epi32(EIGHTHS);
+    const __m256 c1 = _mm256_set1_ps(6.931472421e-1f), c2 = _mm256_set1_ps(2.402576357e-1f);
+    const __m256 c3 = _mm256_set1_ps(5.549622327e-2f);
+    const __m256 s0 = _mm256_loadu_ps(shift), s1 = _mm256_loadu_ps(shift + 8);
+    const __m256 big = _mm256_set1_ps(1572991.0f), below = _mm256_set1_ps(127.0f);
+    const __m256 k0 = _mm256_sub_ps(big, s0), k1 = _mm256_sub_ps(big, s1);
+    const __m256 lo0 = _mm256_sub_ps(s0, below), lo1 = _mm256_sub_ps(s1, below);
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+        float* restrict row = p + (long)r * 16;
+        const __m256 x0 = _mm256_max_ps(lo0, _mm256_loadu_ps(row)); /* (NaN: the second) */
+        const __m256 x1 = _mm256_max_ps(lo1, _mm256_loadu_ps(row + 8));
+        const __m256 t0 = _mm256_add_ps(x0, k0), t1 = _mm256_add_ps(x1, k1);
+        const __m256 r0 = _mm256_sub_ps(x0, _mm256_sub_ps(t0, k0));
+        const __m256 r1 = _mm256_sub_ps(x1, _mm256_sub_ps(t1, k1));
+        const __m256i i0 = _mm256_castps_si256(t0), i1 = _mm256_castps_si256(t1);
+        const __m256 T0 = _mm256_castsi256_ps(
+            _mm256_add_epi32(_mm256_permutevar8x32_epi32(tab, i0), _mm256_slli_epi32(i0, 20)));
+        const __m256 T1 = _mm256_castsi256_ps(
+            _mm256_add_epi32(_mm256_permutevar8x32_epi32(tab, i1), _mm256_slli_epi32(i1, 20)));
+        const __m256 q0 = _mm256_fmadd_ps(_mm256_fmadd_ps(c3, r0, c2), r0, c1);
+        const __m256 q1 = _mm256_fmadd_ps(_mm256_fmadd_ps(c3, r1, c2), r1, c1);
+        const __m256 e0 = _mm256_fmadd_ps(q0, _mm256_mul_ps(r0, T0), T0);
+        const __m256 e1 = _mm256_fmadd_ps(q1, _mm256_mul_ps(r1, T1), T1);
+        _mm256_storeu_ps(row, e0);
+        _mm256_storeu_ps(row + 8, e1);
+        sum0 = _mm256_add_ps(sum0, e0);
+        sum1 = _mm256_add_ps(sum1, e1);
+    }
+    float part[16];
+    _mm256_storeu_ps(part, sum0);
+    _mm256_storeu_ps(part + 8, sum1);
+    for (int i = 0; i < 16; ++i) sum[i] += part[i];
+}
+"""
+).replace("EIGHTHS", _exp2_eighths())
+
+
+def _exp2_strip(spec: GemmChainSpec) -> bool:
+    """Whether a softmax strip's exponentials take `_EXP2_STRIP` (an AVX2 micro-kernel's 16
+    columns) rather than the portable loop over cf_exp2_from."""
+    return (
+        spec.epilogue is Epilogue.SOFTMAX
+        and Isa.AVX2 in spec.kernel.isa
+        and Isa.FMA in spec.kernel.isa
+        and spec.kernel.nr == 16
+    )
+
+
 _HALF = r"""
 #include <stdint.h>
 
@@ -691,6 +767,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     else:
         w.line("#define CF_DTN(N) 1 /* (one packed block of D: see the softmax chains') */")
     w.line("")
+    if _exp2_strip(spec):
+        w.lines(_EXP2_STRIP)
     w.lines(_PACK_PANEL)
     w.lines(_CLAIM)
     if _to_e(spec):
@@ -1037,7 +1115,16 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 )
             with w.block("else"):
                 whose = "" if spec.b_transposed else ", and its B if another batch's"
-                w.line(f"/* the next row block's A{whose}: packed first */")
+                if spec.b_transposed:
+                    # the store at the row block's end wrote lines of a new output that came
+                    # from L3 or DRAM and waited on them (the store took 3 % of bert-base's
+                    # time). Measured on Zen 3, 1 thread, interleaved: 0.97-1.0 of the time with
+                    # them asked for here
+                    w.line("/* this row block's E, which the store at its end writes, then the")
+                    w.line("   next row block's A: packed first */")
+                    w.line("cf_pf_set(&pf, E_b, sEm, mc, N);")
+                else:
+                    w.line(f"/* the next row block's A{whose}: packed first */")
                 w.line("long nm0 = m0 + T_M, nblk = blk;")
                 with w.block("if (nm0 >= mo_end)"):
                     w.line("/* claimed now, so that its panels are fetched while this one ends */")
@@ -1047,10 +1134,14 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 with w.block("if (nblk < last)"):
                     w.line("const long q0 = nblk / (nb1 * mblocks), q1 = (nblk / mblocks) % nb1;")
                     w.line("const int rows = (int)(M - nm0 < T_M ? M - nm0 : T_M);")
-                    w.line("cf_pf_set(&pf, A + q0 * sA0 + q1 * sA1 + nm0 * sAm, sAm, rows, TK);")
+                    then = "then" if spec.b_transposed else "set"
+                    w.line(
+                        f"cf_pf_{then}(&pf, A + q0 * sA0 + q1 * sA1 + nm0 * sAm, sAm, rows, TK);"
+                    )
                     if next_b:
                         w.line(next_b)
-                w.line("else cf_pf_set(&pf, D_b, 0, 0, 0);")
+                if not spec.b_transposed:
+                    w.line("else cf_pf_set(&pf, D_b, 0, 0, 0);")
             w.line(
                 "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((nc + MR - 1) / MR));"
             )
@@ -1526,11 +1617,14 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         w.line("cmax[c] = mx[c] == -INFINITY ? -INFINITY : shift[c];")
         w.line("sum[c] = 0.0f;")
     with w.block("if (whole)"):
-        w.line("float c[NR], lo[NR];")
-        with w.block("for (int i = 0; i < NR; ++i)"):
-            w.line("c[i] = 12583039.0f - shift[i];")
-            w.line("lo[i] = shift[i] - 127.0f;")
-        _exp_strip(w, "cf_exp2_from(p[r * NR + i], c[i], lo[i])")
+        if _exp2_strip(spec):
+            w.line("cf_exp2_strip(p, lc, shift, sum);")
+        else:
+            w.line("float c[NR], lo[NR];")
+            with w.block("for (int i = 0; i < NR; ++i)"):
+                w.line("c[i] = 12583039.0f - shift[i];")
+                w.line("lo[i] = shift[i] - 127.0f;")
+            _exp_strip(w, "cf_exp2_from(p[r * NR + i], c[i], lo[i])")
     with w.block("else"):
         _exp_strip(w, "cf_exp2_neg(p[r * NR + i] - shift[i])")
     with w.block("for (int c = 0; c < NR; ++c)"):
