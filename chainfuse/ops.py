@@ -17,6 +17,7 @@ attention call with another key length in a known bucket rechecks only k, v and 
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import sys
 from collections.abc import Sequence
@@ -436,8 +437,9 @@ def attention(
     bfloat16 or float16 (an additive mask then has q's dtype too, as in PyTorch).
 
     q [batch, heads, seq_q, d_qk] (or [batch, seq_q, d_qk]), k [.., seq_k, d_qk],
-    v [.., seq_k, d_v]; a batch size or head count of 1 in any of them broadcasts against the
-    others' as in PyTorch (read in place, not copied). `attn_mask` is boolean (True takes part) or additive float, and
+    v [.., seq_k, d_v]; more batch dims before the heads are fine too (SDPA's (N, ..., H, L, E)).
+    A batch size or head count of 1 in any of them broadcasts against the others' as in
+    PyTorch (read in place, not copied). `attn_mask` is boolean (True takes part) or additive float, and
     broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros, and so does every query when there are no keys (seq_k = 0); an empty q
@@ -488,10 +490,15 @@ def attention(
             "(no dropout, no backward)"
         )
     dtype, (sq, sk, sv) = _operands("q, k, v", q, k, v)
-    if not len(sq) == len(sk) == len(sv) or len(sq) not in (3, 4):
-        raise ValueError(f"q, k, v: expected all 3-D or all 4-D, got shapes {sq}, {sk}, {sv}")
+    if not len(sq) == len(sk) == len(sv) or len(sq) < 3:
+        raise ValueError(
+            f"q, k, v: expected all of one rank, 3-D or more, got shapes {sq}, {sk}, {sv}"
+        )
     _inference_only("q, k, v, attn_mask", q, k, v, attn_mask)
     _on_cpu("q, k, v, attn_mask", q, k, v, attn_mask)
+    _inner_contiguous("q, k, v", q, k, v)
+    if len(sq) > 4:
+        return _attention_nd(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     flat = len(sq) == 3
     # 3-D inputs: [batch, seq, dim] as one head per batch, or, with enable_gqa, their first
     # dim as the heads (PyTorch groups dim -3, whatever it is)
@@ -590,6 +597,67 @@ def attention_dims(
     return batch, heads, kv_heads
 
 
+def _attention_nd(
+    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool
+) -> Any:
+    """`attention` on q, k, v of 5 or more dims, [*batch, heads, seq, dim] (SDPA's
+    (N, ..., H, L, E)): the batch dims broadcast, then merge into one where every operand's
+    memory allows it (a contiguous one does: one 4-D call, the result a view of its result),
+    else one 4-D call per index of the batch dims but the last, into a new result."""
+    n = len(q.shape) - 3
+    try:
+        lead = tuple(np.broadcast_shapes(q.shape[:n], k.shape[:n], v.shape[:n]))
+    except ValueError:
+        raise ValueError(
+            f"q, k, v: batch dims {tuple(q.shape[:n])}, {tuple(k.shape[:n])}, "
+            f"{tuple(v.shape[:n])} do not broadcast"
+        ) from None
+    if 0 in lead:  # no work: an empty result
+        heads = attention_dims((1, q.shape[-3]), (1, k.shape[-3]), (1, v.shape[-3]), gqa)[1]
+        return _no_work("q", q, (*lead, heads, q.shape[-2], v.shape[-1]))
+    operands = [_stretched(x, (*lead, *x.shape[n:])) for x in (q, k, v)]
+    if mask is not None:  # (its last 3 dims: checked by the 4-D calls)
+        m = tuple(mask.shape)
+        inner = (1,) * (3 - len(m)) + m[-3:]
+        if not ir.broadcasts(m[:-3], lead):
+            full = (*lead, q.shape[-3], q.shape[-2], k.shape[-2])
+            raise ValueError(f"attn_mask: shape {m} does not broadcast to {full}")
+        operands.append(_stretched(mask.reshape(inner) if len(m) < 3 else mask, (*lead, *inner)))
+    merged = [_lead_merged(x, n) for x in operands]
+    if all(x is not None for x in merged):
+        four = attention(merged[0], merged[1], merged[2],
+                         attn_mask=merged[3] if mask is not None else None,
+                         is_causal=causal, scale=scale, enable_gqa=gqa)  # fmt: skip
+        return four.reshape(*lead, *four.shape[1:])
+    result: Any = None
+    for at in np.ndindex(*lead[:-1]):
+        qa, ka, va = (x[at] for x in operands[:3])
+        part = attention(qa, ka, va, attn_mask=operands[3][at] if mask is not None else None,
+                         is_causal=causal, scale=scale, enable_gqa=gqa)  # fmt: skip
+        if result is None:
+            result, _ = _result(part, (*lead, *part.shape[1:]))
+        result[at] = part
+    return result
+
+
+def _lead_merged(x: Any, n: int) -> Any:
+    """`x` with its first `n` dims seen as one (no copy), or None where its strides do not
+    allow it (a stretched dim before one that is not, say)."""
+    shape = tuple(x.shape)
+    torch = _is_torch(x)
+    steps = tuple(x.stride()) if torch else tuple(s // x.itemsize for s in x.strides)
+    dims = [(shape[i], steps[i]) for i in range(n) if shape[i] != 1]
+    if any(outer != inner * size for (_, outer), (size, inner) in itertools.pairwise(dims)):
+        return None
+    size = int(np.prod(shape[:n]))
+    new_shape, new_steps = (size, *shape[n:]), (dims[-1][1] if dims else 0, *steps[n:])
+    if torch:
+        return x.as_strided(new_shape, new_steps)
+    return np.lib.stride_tricks.as_strided(
+        x, new_shape, tuple(s * x.itemsize for s in new_steps), writeable=False
+    )
+
+
 def _stretched(x: Any, shape: tuple[int, ...]) -> Any:
     """`x` seen with `shape`, its dims of 1 stretched (stride 0): the same memory."""
     if tuple(x.shape) == shape:
@@ -661,6 +729,19 @@ def _inference_only(names: str, *xs: Any) -> None:
             if sys.modules["torch"].is_grad_enabled():
                 raise RuntimeError(_grad_refused(names.split(", ")[i]))
             return
+
+
+def _inner_contiguous(names: str, *xs: Any) -> None:
+    """Operands whose last dim is not contiguous (the kernels read rows in place) are an error
+    naming the first by the caller's name (the kernel's own check names its chain's tensors)."""
+    for i, x in enumerate(xs):
+        if x.shape and x.shape[-1] > 1:
+            step = x.strides[-1] // x.itemsize if type(x) is np.ndarray else x.stride(-1)
+            if step != 1:
+                raise ValueError(
+                    f"{names.split(', ')[i]}: its last dimension must be contiguous (stride 1, "
+                    f"got {step}); pass np.ascontiguousarray(x) or x.contiguous()"
+                )
 
 
 def _on_cpu(names: str, *xs: Any) -> None:

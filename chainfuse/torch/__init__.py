@@ -52,9 +52,9 @@ def _attention_shape(
     """The result a compiler plans with: q's shape with v's head dim, batch and heads broadcast
     with k's and v's, q's dtype, contiguous (as the kernel returns it). The shapes are checked here as `ops.attention` checks them, so that
     a compiled graph with wrong sizes fails while it is traced, naming the argument."""
-    if not q.dim() == k.dim() == v.dim() or q.dim() not in (3, 4):
+    if not q.dim() == k.dim() == v.dim() or q.dim() < 3:
         raise ValueError(
-            f"q, k, v: expected all 3-D or all 4-D, got shapes {tuple(q.shape)}, "
+            f"q, k, v: expected all of one rank, 3-D or more, got shapes {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     if k.shape[-1] != q.shape[-1]:
@@ -62,7 +62,13 @@ def _attention_shape(
     if v.shape[-2] != k.shape[-2]:
         raise ValueError(f"v: expected {k.shape[-2]} keys (k's), got {v.shape[-2]}")
     lead: tuple[Any, ...]
-    if q.dim() == 4:  # batch and heads broadcast (PyTorch's rule, `ops.attention_dims`)
+    if q.dim() > 4:  # batch dims broadcast, heads as below
+        heads = ops.attention_dims((1, q.shape[-3]), (1, k.shape[-3]), (1, v.shape[-3]),
+                                   enable_gqa)[1]  # fmt: skip
+        n = q.dim() - 3
+        batch = torch.broadcast_shapes(q.shape[:n], k.shape[:n], v.shape[:n])  # type: ignore[no-untyped-call]
+        lead = (*batch, heads)
+    elif q.dim() == 4:  # batch and heads broadcast (PyTorch's rule, `ops.attention_dims`)
         lead = ops.attention_dims(q.shape, k.shape, v.shape, enable_gqa)[:2]
     elif enable_gqa and k.shape[0] != q.shape[0]:  # 3-D with GQA: the first dim is the heads
         lead = (q.shape[0],)
@@ -140,7 +146,7 @@ def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> st
         t.requires_grad for t in (q, k, v, attn_mask) if t is not None
     ):
         return "inputs that require grad"
-    if not q.dim() == k.dim() == v.dim() or q.dim() not in (3, 4):
+    if not q.dim() == k.dim() == v.dim() or q.dim() < 3:
         return f"{q.dim()}-D inputs" if q.dim() == k.dim() == v.dim() else "inputs of mixed ranks"
     for t in (q, k, v, attn_mask):
         if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -154,7 +160,7 @@ class SDPAPatch:
     and most others do, runs chainfuse's kernels without a change to its code.
 
     A call chainfuse's kernels cannot run (another device, float64, dropout_p > 0 while
-    training, inputs that require grad, 5-D inputs, a last dimension that is not contiguous)
+    training, inputs that require grad, 2-D inputs, a last dimension that is not contiguous)
     goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
     per reason; with `strict=True` it is an error instead. `calls` counts the calls chainfuse
     ran. Errors of the call itself (mismatched shapes, a mask with `is_causal`) are raised as

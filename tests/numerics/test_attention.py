@@ -656,17 +656,80 @@ def test_batch_and_heads_broadcast_as_sdpa_broadcasts_them(kind: str) -> None:
         reference.assert_close(ours.astype(np.float64), theirs.numpy(), chain)
 
 
-def test_sizes_that_do_not_broadcast_are_named() -> None:
+MORE_DIMS = {  # q, k, v shapes of 5-D and up: [*batch, heads, seq, dim]
+    "5d": ((2, 3, 4, 33, 17), (2, 3, 4, 29, 17), (2, 3, 4, 29, 24)),
+    "6d": ((2, 1, 3, 2, 33, 17), (2, 1, 3, 2, 29, 17), (2, 1, 3, 2, 29, 24)),
+    "merged-stretch": ((2, 3, 4, 33, 17), (1, 1, 4, 29, 17), (1, 1, 4, 29, 24)),
+    "per-index": ((2, 3, 4, 33, 17), (1, 3, 4, 29, 17), (1, 3, 4, 29, 24)),
+}
+
+
+@pytest.mark.parametrize("kind", [*MORE_DIMS, "mask", "causal", "gqa", "permuted", "numpy"])
+def test_more_batch_dims_as_sdpa_takes_them(kind: str) -> None:
+    # SDPA's (N, ..., H, L, E): the batch dims broadcast and merge into one where the strides
+    # allow (one call), else one call per index of all but the last ("per-index": k's first
+    # dim stretched ahead of a real one); against SDPA in float64
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(13)
+    sq, sk, sv = MORE_DIMS.get(kind, MORE_DIMS["per-index"])
+    kw: dict[str, object] = {}
+    if kind == "mask":  # over the second batch dim, broadcast over the first and the heads
+        kw["attn_mask"] = torch.rand(3, 1, 33, 29, generator=g) > 0.2
+    elif kind == "causal":
+        kw["is_causal"] = True
+    elif kind == "gqa":
+        sk, sv = (2, 3, 2, 29, 17), (2, 3, 2, 29, 24)
+        kw["enable_gqa"] = True
+    q, k, v = (torch.randn(*s, generator=g) for s in (sq, sk, sv))
+    if kind == "permuted":  # q's batch dims not in memory order: not mergeable, a call each
+        q = torch.randn(3, 2, 4, 33, 17, generator=g).transpose(0, 1)
+    kw64 = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for n, x in kw.items()}  # fmt: skip
+    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                            **kw64)  # type: ignore[arg-type]  # fmt: skip
+    if kind == "numpy":
+        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy())
+        assert isinstance(ours, np.ndarray)
+    else:
+        ours = cft.attention(q, k, v, **kw).numpy()  # type: ignore[arg-type]
+    assert ours.shape == tuple(theirs.shape)
+    chain = chainfuse.attention_chain(1, 1, 33, 29, 17, 24)
+    reference.assert_close(ours.astype(np.float64), theirs.numpy(), chain)
+    empty = cft.attention(q[:0], k[:0], v[:0])
+    assert tuple(empty.shape) == (0, *theirs.shape[1:])
+
+
+def test_sizes_that_do_not_broadcast_and_strided_rows_are_named() -> None:
     q = np.zeros((2, 4, 5, 8), np.float32)
     with pytest.raises(ValueError, match=r"q, k, v: batch sizes 2, 3, 3 do not broadcast"):
         chainfuse.ops.attention(q, np.zeros((3, 4, 5, 8), np.float32),
                                 np.zeros((3, 4, 5, 8), np.float32))  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"q, k, v: batch dims \(2, 4\), \(3, 4\), \(3, 4\) do not"
+    ):
+        chainfuse.ops.attention(np.zeros((2, 4, 2, 5, 8), np.float32),
+                                np.zeros((3, 4, 2, 5, 8), np.float32),
+                                np.zeros((3, 4, 2, 5, 8), np.float32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"attn_mask: shape \(5, 1, 5, 5\) does not broadcast"):
+        chainfuse.ops.attention(q[None], q[None], q[None],
+                                attn_mask=np.zeros((5, 1, 5, 5), np.float32))  # fmt: skip
     with pytest.raises(ValueError, match=r"k, v: head counts 2 and 3 differ"):
         chainfuse.ops.attention(q, np.zeros((2, 2, 5, 8), np.float32),
                                 np.zeros((2, 3, 5, 8), np.float32))  # fmt: skip
     with pytest.raises(ValueError, match=r"k, v: expected q's heads \(or pass enable_gqa"):
         chainfuse.ops.attention(q, np.zeros((2, 2, 5, 8), np.float32),
                                 np.zeros((2, 2, 5, 8), np.float32))  # fmt: skip
+    # a last dim that is not contiguous: named as the caller named it (the kernel says Q, K, V)
+    step = np.zeros((2, 4, 8, 5), np.float32).swapaxes(-1, -2)
+    for i, name in enumerate("qkv"):
+        args = [q, q, q]
+        args[i] = step
+        with pytest.raises(ValueError, match=rf"^{name}: its last dimension must be contiguous"):
+            chainfuse.ops.attention(*args)
 
 
 def test_sdpa_only_arguments_and_autograd_are_explicit() -> None:

@@ -39,7 +39,7 @@ class _Graphs:
 
 @pytest.mark.parametrize(
     "kind",
-    ["none", "causal", "bool", "additive", "scale", "gqa", "3d", "broadcast", "3d-broadcast"],
+    ["none", "causal", "bool", "additive", "scale", "gqa", "3d", "broadcast", "3d-broadcast", "5d"],
 )
 def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
     torch._dynamo.reset()  # (every case compiles the same `model` code: more than the 8 recompiles)
@@ -62,6 +62,8 @@ def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
         k, v = k[:1], v[:1, :1]
     elif kind == "3d-broadcast":
         q, k, v = q[:, 0], k[:1, 0], v[:1, 0]
+    elif kind == "5d":  # two batch dims, k's and v's first stretched
+        q, k, v = q[None].expand(2, -1, -1, -1, -1), k[None], v[None]
     backend = _Graphs()
 
     def model(q: Any, k: Any, v: Any) -> Any:
