@@ -735,7 +735,7 @@ def _inner_contiguous(names: str, *xs: Any) -> None:
     """Operands whose last dim is not contiguous (the kernels read rows in place) are an error
     naming the first by the caller's name (the kernel's own check names its chain's tensors)."""
     for i, x in enumerate(xs):
-        if x.shape and x.shape[-1] > 1:
+        if x.shape and x.shape[-1] > 1 and 0 not in x.shape:  # (empty: nothing to read)
             step = x.strides[-1] // x.itemsize if type(x) is np.ndarray else x.stride(-1)
             if step != 1:
                 raise ValueError(
