@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -606,6 +607,28 @@ def test_grouped_query_attention_matches_reference(
     reference.assert_close(ours, reference.run(chain, inputs)["O"], chain, inputs=inputs)
 
 
+def _ours_and_sdpa64(q: Any, k: Any, v: Any, kw: dict[str, object], numpy: bool) -> Any:
+    """chainfuse's attention on torch tensors q, k, v (on their numpy arrays when `numpy`, kw
+    then unused), and PyTorch's SDPA on them and kw's float tensors in float64: both float64
+    arrays of one shape."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    kw64 = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for n, x in kw.items()}  # fmt: skip
+    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                            **kw64)  # type: ignore[arg-type]  # fmt: skip
+    if numpy:
+        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy())
+        assert isinstance(ours, np.ndarray)
+    else:
+        ours = cft.attention(q, k, v, **kw).numpy()  # type: ignore[arg-type]
+    assert ours.shape == tuple(theirs.shape)
+    return ours.astype(np.float64), theirs.numpy()
+
+
 BROADCASTS = {  # q, k, v shapes (batch and heads of 1 stretch, as PyTorch broadcasts them)
     "kv-batch": ((3, 4, 33, 17), (1, 4, 29, 17), (1, 4, 29, 24)),
     "q-batch": ((1, 4, 33, 17), (3, 4, 29, 17), (3, 4, 29, 24)),
@@ -625,9 +648,6 @@ def test_batch_and_heads_broadcast_as_sdpa_broadcasts_them(kind: str) -> None:
     # broadcasts them (a model may pass one k, v for a batch of queries); read in place
     # (stride 0), checked against SDPA in float64, a repeat call (its replay) too
     torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
-
-    import chainfuse.torch as cft
 
     g = torch.Generator().manual_seed(11)
     sq, sk, sv = BROADCASTS.get(kind, BROADCASTS["kv-batch"])
@@ -641,19 +661,11 @@ def test_batch_and_heads_broadcast_as_sdpa_broadcasts_them(kind: str) -> None:
         kw["enable_gqa"] = True
     for _ in range(2):
         q, k, v = (torch.randn(*s, generator=g) for s in (sq, sk, sv))
-        kw64 = {n: x.double() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
-        theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                                **kw64)  # type: ignore[arg-type]  # fmt: skip
-        if kind == "numpy":
-            ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy())
-            assert isinstance(ours, np.ndarray)
-        else:
-            ours = cft.attention(q, k, v, **kw).numpy()  # type: ignore[arg-type]
-        assert ours.shape == tuple(theirs.shape)
-        dims = theirs.shape if theirs.dim() == 4 else (theirs.shape[0], 1, *theirs.shape[1:])
+        ours, theirs = _ours_and_sdpa64(q, k, v, kw, kind == "numpy")
+        dims = theirs.shape if theirs.ndim == 4 else (theirs.shape[0], 1, *theirs.shape[1:])
         chain = chainfuse.attention_chain(dims[0], dims[1], dims[2], k.shape[-2], q.shape[-1],
                                           dims[3])  # fmt: skip
-        reference.assert_close(ours.astype(np.float64), theirs.numpy(), chain)
+        reference.assert_close(ours, theirs, chain)
 
 
 MORE_DIMS = {  # q, k, v shapes of 5-D and up: [*batch, heads, seq, dim]
@@ -670,7 +682,6 @@ def test_more_batch_dims_as_sdpa_takes_them(kind: str) -> None:
     # allow (one call), else one call per index of all but the last ("per-index": k's first
     # dim stretched ahead of a real one); against SDPA in float64
     torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
 
     import chainfuse.torch as cft
 
@@ -687,18 +698,9 @@ def test_more_batch_dims_as_sdpa_takes_them(kind: str) -> None:
     q, k, v = (torch.randn(*s, generator=g) for s in (sq, sk, sv))
     if kind == "permuted":  # q's batch dims not in memory order: not mergeable, a call each
         q = torch.randn(3, 2, 4, 33, 17, generator=g).transpose(0, 1)
-    kw64 = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for n, x in kw.items()}  # fmt: skip
-    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                            **kw64)  # type: ignore[arg-type]  # fmt: skip
-    if kind == "numpy":
-        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy())
-        assert isinstance(ours, np.ndarray)
-    else:
-        ours = cft.attention(q, k, v, **kw).numpy()  # type: ignore[arg-type]
-    assert ours.shape == tuple(theirs.shape)
+    ours, theirs = _ours_and_sdpa64(q, k, v, kw, kind == "numpy")
     chain = chainfuse.attention_chain(1, 1, 33, 29, 17, 24)
-    reference.assert_close(ours.astype(np.float64), theirs.numpy(), chain)
+    reference.assert_close(ours, theirs, chain)
     empty = cft.attention(q[:0], k[:0], v[:0])
     assert tuple(empty.shape) == (0, *theirs.shape[1:])
 
