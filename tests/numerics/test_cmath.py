@@ -1,6 +1,7 @@
 """The C math helpers every generated GEMM-chain kernel includes (`codegen.c._MATH`): the
 exponentials (the softmax's base-2 one, the one under GELU's erf) and the erf, against float64 numpy/math over their whole domain, built with
-the flags of every kernel build (so the vectorised, if-converted code is what is tested)."""
+the flags of every kernel build (so the vectorised, if-converted code is what is tested); the AVX2
+kernels' softmax strip exponentials (`_EXP2_STRIP`) and the 16-bit conversions likewise."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 from chainfuse import config
-from chainfuse.codegen.c import _HALF, _MATH
+from chainfuse.codegen.c import _EXP2_STRIP, _HALF, _MATH
+from chainfuse.hardware import Hardware, Isa
 from chainfuse.runtime import build, load
 
 HARNESS = (
@@ -119,6 +121,89 @@ def test_erf(lib: ctypes.CDLL) -> None:
     assert np.abs(got - want).max() < 5e-7
     special = _apply(lib, "run_erf", np.array([np.inf, -np.inf, np.nan], np.float32))
     assert special[0] == 1.0 and special[1] == -1.0 and np.isnan(special[2])
+
+
+STRIP_HARNESS = (
+    _MATH
+    + "#include <immintrin.h>\n"
+    + _EXP2_STRIP
+    + r"""
+/* the column shifts the tests use: integers, none and up to 2^20 - 1 in magnitude */
+static const float shifts[16] = {0, 1, -1, 37, -300, 1000, -4096, 126, -127, 65536, -65536,
+                                 1048575, -1048575, 5, -5, 0};
+
+void run_strip(const float* x, float* y, long n) /* x: n / 16 rows; y: 2^(x - shift) */
+{
+    float sum[16] = {0};
+    for (long i = 0; i < n; ++i) y[i] = x[i];
+    cf_exp2_strip(y, (int)(n / 16), shifts, sum);
+}
+
+void run_strip_sum(const float* x, float* y, long n) /* y[0:16]: the columns' sums, added */
+{
+    float sum[16];
+    for (int i = 0; i < 16; ++i) sum[i] = 1.0f;
+    for (long i = 0; i < n; ++i) y[16 + i] = x[i];
+    cf_exp2_strip(y + 16, (int)(n / 16), shifts, sum);
+    for (int i = 0; i < 16; ++i) y[i] = sum[i];
+}
+"""
+)
+SHIFTS = np.array([0, 1, -1, 37, -300, 1000, -4096, 126, -127, 65536, -65536, 1048575, -1048575,
+                   5, -5, 0], np.float64)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def strip_lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
+    """`_EXP2_STRIP`, the AVX2 kernels' exponentials of a softmax strip, as they build it."""
+    if not {Isa.AVX2, Isa.FMA} <= Hardware.detect().isa:
+        pytest.skip("the host has no AVX2 and FMA")
+    flags = ("-mavx2", "-mfma")
+    yield from _harness(tmp_path_factory, STRIP_HARNESS, "test_exp2_strip", flags)
+
+
+def _strip_input(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of 16 columns, column i the shift of column i plus `d` (<= 0), rounded to float32;
+    and 2^(x - shift) in float64 of those floats."""
+    x = (SHIFTS[None, :] + d.reshape(-1, 1)).astype(np.float32)
+    return x, np.exp2(x.astype(np.float64) - SHIFTS[None, :])
+
+
+def test_exp2_strip_of_scores_below_their_shifts(strip_lib: ctypes.CDLL) -> None:
+    # every column with its own shift (the strip's 16 queries): a dense sweep of x - s down to
+    # the underflow edge, both rounding directions at each eighth, the steps near 0: within
+    # the portable cf_exp2_from's bound (1.1e-7 measured; a 3 % error in the cubic coefficient
+    # gives 4.9e-7), and every result below the smallest normal 0 or a subnormal
+    eighths = np.arange(0, 126 * 8) / 8 + 1 / 16
+    d = np.concatenate([
+        -np.linspace(0.0, 126.0, 100_003), -eighths, -np.nextafter(eighths, 0),
+        -np.nextafter(eighths, 200), -np.linspace(0.0, 1e-3, 1001),
+    ])  # fmt: skip
+    x, want = _strip_input(d)
+    got = _apply(strip_lib, "run_strip", x).astype(np.float64)
+    normal = want >= np.finfo(np.float32).tiny * 2
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() < 2.5e-7, f"worst relative error {rel.max():.3g}"
+    tiny = ~normal
+    assert np.all((got[tiny] >= 0) & (got[tiny] <= 2 * np.finfo(np.float32).tiny))
+
+
+def test_exp2_strip_special_values_and_sums(strip_lib: ctypes.CDLL) -> None:
+    # x = s: 1 exactly; s - 127 and below, -inf: 0 exactly (a masked key weighs nothing); NaN
+    # stays NaN; the sums add to what the caller had
+    x = np.tile(SHIFTS.astype(np.float32), (5, 1))
+    x[1] -= 127
+    x[2] = -np.inf
+    x[3] = np.nan
+    x[4] -= 1e30
+    got = _apply(strip_lib, "run_strip", x).reshape(5, 16)
+    assert np.all(got[0] == 1.0) and np.all(got[1] == 0.0) and np.all(got[2] == 0.0)
+    assert np.all(np.isnan(got[3])) and np.all(got[4] == 0.0)
+    d = -np.linspace(0.0, 9.0, 48)
+    x, want = _strip_input(d)
+    y = np.zeros(16 + x.size, np.float32)
+    strip_lib.run_strip_sum(x.ctypes.data, y.ctypes.data, x.size)
+    np.testing.assert_allclose(y[:16], 1.0 + want.sum(axis=0), rtol=1e-6)
 
 
 HALF_HARNESS = (
