@@ -439,8 +439,8 @@ def attention(
     q [batch, heads, seq_q, d_qk] (or [batch, seq_q, d_qk]), k [.., seq_k, d_qk],
     v [.., seq_k, d_v]; more batch dims before the heads are fine too (SDPA's (N, ..., H, L, E)).
     A batch size or head count of 1 in any of them broadcasts against the others' as in
-    PyTorch (read in place, not copied). `attn_mask` is boolean (True takes part) or additive float, and
-    broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
+    PyTorch (read in place, not copied). `attn_mask` is boolean (True takes part) or additive
+    float, and broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros, and so does every query when there are no keys (seq_k = 0); an empty q
     gives an empty result. `scale` defaults to 1/sqrt(d_qk).
@@ -513,8 +513,8 @@ def attention(
     wide = attention_dims(sq, sk, sv, bool(enable_gqa))
     if (*sq[:2], *sk[:2], *sv[:2]) != (wide[0], wide[1], *(wide[0], wide[2]) * 2):
         # batch or head dims of 1 stretched as PyTorch broadcasts them: views with stride 0,
-        # read in place (a repeat call replays these strides; a call with another number of
-        # keys is not matched by its keys alone: `by_keys` pairs k and v as the caller's)
+        # read in place. A repeat call replays these strides; the replay by key length is not
+        # recorded (it rebinds the caller's own k and v, which are not the stretched views)
         batch, heads, kv_heads = wide
         q = _stretched(q, (batch, heads, *sq[2:]))
         k, v = (_stretched(x, (batch, kv_heads, *s[2:])) for x, s in ((k, sk), (v, sv)))

@@ -50,8 +50,9 @@ def _attention_shape(
     enable_gqa: bool,
 ) -> torch.Tensor:
     """The result a compiler plans with: q's shape with v's head dim, batch and heads broadcast
-    with k's and v's, q's dtype, contiguous (as the kernel returns it). The shapes are checked here as `ops.attention` checks them, so that
-    a compiled graph with wrong sizes fails while it is traced, naming the argument."""
+    with k's and v's, q's dtype, contiguous (as the kernel returns it). The shapes are checked
+    here as `ops.attention` checks them, so that a compiled graph with wrong sizes fails while
+    it is traced, naming the argument."""
     if not q.dim() == k.dim() == v.dim() or q.dim() < 3:
         raise ValueError(
             f"q, k, v: expected all of one rank, 3-D or more, got shapes {tuple(q.shape)}, "
