@@ -668,6 +668,45 @@ def test_batch_and_heads_broadcast_as_sdpa_broadcasts_them(kind: str) -> None:
         reference.assert_close(ours, theirs, chain)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batches=st.tuples(*[st.sampled_from([1, 2, 3])] * 3),
+    heads=st.tuples(*[st.sampled_from([1, 2, 4])] * 3), gqa=st.booleans(),
+)  # fmt: skip
+def test_every_broadcast_sdpa_runs_runs_here_alike(
+    batches: tuple[int, int, int], heads: tuple[int, int, int], gqa: bool
+) -> None:
+    # batch sizes and head counts of q, k, v drawn from 1, 2, 3 / 1, 2, 4: where SDPA (float64)
+    # gives a result, ours is the same; where it refuses, so do we, by a ValueError. One
+    # exception, refused here with a clear error: GQA with k and v of different head counts,
+    # neither 1 (PyTorch repeats each to q's heads on its own; models give k and v the same)
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(sum(batches) * 7 + sum(heads))
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64)
+               for b, h, n, d in zip(batches, heads, (5, 7, 7), (8, 8, 6), strict=True))  # fmt: skip
+    try:
+        theirs = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    except RuntimeError:
+        theirs = None
+    if gqa and heads[1] != heads[2] and 1 not in heads[1:] and theirs is not None:
+        with pytest.raises(ValueError, match=r"k, v: head counts \d and \d differ"):
+            cft.attention(q.float(), k.float(), v.float(), enable_gqa=gqa)
+        return
+    if theirs is None:
+        with pytest.raises(ValueError):
+            cft.attention(q.float(), k.float(), v.float(), enable_gqa=gqa)
+        return
+    ours = cft.attention(q.float(), k.float(), v.float(), enable_gqa=gqa)
+    assert ours.shape == theirs.shape
+    b, h = theirs.shape[:2]
+    reference.assert_close(ours.double().numpy(), theirs.numpy(),
+                           chainfuse.attention_chain(b, h, 5, 7, 8, 6))  # fmt: skip
+
+
 MORE_DIMS = {  # q, k, v shapes of 5-D and up: [*batch, heads, seq, dim]
     "5d": ((2, 3, 4, 33, 17), (2, 3, 4, 29, 17), (2, 3, 4, 29, 24)),
     "6d": ((2, 1, 3, 2, 33, 17), (2, 1, 3, 2, 29, 17), (2, 1, 3, 2, 29, 24)),
