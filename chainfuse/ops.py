@@ -437,9 +437,10 @@ def attention(
     bfloat16 or float16 (an additive mask then has q's dtype too, as in PyTorch).
 
     q [batch, heads, seq_q, d_qk] (or [batch, seq_q, d_qk]), k [.., seq_k, d_qk],
-    v [.., seq_k, d_v]; more batch dims before the heads are fine too (SDPA's (N, ..., H, L, E)).
-    A batch size or head count of 1 in any of them broadcasts against the others' as in
-    PyTorch (read in place, not copied). `attn_mask` is boolean (True takes part) or additive
+    v [.., seq_k, d_v]; more batch dims before the heads are fine too (SDPA's (N, ..., H, L, E)),
+    and so are 2-D operands and operands of different ranks (aligned from the right). A batch
+    size or head count of 1 in any of them broadcasts against the others' as in PyTorch (read
+    in place, not copied). `attn_mask` is boolean (True takes part) or additive
     float, and broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros, and so does every query when there are no keys (seq_k = 0); an empty q
@@ -490,13 +491,13 @@ def attention(
             "(no dropout, no backward)"
         )
     dtype, (sq, sk, sv) = _operands("q, k, v", q, k, v)
-    if not len(sq) == len(sk) == len(sv) or len(sq) < 3:
-        raise ValueError(
-            f"q, k, v: expected all of one rank, 3-D or more, got shapes {sq}, {sk}, {sv}"
-        )
+    if min(len(sq), len(sk), len(sv)) < 2:
+        raise ValueError(f"q, k, v: expected [..., seq, dim] each, got shapes {sq}, {sk}, {sv}")
     _inference_only("q, k, v, attn_mask", q, k, v, attn_mask)
     _on_cpu("q, k, v, attn_mask", q, k, v, attn_mask)
     _inner_contiguous("q, k, v", q, k, v)
+    if not len(sq) == len(sk) == len(sv) or len(sq) == 2:
+        return _attention_ranks(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     if len(sq) > 4:
         return _attention_nd(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     flat = len(sq) == 3
@@ -595,6 +596,19 @@ def attention_dims(
     elif heads == 1 and kv_heads > 1 and not gqa:
         heads = kv_heads
     return batch, heads, kv_heads
+
+
+def _attention_ranks(
+    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool
+) -> Any:
+    """`attention` on q, k, v of different ranks, or 2-D ([seq, dim]): each seen with leading
+    dims of 1 up to the highest rank (3 at least), as PyTorch's broadcasting aligns them (a
+    3-D q beside 4-D k and v is [heads, seq, dim]); the result has the highest rank."""
+    rank = max(len(q.shape), len(k.shape), len(v.shape))
+    padded = max(rank, 3)
+    q, k, v = (x.reshape((1,) * (padded - len(x.shape)) + tuple(x.shape)) for x in (q, k, v))
+    out = attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return out.reshape(out.shape[padded - rank :]) if padded > rank else out
 
 
 def _attention_nd(

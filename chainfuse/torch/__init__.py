@@ -53,29 +53,32 @@ def _attention_shape(
     with k's and v's, q's dtype, contiguous (as the kernel returns it). The shapes are checked
     here as `ops.attention` checks them, so that a compiled graph with wrong sizes fails while
     it is traced, naming the argument."""
-    if not q.dim() == k.dim() == v.dim() or q.dim() < 3:
+    if min(q.dim(), k.dim(), v.dim()) < 2:
         raise ValueError(
-            f"q, k, v: expected all of one rank, 3-D or more, got shapes {tuple(q.shape)}, "
+            f"q, k, v: expected [..., seq, dim] each, got shapes {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k: expected head dim {q.shape[-1]} (q's), got {k.shape[-1]}")
     if v.shape[-2] != k.shape[-2]:
         raise ValueError(f"v: expected {k.shape[-2]} keys (k's), got {v.shape[-2]}")
+    # ranks aligned from the right (`ops._attention_ranks`): leading dims of 1, 3-D at least
+    rank = max(q.dim(), k.dim(), v.dim())
+    sq, sk, sv = ((1,) * (max(rank, 3) - t.dim()) + tuple(t.shape) for t in (q, k, v))
     lead: tuple[Any, ...]
-    if q.dim() > 4:  # batch dims broadcast, heads as below
-        heads = ops.attention_dims((1, q.shape[-3]), (1, k.shape[-3]), (1, v.shape[-3]),
-                                   enable_gqa)[1]  # fmt: skip
-        n = q.dim() - 3
-        batch = torch.broadcast_shapes(q.shape[:n], k.shape[:n], v.shape[:n])  # type: ignore[no-untyped-call]
+    if len(sq) > 4:  # batch dims broadcast, heads as below
+        heads = ops.attention_dims((1, sq[-3]), (1, sk[-3]), (1, sv[-3]), enable_gqa)[1]
+        n = len(sq) - 3
+        batch = torch.broadcast_shapes(sq[:n], sk[:n], sv[:n])  # type: ignore[no-untyped-call]
         lead = (*batch, heads)
-    elif q.dim() == 4:  # batch and heads broadcast (PyTorch's rule, `ops.attention_dims`)
-        lead = ops.attention_dims(q.shape, k.shape, v.shape, enable_gqa)[:2]
-    elif enable_gqa and k.shape[0] != q.shape[0]:  # 3-D with GQA: the first dim is the heads
-        lead = (q.shape[0],)
+    elif len(sq) == 4:  # batch and heads broadcast (PyTorch's rule, `ops.attention_dims`)
+        lead = ops.attention_dims(sq, sk, sv, enable_gqa)[:2]
+    elif enable_gqa and sk[0] != sq[0]:  # 3-D with GQA: the first dim is the heads
+        lead = (sq[0],)
     else:
-        lead = ops.attention_dims((q.shape[0], 1), (k.shape[0], 1), (v.shape[0], 1), False)[:1]
-    return q.new_empty((*lead, q.shape[-2], v.shape[-1]))
+        lead = ops.attention_dims((sq[0], 1), (sk[0], 1), (sv[0], 1), False)[:1]
+    shape = (*lead, sq[-2], sv[-1])
+    return q.new_empty(shape[len(shape) - rank :])
 
 
 def attention(
@@ -147,8 +150,8 @@ def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> st
         t.requires_grad for t in (q, k, v, attn_mask) if t is not None
     ):
         return "inputs that require grad"
-    if not q.dim() == k.dim() == v.dim() or q.dim() < 3:
-        return f"{q.dim()}-D inputs" if q.dim() == k.dim() == v.dim() else "inputs of mixed ranks"
+    if min(q.dim(), k.dim(), v.dim()) < 2:
+        return f"{min(q.dim(), k.dim(), v.dim())}-D inputs"
     for t in (q, k, v, attn_mask):
         if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
             return "a last dimension that is not contiguous"
@@ -161,7 +164,7 @@ class SDPAPatch:
     and most others do, runs chainfuse's kernels without a change to its code.
 
     A call chainfuse's kernels cannot run (another device, float64, dropout_p > 0 while
-    training, inputs that require grad, 2-D inputs, a last dimension that is not contiguous)
+    training, inputs that require grad, 1-D inputs, a last dimension that is not contiguous)
     goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
     per reason; with `strict=True` it is an error instead. `calls` counts the calls chainfuse
     ran. Errors of the call itself (mismatched shapes, a mask with `is_causal`) are raised as

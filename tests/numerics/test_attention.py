@@ -744,6 +744,31 @@ def test_more_batch_dims_as_sdpa_takes_them(kind: str) -> None:
     assert tuple(empty.shape) == (0, *theirs.shape[1:])
 
 
+RANKS = {  # q, k, v shapes of different ranks, or 2-D: aligned from the right, as PyTorch does
+    "2d": ((33, 17), (29, 17), (29, 24)),
+    "kv-3d": ((2, 4, 33, 17), (4, 29, 17), (4, 29, 24)),
+    "kv-2d": ((2, 4, 33, 17), (29, 17), (29, 24)),
+    "q-3d": ((4, 33, 17), (2, 4, 29, 17), (2, 4, 29, 24)),
+    "k-2d-v-3d": ((2, 4, 33, 17), (29, 17), (4, 29, 24)),
+    "q-5d-kv-3d": ((2, 3, 4, 33, 17), (4, 29, 17), (4, 29, 24)),
+}
+
+
+@pytest.mark.parametrize("kind", [*RANKS, "2d-mask", "2d-causal", "numpy"])
+def test_2d_and_mixed_ranks_as_sdpa_takes_them(kind: str) -> None:
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(17)
+    sq, sk, sv = RANKS.get(kind, RANKS["2d"] if kind.startswith("2d") else RANKS["kv-2d"])
+    kw: dict[str, object] = {}
+    if kind == "2d-mask":
+        kw["attn_mask"] = torch.randn(33, 29, generator=g)
+    elif kind == "2d-causal":
+        kw["is_causal"] = True
+    q, k, v = (torch.randn(*s, generator=g) for s in (sq, sk, sv))
+    ours, theirs = _ours_and_sdpa64(q, k, v, kw, kind == "numpy")
+    reference.assert_close(ours, theirs, chainfuse.attention_chain(1, 1, 33, 29, 17, 24))
+
+
 def test_sizes_that_do_not_broadcast_and_strided_rows_are_named() -> None:
     q = np.zeros((2, 4, 5, 8), np.float32)
     with pytest.raises(ValueError, match=r"q, k, v: batch sizes 2, 3, 3 do not broadcast"):

@@ -39,7 +39,19 @@ class _Graphs:
 
 @pytest.mark.parametrize(
     "kind",
-    ["none", "causal", "bool", "additive", "scale", "gqa", "3d", "broadcast", "3d-broadcast", "5d"],
+    [
+        "none",
+        "causal",
+        "bool",
+        "additive",
+        "scale",
+        "gqa",
+        "3d",
+        "broadcast",
+        "3d-broadcast",
+        "5d",
+        "ranks",
+    ],
 )
 def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
     torch._dynamo.reset()  # (every case compiles the same `model` code: more than the 8 recompiles)
@@ -64,6 +76,8 @@ def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
         q, k, v = q[:, 0], k[:1, 0], v[:1, 0]
     elif kind == "5d":  # two batch dims, k's and v's first stretched
         q, k, v = q[None].expand(2, -1, -1, -1, -1), k[None], v[None]
+    elif kind == "ranks":  # k 2-D, v 3-D beside a 4-D q: aligned from the right
+        k, v = k[0, 0], v[0]
     backend = _Graphs()
 
     def model(q: Any, k: Any, v: Any) -> Any:

@@ -93,7 +93,7 @@ def test_calls_chainfuse_cannot_run_go_to_pytorch_counted_and_warned_once() -> N
     [
         (lambda q: (q.double(), q.double(), q.double()), "dtype torch.float64"),
         (lambda q: (q, q, q.double()), "mixed dtypes"),
-        (lambda q: (q[0, 0], q[0, 0], q[0, 0]), "2-D inputs"),
+        (lambda q: (q[0, 0, 0], q[0, 0], q[0, 0]), "1-D inputs"),
         (lambda q: (q.transpose(-1, -2).contiguous().transpose(-1, -2), q, q),
          "a last dimension that is not contiguous"),
     ],
@@ -115,15 +115,17 @@ def test_errors_of_the_call_itself_are_raised_not_passed_on() -> None:
     assert not patch.fallbacks
 
 
-def test_broadcast_and_5d_calls_run_chainfuse() -> None:
+def test_broadcast_5d_2d_and_mixed_rank_calls_run_chainfuse() -> None:
     # what SDPA takes beyond 4-D operands of equal batch and heads: run here, not passed on
     q = torch.randn(2, 3, 4, 9, 8)
     with cft.patch_sdpa(strict=True) as patch, torch.no_grad():
         five = F.scaled_dot_product_attention(q, q[:1], q[:1])
         one_kv = F.scaled_dot_product_attention(q[0], q[:1, 0], q[:1, 0, :1])
+        ranks = F.scaled_dot_product_attention(q[0, 0, 0], q[0, 0], q[0])
     torch.testing.assert_close(five, ORIGINAL(q, q[:1], q[:1]))
     torch.testing.assert_close(one_kv, ORIGINAL(q[0], q[:1, 0], q[:1, 0, :1]))
-    assert patch.calls == 2 and not patch.fallbacks
+    torch.testing.assert_close(ranks, ORIGINAL(q[0, 0, 0], q[0, 0], q[0]))
+    assert patch.calls == 3 and not patch.fallbacks
 
 
 def test_patches_nest_and_restore_on_error() -> None:
