@@ -598,6 +598,48 @@ def attention_dims(
     return batch, heads, kv_heads
 
 
+def attention_shape(
+    sq: Sequence[Any], sk: Sequence[Any], sv: Sequence[Any], gqa: bool
+) -> tuple[Any, ...]:
+    """The shape of `attention`'s result for q, k, v of shapes `sq`, `sk`, `sv` (any ranks of 2
+    and up, aligned from the right; sizes may be symbolic, as a compiler's are), after the
+    checks `attention` makes of them, raising the same errors."""
+    if min(len(sq), len(sk), len(sv)) < 2:
+        raise ValueError(
+            f"q, k, v: expected [..., seq, dim] each, got shapes {tuple(sq)}, {tuple(sk)}, "
+            f"{tuple(sv)}"
+        )
+    if sk[-1] != sq[-1]:
+        raise ValueError(f"k: expected head dim {sq[-1]} (q's), got {sk[-1]}")
+    if sv[-2] != sk[-2]:
+        raise ValueError(f"v: expected {sk[-2]} keys (k's), got {sv[-2]}")
+    # ranks aligned from the right (`_attention_ranks`): leading dims of 1, 3-D at least
+    rank = max(len(sq), len(sk), len(sv))
+    sq, sk, sv = ((1,) * (max(rank, 3) - len(s)) + tuple(s) for s in (sq, sk, sv))
+    lead: tuple[Any, ...]
+    if len(sq) > 4:  # batch dims broadcast (`_attention_nd`), heads as below
+        heads = attention_dims((1, sq[-3]), (1, sk[-3]), (1, sv[-3]), gqa)[1]
+        n = len(sq) - 3
+        batch = []
+        for dims in zip(sq[:n], sk[:n], sv[:n], strict=True):
+            wide = [d for d in dims if d != 1]
+            if any(d != wide[0] for d in wide):
+                raise ValueError(
+                    f"q, k, v: batch dims {tuple(sq[:n])}, {tuple(sk[:n])}, {tuple(sv[:n])} "
+                    "do not broadcast"
+                )
+            batch.append(wide[0] if wide else 1)
+        lead = (*batch, heads)
+    elif len(sq) == 4:  # batch and heads broadcast
+        lead = attention_dims(sq, sk, sv, gqa)[:2]
+    elif gqa and sk[0] != sq[0]:  # 3-D with GQA: the first dim is the heads
+        lead = (sq[0],)
+    else:
+        lead = attention_dims((sq[0], 1), (sk[0], 1), (sv[0], 1), False)[:1]
+    shape = (*lead, sq[-2], sv[-1])
+    return shape[len(shape) - rank :]
+
+
 def _attention_ranks(
     q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool
 ) -> Any:

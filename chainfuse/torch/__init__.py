@@ -53,32 +53,7 @@ def _attention_shape(
     with k's and v's, q's dtype, contiguous (as the kernel returns it). The shapes are checked
     here as `ops.attention` checks them, so that a compiled graph with wrong sizes fails while
     it is traced, naming the argument."""
-    if min(q.dim(), k.dim(), v.dim()) < 2:
-        raise ValueError(
-            f"q, k, v: expected [..., seq, dim] each, got shapes {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k: expected head dim {q.shape[-1]} (q's), got {k.shape[-1]}")
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(f"v: expected {k.shape[-2]} keys (k's), got {v.shape[-2]}")
-    # ranks aligned from the right (`ops._attention_ranks`): leading dims of 1, 3-D at least
-    rank = max(q.dim(), k.dim(), v.dim())
-    sq, sk, sv = ((1,) * (max(rank, 3) - t.dim()) + tuple(t.shape) for t in (q, k, v))
-    lead: tuple[Any, ...]
-    if len(sq) > 4:  # batch dims broadcast, heads as below
-        heads = ops.attention_dims((1, sq[-3]), (1, sk[-3]), (1, sv[-3]), enable_gqa)[1]
-        n = len(sq) - 3
-        batch = torch.broadcast_shapes(sq[:n], sk[:n], sv[:n])  # type: ignore[no-untyped-call]
-        lead = (*batch, heads)
-    elif len(sq) == 4:  # batch and heads broadcast (PyTorch's rule, `ops.attention_dims`)
-        lead = ops.attention_dims(sq, sk, sv, enable_gqa)[:2]
-    elif enable_gqa and sk[0] != sq[0]:  # 3-D with GQA: the first dim is the heads
-        lead = (sq[0],)
-    else:
-        lead = ops.attention_dims((sq[0], 1), (sk[0], 1), (sv[0], 1), False)[:1]
-    shape = (*lead, sq[-2], sv[-1])
-    return q.new_empty(shape[len(shape) - rank :])
+    return q.new_empty(ops.attention_shape(q.shape, k.shape, v.shape, enable_gqa))
 
 
 def attention(

@@ -626,6 +626,8 @@ def _ours_and_sdpa64(q: Any, k: Any, v: Any, kw: dict[str, object], numpy: bool)
     else:
         ours = cft.attention(q, k, v, **kw).numpy()  # type: ignore[arg-type]
     assert ours.shape == tuple(theirs.shape)
+    gqa = bool(kw.get("enable_gqa", False))  # (the shape a compiler is given: the same)
+    assert chainfuse.ops.attention_shape(q.shape, k.shape, v.shape, gqa) == ours.shape
     return ours.astype(np.float64), theirs.numpy()
 
 
@@ -702,6 +704,7 @@ def test_every_broadcast_sdpa_runs_runs_here_alike(
         return
     ours = cft.attention(q.float(), k.float(), v.float(), enable_gqa=gqa)
     assert ours.shape == theirs.shape
+    assert chainfuse.ops.attention_shape(q.shape, k.shape, v.shape, gqa) == tuple(ours.shape)
     b, h = theirs.shape[:2]
     reference.assert_close(ours.double().numpy(), theirs.numpy(),
                            chainfuse.attention_chain(b, h, 5, 7, 8, 6))  # fmt: skip
