@@ -623,8 +623,8 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
     def single(rows: int, suffix: str, what: str, nv: int = nv) -> list[str]:
         # A's rows by pointers set once, each step one offset from them all: a base + index
         # address per broadcast, where a + i * rs took GCC a few integer adds a step (A read in
-        # place, rs a row: attention's K). Measured on Zen 3, 1 thread, interleaved: the 12
-        # paper attentions 0.992-0.994 of the time
+        # place, rs a row: attention's K). Measured on Zen 3, 1 thread, interleaved, the paper
+        # attentions: 0.992, 0.994, then 1.002 of the time (within the noise); GEMM chains 1.000
         zero, step, finish = body(rows, nv, "r{i} + o")
         # A read in place down far-apart rows (rs = 1: a weight's rows, each k step a new line,
         # a new page) misses at every step, and the next slivers' calls read the lines after
