@@ -619,17 +619,7 @@ def attention_shape(
     lead: tuple[Any, ...]
     if len(sq) > 4:  # batch dims broadcast (`_attention_nd`), heads as below
         heads = attention_dims((1, sq[-3]), (1, sk[-3]), (1, sv[-3]), gqa)[1]
-        n = len(sq) - 3
-        batch = []
-        for dims in zip(sq[:n], sk[:n], sv[:n], strict=True):
-            wide = [d for d in dims if d != 1]
-            if any(d != wide[0] for d in wide):
-                raise ValueError(
-                    f"q, k, v: batch dims {tuple(sq[:n])}, {tuple(sk[:n])}, {tuple(sv[:n])} "
-                    "do not broadcast"
-                )
-            batch.append(wide[0] if wide else 1)
-        lead = (*batch, heads)
+        lead = (*_batch_dims(sq, sk, sv, len(sq) - 3), heads)
     elif len(sq) == 4:  # batch and heads broadcast
         lead = attention_dims(sq, sk, sv, gqa)[:2]
     elif gqa and sk[0] != sq[0]:  # 3-D with GQA: the first dim is the heads
@@ -638,6 +628,21 @@ def attention_shape(
         lead = attention_dims((sq[0], 1), (sk[0], 1), (sv[0], 1), False)[:1]
     shape = (*lead, sq[-2], sv[-1])
     return shape[len(shape) - rank :]
+
+
+def _batch_dims(sq: Sequence[Any], sk: Sequence[Any], sv: Sequence[Any], n: int) -> tuple[Any, ...]:
+    """The first `n` dims of shapes `sq`, `sk`, `sv` broadcast (each equal or 1; sizes may be
+    symbolic), or a ValueError naming them."""
+    batch = []
+    for dims in zip(sq[:n], sk[:n], sv[:n], strict=True):
+        wide = [d for d in dims if d != 1]
+        if any(d != wide[0] for d in wide):
+            raise ValueError(
+                f"q, k, v: batch dims {tuple(sq[:n])}, {tuple(sk[:n])}, {tuple(sv[:n])} "
+                "do not broadcast"
+            )
+        batch.append(wide[0] if wide else 1)
+    return tuple(batch)
 
 
 def _attention_ranks(
@@ -661,16 +666,9 @@ def _attention_nd(
     memory allows it (a contiguous one does: one 4-D call, the result a view of its result),
     else one 4-D call per index of the batch dims but the last, into a new result."""
     n = len(q.shape) - 3
-    try:
-        lead = tuple(np.broadcast_shapes(q.shape[:n], k.shape[:n], v.shape[:n]))
-    except ValueError:
-        raise ValueError(
-            f"q, k, v: batch dims {tuple(q.shape[:n])}, {tuple(k.shape[:n])}, "
-            f"{tuple(v.shape[:n])} do not broadcast"
-        ) from None
+    lead = _batch_dims(q.shape, k.shape, v.shape, n)
     if 0 in lead:  # no work: an empty result
-        heads = attention_dims((1, q.shape[-3]), (1, k.shape[-3]), (1, v.shape[-3]), gqa)[1]
-        return _no_work("q", q, (*lead, heads, q.shape[-2], v.shape[-1]))
+        return _no_work("q", q, attention_shape(q.shape, k.shape, v.shape, gqa))
     operands = [_stretched(x, (*lead, *x.shape[n:])) for x in (q, k, v)]
     if mask is not None:  # (its last 3 dims: checked by the 4-D calls)
         m = tuple(mask.shape)
