@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import numbers
 import sys
 from collections.abc import Sequence
@@ -448,7 +449,9 @@ def attention(
 
     `enable_gqa` (grouped-query attention, PyTorch's rule): k and v may have fewer heads than
     q, a divisor of them; key head j serves query heads j*g .. j*g + g-1 (g = q's heads / k's),
-    read in place, never repeated in memory. `dropout_p` is accepted for SDPA's signature and
+    read in place, never repeated in memory. k and v may have different head counts then, each
+    a divisor of q's (each grouped on its own, as PyTorch does): both are repeated along the
+    heads to the least common multiple of the two (a copy of one or both, as large as they are). `dropout_p` is accepted for SDPA's signature and
     must be 0 (inference). torch inputs that require grad are refused while grad mode is on:
     the kernel has no backward, and a result silently cut from the graph would be wrong later.
     """
@@ -503,7 +506,7 @@ def attention(
     flat = len(sq) == 3
     # 3-D inputs: [batch, seq, dim] as one head per batch, or, with enable_gqa, their first
     # dim as the heads (PyTorch groups dim -3, whatever it is)
-    lifted = flat and bool(enable_gqa) and sk[0] != sq[0]
+    lifted = flat and bool(enable_gqa) and (sk[0] != sq[0] or sv[0] != sq[0])
     first = q
     if lifted:
         q, k, v = q[None], k[None], v[None]
@@ -512,6 +515,13 @@ def attention(
         q, k, v = q[:, None], k[:, None], v[:, None]
         sq, sk, sv = (sq[0], 1, *sq[1:]), (sk[0], 1, *sk[1:]), (sv[0], 1, *sv[1:])
     wide = attention_dims(sq, sk, sv, bool(enable_gqa))
+    if sk[1] != sv[1] and 1 not in (sk[1], sv[1]):
+        # GQA with k's and v's heads grouped each on its own: both repeated along the heads to
+        # the least common multiple of theirs (attention_dims' kv heads), the one grouping the
+        # kernel reads: a copy of k or v or both, so no replay of the caller's own is recorded
+        k, v = (_heads_repeated(x, wide[2] // s[1]) for x, s in ((k, sk), (v, sv)))
+        sk, sv = (*sk[:1], wide[2], *sk[2:]), (*sv[:1], wide[2], *sv[2:])
+        key = by_keys = None
     if (*sq[:2], *sk[:2], *sv[:2]) != (wide[0], wide[1], *(wide[0], wide[2]) * 2):
         # batch or head dims of 1 stretched as PyTorch broadcasts them: views with stride 0,
         # read in place. A repeat call replays these strides; the replay by key length is not
@@ -586,11 +596,21 @@ def attention_dims(
             )
         batch = n if batch == 1 else batch
     if sv[1] != kv_heads:
-        if kv_heads != 1 and sv[1] != 1:
+        if kv_heads != 1 and sv[1] != 1 and not gqa:
             raise ValueError(
                 f"k, v: head counts {sk[1]} and {sv[1]} differ (shapes {tuple(sk)}, {tuple(sv)})"
             )
-        kv_heads = sv[1] if kv_heads == 1 else kv_heads
+        if kv_heads != 1 and sv[1] != 1:
+            # GQA groups k's heads and v's each on its own (PyTorch's rule): both must divide
+            # q's; both are then seen with the least common multiple of theirs (`attention`)
+            if heads % kv_heads != 0 or heads % sv[1] != 0:
+                raise ValueError(
+                    f"k, v: expected head counts that divide q's {heads}, got {sk[1]} and "
+                    f"{sv[1]} (shapes {tuple(sq)}, {tuple(sk)}, {tuple(sv)})"
+                )
+            kv_heads = math.lcm(int(kv_heads), int(sv[1]))
+        else:
+            kv_heads = sv[1] if kv_heads == 1 else kv_heads
     if kv_heads == 1 and heads > 1 and not gqa:
         kv_heads = heads
     elif heads == 1 and kv_heads > 1 and not gqa:
@@ -622,7 +642,7 @@ def attention_shape(
         lead = (*_batch_dims(sq, sk, sv, len(sq) - 3), heads)
     elif len(sq) == 4:  # batch and heads broadcast
         lead = attention_dims(sq, sk, sv, gqa)[:2]
-    elif gqa and sk[0] != sq[0]:  # 3-D with GQA: the first dim is the heads
+    elif gqa and (sk[0] != sq[0] or sv[0] != sq[0]):  # 3-D with GQA: the first dim: heads
         lead = (sq[0],)
     else:
         lead = attention_dims((sq[0], 1), (sk[0], 1), (sv[0], 1), False)[:1]
@@ -710,6 +730,14 @@ def _lead_merged(x: Any, n: int) -> Any:
     return np.lib.stride_tricks.as_strided(
         x, new_shape, tuple(s * x.itemsize for s in new_steps), writeable=False
     )
+
+
+def _heads_repeated(x: Any, times: int) -> Any:
+    """`x` [batch, heads, seq, dim] with each head repeated `times` times in a row (a new
+    array or tensor; `x` itself when `times` is 1): PyTorch's `repeat_interleave` on dim 1."""
+    if times == 1:
+        return x
+    return np.repeat(x, times, axis=1) if type(x) is np.ndarray else x.repeat_interleave(times, 1)
 
 
 def _stretched(x: Any, shape: tuple[int, ...]) -> Any:

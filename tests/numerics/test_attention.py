@@ -679,9 +679,8 @@ def test_every_broadcast_sdpa_runs_runs_here_alike(
     batches: tuple[int, int, int], heads: tuple[int, int, int], gqa: bool
 ) -> None:
     # batch sizes and head counts of q, k, v drawn from 1, 2, 3 / 1, 2, 4: where SDPA (float64)
-    # gives a result, ours is the same; where it refuses, so do we, by a ValueError. One
-    # exception, refused here with a clear error: GQA with k and v of different head counts,
-    # neither 1 (PyTorch repeats each to q's heads on its own; models give k and v the same)
+    # gives a result, ours is the same; where it refuses, so do we, by a ValueError (GQA with
+    # k and v of different head counts included: each grouped on its own, as PyTorch does)
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
@@ -694,10 +693,6 @@ def test_every_broadcast_sdpa_runs_runs_here_alike(
         theirs = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     except RuntimeError:
         theirs = None
-    if gqa and heads[1] != heads[2] and 1 not in heads[1:] and theirs is not None:
-        with pytest.raises(ValueError, match=r"k, v: head counts \d and \d differ"):
-            cft.attention(q.float(), k.float(), v.float(), enable_gqa=gqa)
-        return
     if theirs is None:
         with pytest.raises(ValueError):
             cft.attention(q.float(), k.float(), v.float(), enable_gqa=gqa)
@@ -708,6 +703,62 @@ def test_every_broadcast_sdpa_runs_runs_here_alike(
     b, h = theirs.shape[:2]
     reference.assert_close(ours.double().numpy(), theirs.numpy(),
                            chainfuse.attention_chain(b, h, 5, 7, 8, 6))  # fmt: skip
+
+
+GQA_APART = {  # q, k, v shapes with enable_gqa: k and v of different head counts
+    "k-fewer": ((2, 8, 33, 17), (2, 2, 29, 17), (2, 4, 29, 24)),
+    "v-fewer": ((2, 8, 33, 17), (2, 4, 29, 17), (2, 2, 29, 24)),
+    "coprime": ((2, 6, 33, 17), (2, 2, 29, 17), (2, 3, 29, 24)),
+    "stretched-batch": ((3, 8, 33, 17), (1, 2, 29, 17), (3, 4, 29, 24)),
+    "decode": ((2, 8, 1, 17), (2, 2, 29, 17), (2, 4, 29, 24)),
+    "3d": ((8, 33, 17), (8, 29, 17), (4, 29, 24)),
+    "3d-both": ((8, 33, 17), (2, 29, 17), (4, 29, 24)),
+    "5d": ((2, 1, 8, 33, 17), (2, 1, 2, 29, 17), (1, 1, 4, 29, 24)),
+}
+
+
+@pytest.mark.parametrize("kind", [*GQA_APART, "mask", "bool-mask", "causal", "numpy"])
+def test_gqa_with_k_and_v_heads_apart_as_sdpa_groups_them(kind: str) -> None:
+    # PyTorch repeats k's heads and v's each to q's on its own: the same results, a repeat
+    # call (no replay of the repeated copies is recorded) and the shape function's answer too
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(19)
+    sq, sk, sv = GQA_APART.get(kind, GQA_APART["k-fewer"])
+    kw: dict[str, object] = {"enable_gqa": True}
+    if kind == "mask":
+        kw["attn_mask"] = torch.randn(2, 8, 33, 29, generator=g)
+    elif kind == "bool-mask":
+        kw["attn_mask"] = torch.rand(1, 8, 1, 29, generator=g) > 0.3
+    elif kind == "causal":
+        kw["is_causal"] = True
+    for _ in range(2):
+        q, k, v = (torch.randn(*s, generator=g) for s in (sq, sk, sv))
+        if kind == "numpy":
+            q64, k64, v64 = (x.double() for x in (q, k, v))
+            import torch.nn.functional as F
+
+            theirs = F.scaled_dot_product_attention(q64, k64, v64, enable_gqa=True).numpy()
+            ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy(), enable_gqa=True)
+            assert isinstance(ours, np.ndarray)
+        else:
+            ours, theirs = _ours_and_sdpa64(q, k, v, kw, False)
+        dims = theirs.shape if theirs.ndim == 4 else (1, *theirs.shape[-3:])
+        chain = chainfuse.attention_chain(int(np.prod(theirs.shape[:-3])) if theirs.ndim > 3
+                                          else 1, dims[-3], dims[-2], 29, 17, 24)  # fmt: skip
+        reference.assert_close(np.asarray(ours, np.float64), theirs, chain)
+
+
+def test_gqa_heads_that_do_not_divide_qs_are_named() -> None:
+    q = np.zeros((1, 6, 5, 8), np.float32)
+    k, v = np.zeros((1, 2, 7, 8), np.float32), np.zeros((1, 4, 7, 8), np.float32)
+    with pytest.raises(
+        ValueError, match=r"k, v: expected head counts that divide q's 6, got 2 and 4"
+    ):
+        chainfuse.ops.attention(q, k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"k, v: expected head counts that divide q's 6"):
+        chainfuse.ops.attention_shape(q.shape, k.shape, v.shape, True)
+    with pytest.raises(ValueError, match=r"k, v: head counts 2 and 4 differ"):  # (no GQA)
+        chainfuse.ops.attention(np.zeros((1, 8, 5, 8), np.float32), k, v)
 
 
 MORE_DIMS = {  # q, k, v shapes of 5-D and up: [*batch, heads, seq, dim]

@@ -46,6 +46,7 @@ class _Graphs:
         "additive",
         "scale",
         "gqa",
+        "gqa-apart",
         "3d",
         "broadcast",
         "3d-broadcast",
@@ -67,6 +68,9 @@ def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
     elif kind == "scale":
         kw["scale"] = 0.3
     elif kind == "gqa":
+        kw["enable_gqa"] = True
+    elif kind == "gqa-apart":  # q's 6 heads, k's 3 and v's 2: each grouped on its own
+        q, v = torch.cat([q, q], 1), v[:, :2]
         kw["enable_gqa"] = True
     elif kind == "3d":
         q, k, v = q[:, 0], k[:, 0], v[:, 0]
