@@ -183,6 +183,22 @@ def test_report_writes_markdown_json_and_plots(tmp_path: Path) -> None:
     assert summary["gemm-chain", 1]["at_or_above_80pct_peak_fastest_call"] == 0
 
 
+def test_report_of_a_run_without_one_thread_plots_and_ranks_its_fewest_threads(
+    tmp_path: Path,
+) -> None:
+    # `--threads 2` alone: the model's plot and rho take the 2-thread results (the model
+    # predicted those for 2 threads), where an empty log-scaled axis made the report fail
+    pytest.importorskip("matplotlib")
+    results = [_result(threads=2), _result(workload="bert-large", threads=2,
+                                           ms={"chainfuse": 20.0, "numpy": 25.0})]  # fmt: skip
+    results[1].predicted_ms = 18.0
+    files = report.write(tmp_path, results, [], _machine(), {}, "chainfuse bench x")
+    assert {"predicted_vs_measured.png", "roofline.png"} <= {p.name for p in files}
+    assert report.across_workloads(results) == [("gemm-chain", 2, pytest.approx(1.0))]
+    assert report.fewest_threads(results)[0] == 2
+    assert "| gemm-chain | 2 | 1.00 |" in (tmp_path / "report.md").read_text()
+
+
 def test_progress_without_a_terminal_prints_one_line_per_step() -> None:
     stream = io.StringIO()
     bar = runner.Progress(2, stream)
