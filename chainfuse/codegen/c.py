@@ -780,7 +780,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     with w.block(f"long {name}_workspace(long K, long N, const long* tiles)"):
         w.line("CF_TILES(tiles)")
         w.line("const long TK = K < T_K ? K : T_K;")
-        w.line("const long AK = TK == K ? K : TK;")
+        w.line("const long AK = K; /* Aᵀ: all of k, packed once per row block */")
         w.line("const long DTN = CF_DTN(N);")
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
@@ -813,7 +813,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long sD0 = strides[6], sD1 = strides[7], sDl = strides[8];")
         w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
         w.line("const long TK = K < T_K ? K : T_K;")
-        w.line("const long AK = TK == K ? K : TK;")
+        w.line("const long AK = K; /* Aᵀ: all of k, packed once per row block */")
         w.line("const long DTN = CF_DTN(N);")
         w.line("/* the parallel blocks: a batch index and T_MO rows of m (the plan's outermost m")
         w.line("   tile: the blocks its model deals to the cores), run as row blocks of T_M */")
@@ -936,7 +936,7 @@ def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
     T_M x K block of A instead of one over every T_M x T_L tile of scores)."""
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
-        w.line(f"float* restrict strip = At + (long)j * NR * {kc};")
+        w.line(f"float* restrict strip = At + (long)j * NR * K + {k0} * NR;")
         factor = "scale2" if scaled else "1.0f"
         w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, strip, {factor});")
 
@@ -1007,7 +1007,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* op1: Pᵀ[lc x mc] = Bᵀ[l_o, :] . Aᵀ[:, m_o], over k blocks */")
         with w.block("for (long k0 = 0; k0 < K; k0 += TK)"):
             w.line("const int kc = (int)(K - k0 < TK ? K - k0 : TK);")
-            with w.block("if (TK != K)"):
+            w.line(
+                "/* (several k blocks: each packed for the first l block, kept for the others) */"
+            )
+            with w.block("if (TK != K && l0 == l_lo)"):
                 _pack_at(w, uk, "k0", "kc", softmax)
             if spec.b_transposed:
                 with w.block("for (int s = 0; s * MR < lc; ++s)"):
@@ -1043,9 +1046,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 "   (stale floats may be subnormal: a microcode assist per FMA on some cores) */"
             )
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
-                w.line(
-                    "const float* restrict a = At + (TK == K ? (long)j * NR * K + k0 * NR : (long)j * NR * kc);"
-                )
+                w.line("const float* restrict a = At + (long)j * NR * K + k0 * NR;")
                 if spec.kernel.part_cols and in_place:
                     w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
                 if spec.epilogue is Epilogue.RELU:
