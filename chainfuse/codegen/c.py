@@ -60,6 +60,7 @@ DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: 
 # ms in two of 32: a packed copy used once or twice does not pay for its writes)
 DT_PANELS = 4  # a softmax chain keeps up to this many packed n blocks of D (all of it) for the
 # row blocks of a batch that follow (`_row_block`: reuse_d)
+AT_WHOLE = 1 << 20  # floats of Aᵀ a thread keeps packed whole (all of k, for every l block)
 #: half-precision dtypes and their short names (the C conversions `cf_from_<short>`/`cf_to_<short>`):
 #: 16-bit in and out, fp32 arithmetic inside
 HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
@@ -753,6 +754,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS} /* ... or at most this many strips */"
         )
+    w.line("/* Aᵀ packed whole (all of k, once per row block, kept for every l block) up to this")
+    w.line("   many floats; beyond them one k block at a time, packed again for each l block */")
+    w.line(f"#define AT_WHOLE {AT_WHOLE}L")
+    w.line("#define CF_AK(K, TK) ((K) == (TK) || MPN * (K) <= AT_WHOLE ? (K) : (TK))")
     if spec.epilogue is Epilogue.SOFTMAX:
         w.line(
             "/* packed n blocks of D kept for the next row blocks (reuse_d): all of N, in blocks of"
@@ -780,7 +785,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     with w.block(f"long {name}_workspace(long K, long N, const long* tiles)"):
         w.line("CF_TILES(tiles)")
         w.line("const long TK = K < T_K ? K : T_K;")
-        w.line("const long AK = K; /* Aᵀ: all of k, packed once per row block */")
+        w.line("const long AK = CF_AK(K, TK); /* Aᵀ's k: all of it, or one block */")
         w.line("const long DTN = CF_DTN(N);")
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
@@ -813,7 +818,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long sD0 = strides[6], sD1 = strides[7], sDl = strides[8];")
         w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
         w.line("const long TK = K < T_K ? K : T_K;")
-        w.line("const long AK = K; /* Aᵀ: all of k, packed once per row block */")
+        w.line("const long AK = CF_AK(K, TK); /* Aᵀ's k: all of it, or one block */")
         w.line("const long DTN = CF_DTN(N);")
         w.line("/* the parallel blocks: a batch index and T_MO rows of m (the plan's outermost m")
         w.line("   tile: the blocks its model deals to the cores), run as row blocks of T_M */")
@@ -936,7 +941,7 @@ def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
     T_M x K block of A instead of one over every T_M x T_L tile of scores)."""
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
-        w.line(f"float* restrict strip = At + (long)j * NR * K + {k0} * NR;")
+        w.line(f"float* restrict strip = At + (long)j * NR * AK + (AK == K ? {k0} : 0) * NR;")
         factor = "scale2" if scaled else "1.0f"
         w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, strip, {factor});")
 
@@ -1008,9 +1013,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (long k0 = 0; k0 < K; k0 += TK)"):
             w.line("const int kc = (int)(K - k0 < TK ? K - k0 : TK);")
             w.line(
-                "/* (several k blocks: each packed for the first l block, kept for the others) */"
+                "/* (several k blocks: each packed for the first l block and kept for the others"
             )
-            with w.block("if (TK != K && l0 == l_lo)"):
+            w.line("   where Aᵀ is kept whole, else packed for each) */")
+            with w.block("if (TK != K && (AK != K || l0 == l_lo))"):
                 _pack_at(w, uk, "k0", "kc", softmax)
             if spec.b_transposed:
                 with w.block("for (int s = 0; s * MR < lc; ++s)"):
@@ -1046,7 +1052,9 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 "   (stale floats may be subnormal: a microcode assist per FMA on some cores) */"
             )
             with w.block("for (int j = 0; j * NR < mc; ++j)"):
-                w.line("const float* restrict a = At + (long)j * NR * K + k0 * NR;")
+                w.line(
+                    "const float* restrict a = At + (long)j * NR * AK + (AK == K ? k0 : 0) * NR;"
+                )
                 if spec.kernel.part_cols and in_place:
                     w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
                 if spec.epilogue is Epilogue.RELU:

@@ -435,3 +435,22 @@ def test_describe_says_which_code_runs() -> None:
         rows.startswith(f"  code: the row path for all {ROWS_MAX} rows of m")
         and "micro-kernel" not in rows
     )
+
+
+@pytest.mark.parametrize("between", [None, "relu", "softmax"])
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_packed_whole_or_block_by_block_over_several_k_and_l_blocks(
+    between: str | None, whole: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Aᵀ kept packed for every l block (all of k), or, past AT_WHOLE floats, one k block at a
+    # time packed again for each l block: both give the reference's result (tails in m, k, l)
+    from chainfuse.codegen import c
+
+    if not whole:
+        monkeypatch.setattr(c, "AT_WHOLE", 16)
+    chain = chainfuse.gemm_chain(2, 37, 13, 45, 29, between)
+    kernel = compile(chain, tiles={"m": 20, "l": 7, "k": 8, "n": 6})
+    assert f"#define AT_WHOLE {c.AT_WHOLE}L" in kernel.source
+    inputs = reference.random_inputs(chain, seed=3)
+    out = kernel(*[inputs[t.name] for t in chain.inputs])
+    reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
