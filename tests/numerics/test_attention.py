@@ -608,9 +608,9 @@ def test_grouped_query_attention_matches_reference(
 
 
 def _ours_and_sdpa64(q: Any, k: Any, v: Any, kw: dict[str, object], numpy: bool) -> Any:
-    """chainfuse's attention on torch tensors q, k, v (on their numpy arrays when `numpy`, kw
-    then unused), and PyTorch's SDPA on them and kw's float tensors in float64: both float64
-    arrays of one shape."""
+    """chainfuse's attention on torch tensors q, k, v (on their numpy arrays when `numpy`, of kw
+    then only enable_gqa), and PyTorch's SDPA on them and kw's float tensors in float64: both
+    float64 arrays of one shape."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
@@ -620,13 +620,13 @@ def _ours_and_sdpa64(q: Any, k: Any, v: Any, kw: dict[str, object], numpy: bool)
             for n, x in kw.items()}  # fmt: skip
     theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                             **kw64)  # type: ignore[arg-type]  # fmt: skip
+    gqa = bool(kw.get("enable_gqa", False))
     if numpy:
-        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy())
+        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy(), enable_gqa=gqa)
         assert isinstance(ours, np.ndarray)
     else:
         ours = cft.attention(q, k, v, **kw).numpy()  # type: ignore[arg-type]
-    assert ours.shape == tuple(theirs.shape)
-    gqa = bool(kw.get("enable_gqa", False))  # (the shape a compiler is given: the same)
+    assert ours.shape == tuple(theirs.shape)  # (and the shape a compiler is given: the same)
     assert chainfuse.ops.attention_shape(q.shape, k.shape, v.shape, gqa) == ours.shape
     return ours.astype(np.float64), theirs.numpy()
 
@@ -733,19 +733,10 @@ def test_gqa_with_k_and_v_heads_apart_as_sdpa_groups_them(kind: str) -> None:
         kw["is_causal"] = True
     for _ in range(2):
         q, k, v = (torch.randn(*s, generator=g) for s in (sq, sk, sv))
-        if kind == "numpy":
-            q64, k64, v64 = (x.double() for x in (q, k, v))
-            import torch.nn.functional as F
-
-            theirs = F.scaled_dot_product_attention(q64, k64, v64, enable_gqa=True).numpy()
-            ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy(), enable_gqa=True)
-            assert isinstance(ours, np.ndarray)
-        else:
-            ours, theirs = _ours_and_sdpa64(q, k, v, kw, False)
-        dims = theirs.shape if theirs.ndim == 4 else (1, *theirs.shape[-3:])
-        chain = chainfuse.attention_chain(int(np.prod(theirs.shape[:-3])) if theirs.ndim > 3
-                                          else 1, dims[-3], dims[-2], 29, 17, 24)  # fmt: skip
-        reference.assert_close(np.asarray(ours, np.float64), theirs, chain)
+        ours, theirs = _ours_and_sdpa64(q, k, v, kw, kind == "numpy")
+        batch = int(np.prod(theirs.shape[:-3]))  # (1 for 3-D)
+        chain = chainfuse.attention_chain(batch, theirs.shape[-3], theirs.shape[-2], 29, 17, 24)
+        reference.assert_close(ours, theirs, chain)
 
 
 def test_gqa_heads_that_do_not_divide_qs_are_named() -> None:
