@@ -7,7 +7,9 @@ The thread count reaches a kernel as an ordinary argument (see `get_num_threads`
 
 In-process state, kept on purpose and small: the identity of each compiler path and whether it
 supports OpenMP are probed once per process (``functools.cache``); `load` keeps one `ctypes.CDLL`
-per path (a shared object cannot be unloaded safely anyway); `set_num_threads` stores an override.
+per path (a shared object cannot be unloaded safely anyway); `set_num_threads` stores an override;
+whether a kernel may have started the OpenMP runtime's workers, and whether this process was
+forked after that (`get_num_threads`: such a child runs its kernels on one thread).
 """
 
 from __future__ import annotations
@@ -263,6 +265,18 @@ def _load(path: str) -> ctypes.CDLL:
 
 
 _num_threads: int | None = None
+_threads_ran = False  # a kernel call was given more than one thread (OpenMP workers may exist)
+_forked = False  # ... and this process is a child forked after that (`_after_fork_in_child`)
+_fork_warned = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked, _fork_warned
+    _forked = _forked or _threads_ran
+    _fork_warned = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def set_num_threads(n: int | None) -> None:
@@ -278,5 +292,32 @@ def get_num_threads() -> int:
 
     Generated kernels take this as an argument and pass it to ``num_threads(nt)`` clauses, so no
     OpenMP runtime call is needed and two calls may use different counts.
+
+    In a process forked after a kernel ran on several threads (a ``fork`` start method's worker,
+    a PyTorch DataLoader's) it is 1, with a RuntimeWarning the first time: GNU OpenMP's workers
+    do not survive a fork, and the child's next parallel region would wait for them forever
+    (PyTorch runs such a child's own ops on one thread too). Start the workers with ``spawn`` or
+    ``forkserver`` to give them threads.
     """
-    return _num_threads if _num_threads is not None else config.default_num_threads()
+    global _threads_ran
+    n = _num_threads if _num_threads is not None else config.default_num_threads()
+    if n > 1:
+        if _forked:
+            _warn_forked(n)
+            return 1
+        _threads_ran = True
+    return n
+
+
+def _warn_forked(n: int) -> None:
+    global _fork_warned
+    if not _fork_warned:
+        _fork_warned = True
+        warnings.warn(
+            f"chainfuse: this process was forked after chainfuse's kernels ran on several threads; "
+            f"the OpenMP workers do not survive a fork (GNU OpenMP would hang), so its kernels "
+            f"run on 1 thread, not {n} (start worker processes with 'spawn' or 'forkserver' to "
+            "give them threads)",
+            RuntimeWarning,
+            stacklevel=4,  # (the caller of ops.* or of a kernel)
+        )

@@ -367,3 +367,53 @@ def test_threads_default_override_and_kernel_argument(monkeypatch: pytest.Monkey
     lib.tid_sum.restype = ctypes.c_long
     assert lib.tid_sum(1000, get_num_threads()) == 999 * 1000 // 2
     assert os.environ.get(config.ENV_WAIT_POLICY)  # PASSIVE unless the user chose otherwise
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_after_threaded_kernels_runs_them_on_one_thread() -> None:
+    # GNU OpenMP's workers do not survive a fork: the child's next parallel region waited for
+    # them forever. The child runs its kernels on one thread instead, warns once, and gets the
+    # result the parent got; the parent keeps its threads
+    import select
+    import signal
+
+    from chainfuse import reference
+    from chainfuse.compiler import compile
+
+    chain = chainfuse.attention_chain(2, 4, 256, 256, 64, 64)  # (long enough for 2 threads)
+    inputs = reference.random_inputs(chain, seed=1)
+    args = [inputs[t.name] for t in chain.inputs]
+    set_num_threads(2)
+    try:
+        kernel = compile(chain, threads=2)
+        assert not kernel._alone  # (its calls start the OpenMP workers)
+        want = kernel(*args)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: reports through the pipe, never returns into pytest
+            verdict = b"error"
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = [kernel(*args), chainfuse.ops.attention(*args)]
+                forked = [x for x in caught if "was forked after" in str(x.message)]
+                reference.assert_close(got[0], want, chain)
+                reference.assert_close(got[1], want, chain)
+                ok = len(forked) == 1 and get_num_threads() == 1
+                verdict = b"ok" if ok else f"warnings {len(forked)}".encode()
+            finally:
+                os.write(w, verdict)
+                os._exit(0)
+        os.close(w)
+        ready, _, _ = select.select([r], [], [], 120)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's kernel call hung")
+        verdict = os.read(r, 64)
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert verdict == b"ok"
+        assert get_num_threads() == 2
+    finally:
+        set_num_threads(None)
