@@ -69,8 +69,10 @@ def attention(
 ) -> Any:
     """`torch.nn.functional.scaled_dot_product_attention` semantics (inference, no dropout).
 
-    As in PyTorch, an explicit `attn_mask` together with `is_causal=True` is an error, a boolean
-    mask marks the positions that take part, and a float mask is added to the scores;
+    As in PyTorch's SDPA on CPU, a boolean mask marks the positions that take part, a float mask
+    is added to the scores, and an `attn_mask` together with `is_causal=True` applies both (as
+    its fused kernel does; its math path, taken where v's head dim differs from q's, refuses
+    the pair);
     `enable_gqa=True` lets k and v have fewer heads (a divisor of q's), each serving a group of
     q's heads. `dropout_p` (keyword-only here) must be 0. Inputs that require grad are refused
     while grad mode is on (no backward): use `torch.no_grad()` or `torch.inference_mode()`.
@@ -81,13 +83,8 @@ def attention(
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if attn_mask is not None:
-        if is_causal:
-            raise ValueError("attn_mask: must be None when is_causal=True (as in PyTorch's SDPA)")
-        if attn_mask.dtype not in (torch.bool, q.dtype):
-            raise TypeError(
-                f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}"
-            )
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
+        raise TypeError(f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}")
     if torch.compiler.is_compiling():
         if dropout_p != 0:
             raise ValueError(
@@ -103,8 +100,8 @@ def attention(
 
 def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> str | None:
     """Why chainfuse's kernels cannot run this SDPA call (None: they can). Only what they lack;
-    what PyTorch itself refuses (mismatched shapes, a mask together with is_causal) is not here:
-    chainfuse raises its own error for it."""
+    what PyTorch itself refuses (mismatched shapes) is not here: chainfuse raises its own error
+    for it."""
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         return "arguments that are not tensors"
@@ -142,9 +139,9 @@ class SDPAPatch:
     training, inputs that require grad, 1-D inputs, a last dimension that is not contiguous)
     goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
     per reason; with `strict=True` it is an error instead. `calls` counts the calls chainfuse
-    ran. Errors of the call itself (mismatched shapes, a mask with `is_causal`) are raised as
-    chainfuse raises them, never passed on. Patches nest; each restores what it replaced. The
-    patch is process-wide (the module attribute), not per thread.
+    ran. Errors of the call itself (mismatched shapes) are raised as chainfuse raises them, never
+    passed on. Patches nest; each restores what it replaced. The patch is process-wide (the
+    module attribute), not per thread.
     """
 
     def __init__(self, strict: bool = False) -> None:

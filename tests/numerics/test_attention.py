@@ -247,8 +247,8 @@ def test_attention_argument_errors() -> None:
     import chainfuse.torch as cft
 
     q = torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match="attn_mask: must be None when is_causal=True"):
-        cft.attention(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
+    with pytest.raises(TypeError, match=r"attn_mask: expected dtype bool or torch.float32"):
+        cft.attention(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.int32), is_causal=True)
     with pytest.raises(ValueError, match="k: expected head dim 8"):
         chainfuse.ops.attention(q, torch.randn(1, 2, 5, 7), q)
     with pytest.raises(ValueError, match="does not broadcast"):
@@ -703,6 +703,36 @@ def test_every_broadcast_sdpa_runs_runs_here_alike(
     b, h = theirs.shape[:2]
     reference.assert_close(ours.double().numpy(), theirs.numpy(),
                            chainfuse.attention_chain(b, h, 5, 7, 8, 6))  # fmt: skip
+
+
+@pytest.mark.parametrize("mask", ["additive", "bool", "first-key-masked", "numpy"])
+@pytest.mark.parametrize("seqs", [(33, 29), (29, 33), (1, 29)])
+def test_a_mask_and_is_causal_together_apply_both_as_sdpa_does(
+    mask: str, seqs: tuple[int, int]
+) -> None:
+    # PyTorch's fused CPU SDPA takes both and applies both (a query whose keys both leave out
+    # gets zeros, as with either alone; its math path, taken when v's head dim differs from
+    # q's, refuses the pair, so v's is 17 here too); chainfuse.torch refused the pair before
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(23)
+    sq, sk = seqs
+    if mask in ("additive", "numpy"):
+        m = torch.randn(2, 1, sq, sk, generator=g)
+    elif mask == "bool":
+        m = torch.rand(sq, sk, generator=g) > 0.3
+    else:  # every query's first key masked: the first query has no key left
+        m = torch.ones(sq, sk, dtype=torch.bool)
+        m[:, 0] = False
+    q, k, v = (torch.randn(2, 3, n, 17, generator=g) for n in (sq, sk, sk))
+    if mask == "numpy":
+        import torch.nn.functional as F
+
+        theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                attn_mask=m.double(), is_causal=True).numpy()  # fmt: skip
+        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy(), m.numpy(), True)
+    else:
+        ours, theirs = _ours_and_sdpa64(q, k, v, {"attn_mask": m, "is_causal": True}, False)
+    reference.assert_close(ours, theirs, chainfuse.attention_chain(2, 3, sq, sk, 17, 17))
 
 
 GQA_APART = {  # q, k, v shapes with enable_gqa: k and v of different head counts

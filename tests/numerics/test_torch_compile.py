@@ -47,6 +47,7 @@ class _Graphs:
         "scale",
         "gqa",
         "gqa-apart",
+        "mask-causal",
         "3d",
         "broadcast",
         "3d-broadcast",
@@ -69,6 +70,8 @@ def test_compiled_attention_is_one_operator_and_matches_sdpa(kind: str) -> None:
         kw["scale"] = 0.3
     elif kind == "gqa":
         kw["enable_gqa"] = True
+    elif kind == "mask-causal":  # both applied (SDPA's math path refuses them for d_v != d_qk)
+        kw["attn_mask"], kw["is_causal"], v = torch.randn(2, 1, 65, 47), True, v[..., :40]
     elif kind == "gqa-apart":  # q's 6 heads, k's 3 and v's 2: each grouped on its own
         q, v = torch.cat([q, q], 1), v[:, :2]
         kw["enable_gqa"] = True
