@@ -139,7 +139,9 @@ def _check(
     return ptr, strides
 
 
-def _recheck(name: str, x: Any, shape: tuple[int, ...], dtype: str) -> _Arg:
+def _recheck(
+    name: str, x: Any, shape: tuple[int, ...], dtype: str, inner_contiguous: bool = True
+) -> _Arg:
     """`_check` for an operand whose kind, dtype, device and grad flag a replay key fixed (a
     numpy array or a CPU tensor outside autograd): its shape and strides only, the rest by
     `_check`, which also raises what is wrong."""
@@ -150,7 +152,7 @@ def _recheck(name: str, x: Any, shape: tuple[int, ...], dtype: str) -> _Arg:
         strides = x.stride()
         if strides[-1:] == (1,):
             return x.data_ptr(), strides
-    return _check(name, x, shape, dtype=dtype)
+    return _check(name, x, shape, dtype=dtype, inner_contiguous=inner_contiguous)
 
 
 def _pointer(x: Any) -> int:
@@ -329,16 +331,15 @@ class Kernel(_Built):
         self,
         mask: Any,
         shapes: Mapping[str, tuple[int, ...]],
-        check: Callable[[str, Any, tuple[int, ...], str], _Arg] | None = None,
+        recheck: bool = False,
     ) -> tuple[int, list[int]]:
         """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it
-        broadcasts. `check`: `_check` (the default) or `_recheck`."""
+        broadcasts; checked by `_check`, or by `_recheck` on a replay. The kernels read the mask
+        element by element along l, by its stride: any stride there (0: expanded) will do."""
         assert self._mask_index is not None
         name, dtype, _ = self._mask_index
-        if check is None:
-            ptr, strides = _check(name, mask, shapes[name], dtype=dtype)
-        else:
-            ptr, strides = check(name, mask, shapes[name], dtype)
+        check = _recheck if recheck else _check
+        ptr, strides = check(name, mask, shapes[name], dtype=dtype, inner_contiguous=False)
         return ptr, [strides[i] if i >= 0 else 0 for i in self._mask_dims]
 
     def _prepare(self) -> None:
@@ -462,7 +463,7 @@ class Kernel(_Built):
         pointers = [b_ptr, d_ptr]
         mask_strides = None
         if self._mask_index is not None:
-            mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes, _recheck)
+            mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes, recheck=True)
             pointers.append(mask_ptr)
         return pointers, new, mask_strides
 

@@ -548,6 +548,9 @@ def attention(
     mask_shape = None
     if attn_mask is not None:
         mask_shape = _shape("attn_mask", attn_mask, float32=False)
+        if len(mask_shape) < 2:  # a scalar or one row of keys: [1, 1] / [1, seq_k], broadcast
+            mask_shape = (1,) * (2 - len(mask_shape)) + mask_shape
+            attn_mask = attn_mask.reshape(mask_shape)
         mask_dtype = str(getattr(attn_mask, "dtype", ""))
         mask_kind = "bool" if mask_dtype in ("bool", "torch.bool") else "additive"
         if flat and not lifted and len(mask_shape) == 3:  # [batch, seq_q, seq_k], 3-D inputs

@@ -124,8 +124,8 @@ def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> st
         return "inputs that require grad"
     if min(q.dim(), k.dim(), v.dim()) < 2:
         return f"{min(q.dim(), k.dim(), v.dim())}-D inputs"
-    for t in (q, k, v, attn_mask):
-        if t is not None and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    for t in (q, k, v):  # (the mask is read element by element: any strides)
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
             return "a last dimension that is not contiguous"
     return None
 

@@ -735,6 +735,45 @@ def test_a_mask_and_is_causal_together_apply_both_as_sdpa_does(
     reference.assert_close(ours, theirs, chainfuse.attention_chain(2, 3, sq, sk, 17, 17))
 
 
+@pytest.mark.parametrize("kind", ["expanded-keys", "every-other", "numpy-broadcast", "bool-expanded",
+                                  "scalar", "scalar-bool", "keys-1d", "patch"])  # fmt: skip
+def test_masks_of_any_strides_and_fewer_dims_broadcast(kind: str) -> None:
+    # a mask is read element by element, by its strides: one expanded along the keys (stride 0)
+    # or sliced runs in place (it was "its last dimension must be contiguous"); a 0-D or 1-D
+    # mask broadcasts as [1, 1] / [1, seq_k] (SDPA refuses both: compared with its 2-D form;
+    # a 0-D one was an IndexError)
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import chainfuse.torch as cft
+
+    g = torch.Generator().manual_seed(29)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=g) for n in (21, 19, 19))
+    base = torch.randn(21, 38, generator=g)
+    mask = {
+        "expanded-keys": base[:, :1].expand(21, 19), "every-other": base[:, ::2],
+        "bool-expanded": (base[:1, :19] > 0).expand(21, 19), "scalar": torch.tensor(0.7),
+        "scalar-bool": torch.tensor(True), "keys-1d": base[0, :19], "patch": base[:, ::2],
+    }.get(kind)  # fmt: skip
+    if kind == "numpy-broadcast":
+        m = np.broadcast_to(base[:1, :19].numpy(), (2, 3, 21, 19))
+        ours = chainfuse.ops.attention(q.numpy(), k.numpy(), v.numpy(), attn_mask=m)
+        full = torch.from_numpy(np.ascontiguousarray(m))
+    else:
+        assert mask is not None
+        if kind == "patch":
+            with cft.patch_sdpa(strict=True) as patch, torch.no_grad():
+                ours = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).numpy()
+            assert patch.calls == 1
+        else:
+            ours = cft.attention(q, k, v, attn_mask=mask).numpy()
+        full = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape)).expand(21, 19) \
+            if mask.dim() < 2 else mask  # fmt: skip
+    full = full if full.dtype == torch.bool else full.double()
+    theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=full)
+    reference.assert_close(ours, theirs.numpy(), chainfuse.attention_chain(2, 3, 21, 19, 16, 16))
+
+
 GQA_APART = {  # q, k, v shapes with enable_gqa: k and v of different head counts
     "k-fewer": ((2, 8, 33, 17), (2, 2, 29, 17), (2, 4, 29, 24)),
     "v-fewer": ((2, 8, 33, 17), (2, 4, 29, 17), (2, 2, 29, 24)),
