@@ -367,6 +367,11 @@ def gemm_chain(
     inputs) of the inputs' kind; `out=` writes into a preallocated result. Zero-size
     dimensions give what numpy's matmul gives (an empty result, or zeros for K = 0 or L = 0;
     the mean of D's rows for K = 0 with softmax, whose scores are then all equal).
+
+    Other ranks broadcast as numpy's matmul broadcasts them: A [..., M, K], B [..., K, L],
+    D [..., L, N], the batch dims aligned from the right, each equal or 1 (`gemm_chain_shape`).
+    An MLP's x [batch, tokens, dim] with 2-D weights is one call over batch x tokens rows (the
+    weights read once), where x's rows lie evenly in memory (see `_gemm_chain_broadcast`).
     """
     threads = get_num_threads()
     key = None
@@ -378,8 +383,12 @@ def gemm_chain(
             if hit is not None:
                 return _replay(hit, (A, B, D), out, threads)
     dtype, (sa, sb, sd) = _operands("A, B, D", A, B, D)
-    if not len(sa) == len(sb) == len(sd) or len(sa) not in (2, 3):
-        raise ValueError(f"A, B, D: expected all 2-D or all 3-D, got shapes {sa}, {sb}, {sd}")
+    if (
+        not len(sa) == len(sb) == len(sd)
+        or len(sa) not in (2, 3)
+        or not sa[:-2] == sb[:-2] == sd[:-2]
+    ):
+        return _gemm_chain_broadcast(A, B, D, between, out, (sa, sb, sd))
     _inference_only("A, B, D", A, B, D)
     _on_cpu("A, B, D, out", A, B, D, out)
     flat = len(sa) == 2
@@ -391,8 +400,6 @@ def gemm_chain(
             out = out[None]
     operands = (A, B, D)
     batch, M, K = sa
-    if sb[0] != batch or sd[0] != batch:
-        raise ValueError(f"A, B, D: batch sizes differ: {sa[0]}, {sb[0]}, {sd[0]}")
     if sb[1] != K:
         raise ValueError(f"B: expected {K} rows (A's K), got shape {sb[1:]}")
     L = sb[2]
@@ -582,6 +589,72 @@ def attention(
     return result
 
 
+def gemm_chain_shape(sa: Sequence[Any], sb: Sequence[Any], sd: Sequence[Any]) -> tuple[Any, ...]:
+    """The shape of `gemm_chain`'s result for A, B, D of shapes `sa`, `sb`, `sd` (2-D and up,
+    batch dims broadcast as numpy's matmul broadcasts them; sizes may be symbolic), after the
+    checks `gemm_chain` makes of them, raising the same errors."""
+    if min(len(sa), len(sb), len(sd)) < 2:
+        raise ValueError(
+            f"A, B, D: expected [..., rows, cols] each, got shapes {tuple(sa)}, {tuple(sb)}, "
+            f"{tuple(sd)}"
+        )
+    if sb[-2] != sa[-1]:
+        raise ValueError(f"B: expected {sa[-1]} rows (A's K), got shape {tuple(sb[-2:])}")
+    if sd[-2] != sb[-1]:
+        raise ValueError(f"D: expected {sb[-1]} rows (B's L), got shape {tuple(sd[-2:])}")
+    n = max(len(sa), len(sb), len(sd)) - 2
+    pa, pb, pd = ((1,) * (n + 2 - len(s)) + tuple(s) for s in (sa, sb, sd))
+    return (*_batch_dims(pa, pb, pd, n, "A, B, D"), sa[-2], sd[-1])
+
+
+def _gemm_chain_broadcast(
+    A: Any, B: Any, D: Any, between: Any, out: Any, shapes: tuple[tuple[int, ...], ...]
+) -> Any:
+    """`gemm_chain` on operands of other ranks than all 2-D or all 3-D, or 3-D ones of different
+    batch sizes: the batch dims broadcast (`gemm_chain_shape`). Where B and D have no batch of
+    their own (2-D weights, an MLP's) and A's batch and rows lie evenly in memory (a contiguous
+    A does), A is seen as [batch x M, K]: one 2-D call, the weights read once. Else every
+    operand is stretched to the batch shape (stride 0, no copy) and the batch dims merged into
+    one where their strides allow (one 3-D call), or one 3-D call per index of all but the
+    last. `out` (the result's shape) is written in place where it is contiguous."""
+    sa, sb, sd = shapes
+    shape = gemm_chain_shape(sa, sb, sd)
+    n = len(shape) - 2
+    lead = shape[:n]
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+    pa, pb, pd = ((1,) * (n + 2 - len(s)) + s for s in shapes)
+    A, B, D = A.reshape(pa), B.reshape(pb), D.reshape(pd)  # (views: leading dims of 1)
+    whole = out is not None and (out.is_contiguous() if _is_torch(out) else out.flags.c_contiguous)
+    if 0 in shape:  # an empty result (a sum over no k or l has rows: the calls below)
+        return _no_work("A", A, shape, 0, out)
+    if pb[:n] == pd[:n] == (1,) * n and pa[:n] == lead:
+        rows = _lead_merged(A, n + 1)  # [batch x M, K]
+        if rows is not None:
+            flat = out.reshape(-1, shape[-1]) if whole else None
+            part = gemm_chain(rows, B.reshape(pb[n:]), D.reshape(pd[n:]), between, out=flat)
+            return out if flat is not None else _written(part.reshape(shape), out)
+    operands = [_stretched(x, (*lead, *x.shape[n:])) for x in (A, B, D)]
+    merged = [_lead_merged(x, n) for x in operands]
+    if all(x is not None for x in merged):
+        flat = out.reshape(-1, *shape[n:]) if whole else None
+        part = gemm_chain(merged[0], merged[1], merged[2], between, out=flat)
+        return out if flat is not None else _written(part.reshape(shape), out)
+    result = out if out is not None else _result(A, shape)[0]
+    for at in np.ndindex(*lead[:-1]):
+        result[at] = gemm_chain(operands[0][at], operands[1][at], operands[2][at], between)
+    return result
+
+
+def _written(result: Any, out: Any) -> Any:
+    """`result`, or `out` with `result` copied into it (an `out=` the kernel could not write in
+    place: not contiguous)."""
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
 def attention_dims(
     sq: Sequence[Any], sk: Sequence[Any], sv: Sequence[Any], gqa: bool
 ) -> tuple[Any, Any, Any]:
@@ -653,15 +726,17 @@ def attention_shape(
     return shape[len(shape) - rank :]
 
 
-def _batch_dims(sq: Sequence[Any], sk: Sequence[Any], sv: Sequence[Any], n: int) -> tuple[Any, ...]:
+def _batch_dims(
+    sq: Sequence[Any], sk: Sequence[Any], sv: Sequence[Any], n: int, names: str = "q, k, v"
+) -> tuple[Any, ...]:
     """The first `n` dims of shapes `sq`, `sk`, `sv` broadcast (each equal or 1; sizes may be
-    symbolic), or a ValueError naming them."""
+    symbolic), or a ValueError naming them (as `names`)."""
     batch = []
     for dims in zip(sq[:n], sk[:n], sv[:n], strict=True):
         wide = [d for d in dims if d != 1]
         if any(d != wide[0] for d in wide):
             raise ValueError(
-                f"q, k, v: batch dims {tuple(sq[:n])}, {tuple(sk[:n])}, {tuple(sv[:n])} "
+                f"{names}: batch dims {tuple(sq[:n])}, {tuple(sk[:n])}, {tuple(sv[:n])} "
                 "do not broadcast"
             )
         batch.append(wide[0] if wide else 1)

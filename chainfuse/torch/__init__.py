@@ -226,17 +226,9 @@ def _gemm_chain_op(
 def _gemm_chain_shape(
     A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
 ) -> torch.Tensor:
-    """[.., M, N] of A's dtype, contiguous; the sizes checked as `ops.gemm_chain` checks them."""
-    if not A.dim() == B.dim() == D.dim() or A.dim() not in (2, 3):
-        raise ValueError(
-            f"A, B, D: expected all 2-D or all 3-D, got shapes {tuple(A.shape)}, "
-            f"{tuple(B.shape)}, {tuple(D.shape)}"
-        )
-    if B.shape[-2] != A.shape[-1]:
-        raise ValueError(f"B: expected {A.shape[-1]} rows (A's K), got shape {tuple(B.shape)}")
-    if D.shape[-2] != B.shape[-1]:
-        raise ValueError(f"D: expected {B.shape[-1]} rows (B's L), got shape {tuple(D.shape)}")
-    return A.new_empty((*A.shape[:-1], D.shape[-1]))
+    """[..., M, N] of A's dtype, contiguous, the batch dims broadcast: `ops.gemm_chain_shape`,
+    which checks the sizes as `ops.gemm_chain` checks them."""
+    return A.new_empty(ops.gemm_chain_shape(A.shape, B.shape, D.shape))
 
 
 def gemm_chain(A: Any, B: Any, D: Any, between: str | None = None) -> Any:

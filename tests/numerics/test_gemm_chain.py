@@ -454,3 +454,71 @@ def test_a_packed_whole_or_block_by_block_over_several_k_and_l_blocks(
     inputs = reference.random_inputs(chain, seed=3)
     out = kernel(*[inputs[t.name] for t in chain.inputs])
     reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+
+
+BROADCAST_SHAPES = st.sampled_from([  # A, B, D shapes: numpy matmul's batch broadcasting
+    ((3, 5, 7), (7, 9), (9, 4)),  # an MLP: tokens of a batch, 2-D weights
+    ((2, 3, 5, 7), (7, 9), (9, 4)),
+    ((5, 7), (2, 7, 9), (2, 9, 4)),  # one A for a batch of weights
+    ((2, 5, 7), (1, 7, 9), (2, 9, 4)),
+    ((2, 5, 7), (7, 9), (2, 9, 4)),
+    ((2, 1, 3, 5, 7), (1, 4, 1, 7, 9), (9, 4)),
+    ((0, 5, 7), (7, 9), (9, 4)),  # empty results
+    ((3, 0, 7), (7, 9), (9, 4)),
+    ((3, 5, 0), (0, 9), (9, 4)),  # a sum over no k: zeros (softmax: D's rows' mean)
+])  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=BROADCAST_SHAPES, between=BETWEEN, strided=st.booleans(), kind=st.sampled_from(
+    ["numpy", "torch", "out", "strided-out"]))  # fmt: skip
+def test_batch_dims_broadcast_as_numpys_matmul(
+    shapes: tuple[tuple[int, ...], ...], between: str | None, strided: bool, kind: str
+) -> None:
+    # against the float64 reference of the same chain on the operands broadcast to the batch
+    # shape; A's rows every other row in memory too (`strided`), `out=` contiguous or not
+    sa, sb, sd = shapes
+    rng = np.random.default_rng(sum(map(sum, shapes)))
+    A = rng.standard_normal((*sa[:-2], 2 * sa[-2], sa[-1])).astype(np.float32)
+    A = A[..., ::2, :] if strided else A[..., : sa[-2], :]
+    B, D = (rng.standard_normal(s).astype(np.float32) for s in (sb, sd))
+    shape = chainfuse.ops.gemm_chain_shape(sa, sb, sd)
+    lead = shape[:-2]
+    batch = int(np.prod(lead))
+    chain = chainfuse.gemm_chain(
+        *(max(1, n) for n in (batch, sa[-2], sd[-1], sa[-1], sb[-1])), between
+    )  # (a chain for the tolerance: sizes of at least 1)
+    if 0 in shape:  # (an empty result)
+        want = np.zeros(shape)
+    elif sa[-1] == 0:  # scores of a sum over no k: 0, each weighing 1/L under a softmax
+        scores = np.full((*lead, sa[-2], sb[-1]), 1 / sb[-1] if between == "softmax" else 0.0)
+        want = scores @ D.astype(np.float64)
+    else:
+        a, b, d = (np.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(batch, *x.shape[-2:])
+                   for x in (A, B, D))  # fmt: skip
+        want = reference.run(chain, {"A": a, "B": b, "D": d})["E"].reshape(shape)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        got = chainfuse.ops.gemm_chain(*(torch.from_numpy(np.ascontiguousarray(x))
+                                         for x in (A, B, D)), between=between).numpy()  # fmt: skip
+    elif kind in ("out", "strided-out"):
+        out = np.full((*shape[:-1], 2 * shape[-1]), np.nan, np.float32)
+        out = out[..., ::2] if kind == "strided-out" else out[..., : shape[-1]].copy()
+        got = chainfuse.ops.gemm_chain(A, B, D, between=between, out=out)
+        assert got is out
+    else:
+        got = chainfuse.ops.gemm_chain(A, B, D, between=between)
+    assert got.shape == shape
+    reference.assert_close(got, want, chain)
+
+
+def test_batch_dims_that_do_not_broadcast_are_named() -> None:
+    z = np.zeros
+    with pytest.raises(ValueError, match=r"A, B, D: batch dims \(2,\), \(3,\), \(3,\) do not"):
+        chainfuse.ops.gemm_chain(z((2, 5, 7), np.float32), z((3, 7, 9), np.float32),
+                                 z((3, 9, 4), np.float32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"A, B, D: expected \[\.\.\., rows, cols\] each"):
+        chainfuse.ops.gemm_chain(z(7, np.float32), z((7, 9), np.float32), z((9, 4), np.float32))
+    with pytest.raises(ValueError, match=r"out: expected shape \(3, 5, 4\)"):
+        chainfuse.ops.gemm_chain(z((3, 5, 7), np.float32), z((7, 9), np.float32),
+                                 z((9, 4), np.float32), out=z((5, 4), np.float32))  # fmt: skip

@@ -209,6 +209,22 @@ def test_compiled_gemm_chain_is_one_operator_and_matches_reference(
     reference.assert_close(ours.numpy(), want if batched else want[0], chain, inputs=x)
 
 
+def test_compiled_mlp_on_3d_tokens_with_2d_weights_is_one_operator() -> None:
+    # x [batch, tokens, dim] with 2-D weights: the operator's shape function broadcasts as
+    # ops.gemm_chain does (one call over batch x tokens rows)
+    g = torch.Generator().manual_seed(5)
+    x, w1, w2 = torch.randn(3, 17, 24, generator=g), torch.randn(24, 40, generator=g), \
+        torch.randn(40, 24, generator=g)  # fmt: skip
+    backend = _Graphs()
+    compiled = torch.compile(lambda a, b, d: cft.gemm_chain(a, b, d, "gelu") + a,
+                             backend=backend, fullgraph=True)  # fmt: skip
+    ours = compiled(x, w1, w2)
+    assert backend.targets().count(GEMM) == 1 and ours.shape == (3, 17, 24)
+    want = torch.nn.functional.gelu(x.double() @ w1.double()) @ w2.double() + x.double()
+    reference.assert_close(ours.double().numpy(), want.numpy(),
+                           chainfuse.gemm_chain(1, 51, 24, 24, 40, "gelu"))  # fmt: skip
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_compiled_conv_chain_matches_the_eager_kernel_in_its_layout(channels_last: bool) -> None:
     g = torch.Generator().manual_seed(4)
