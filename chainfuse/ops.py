@@ -940,7 +940,8 @@ def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[in
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
     if len(shape) != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {shape}")
+        also = " [N, C, H, W] (or 3, [C, H, W]: one image)" if batch else ""
+        raise ValueError(f"{name}: expected {ndim} dims{also}, got shape {shape}")
     if any(s <= 0 for s in shape[int(batch) :]) or shape[0] < 0:
         what = "sizes after the batch" if batch else "sizes"
         raise ValueError(f"{name}: {what} must be positive, got shape {shape}")
@@ -1012,8 +1013,13 @@ def conv_chain(
     windows touching the padding are packed), NCHW input row band by row band through a
     channels-last buffer per thread. The result has `x`'s kind and memory order (numpy: NCHW),
     or is written into `out` (channels-last: in place; NCHW: a band of rows at a time through a
-    channels-last buffer per thread).
+    channels-last buffer per thread). An unbatched `x` [C, H, W] gives [K2, P, Q], as PyTorch's
+    conv2d does.
     """
+    if len(getattr(x, "shape", ())) == 3:  # unbatched: one image, as conv2d takes it
+        one = conv_chain(x[None], w1, w2, b1, b2, stride, padding, between, after,
+                         None if out is None else out[None])  # fmt: skip
+        return one[0] if out is None else out
     threads = get_num_threads()
     key = None
     if (

@@ -341,6 +341,8 @@ def conv_chain(
     if torch.compiler.is_compiling():
         _refuse_grad("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
         pairs = _pair("stride", stride), _pair("padding", padding)
+        if x.dim() == 3:  # unbatched [C, H, W]: one image, as conv2d takes it
+            return _conv_chain_op(x[None], w1, w2, b1, b2, *pairs, between, after)[0]
         return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
     return ops.conv_chain(x, w1, w2, b1, b2, stride=stride, padding=padding, between=between,
                           after=after)  # fmt: skip

@@ -367,6 +367,7 @@ def _args() -> tuple[np.ndarray[Any, Any], ...]:
         (lambda x, w1, w2: (x, w1.astype(np.float16), w2), r"w1: expected dtype float32"),
         (lambda x, w1, w2: (x[..., ::2, :], w1, w2), r"x: expected a NCHW or channels_last"),
         (lambda x, w1, w2: (x, w1, w2[0]), r"w2: expected 4 dims"),
+        (lambda x, w1, w2: (x[0, 0], w1, w2), r"x: expected 4 dims \[N, C, H, W\] \(or 3"),
         (lambda x, w1, w2: ([[1.0]], w1, w2), r"x: expected a numpy array or a torch tensor"),
     ],
 )
@@ -418,3 +419,26 @@ def test_a_fused_block_too_big_for_l1_still_compiles() -> None:
     x = reference.random_inputs(chain)
     out = kernel(x["X"], x["W1"], x["W2"])
     reference.assert_close(out, reference.run(chain, x)["Y2"], chain)
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy", "out", "channels-last"])
+def test_one_unbatched_image_as_conv2d_takes_it(kind: str) -> None:
+    # x [C, H, W] gives [K2, P, Q], as PyTorch's conv2d does for an unbatched input
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 5, 12, 9, generator=g)
+    if kind == "channels-last":
+        x = x.to(memory_format=torch.channels_last)
+    x = x[0]
+    w1, w2 = torch.randn(7, 5, 3, 3, generator=g), torch.randn(4, 7, 1, 1, generator=g)
+    kw: dict[str, Any] = {"stride": (2, 1), "padding": (1, 0), "between": "relu"}
+    theirs = F.conv2d(F.relu(F.conv2d(x.double(), w1.double(), None, 2, 1)), w2.double())
+    if kind == "numpy":
+        ours = torch.from_numpy(ops.conv_chain(x.numpy(), w1.numpy(), w2.numpy(), **kw))
+    elif kind == "out":
+        out = torch.empty(4, 6, 5)
+        assert ops.conv_chain(x, w1, w2, out=out, **kw) is out
+        ours = out
+    else:
+        ours = ops.conv_chain(x, w1, w2, **kw)
+    assert ours.shape == theirs.shape == (4, 6, 5)
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-5)

@@ -225,11 +225,13 @@ def test_compiled_mlp_on_3d_tokens_with_2d_weights_is_one_operator() -> None:
                            chainfuse.gemm_chain(1, 51, 24, 24, 40, "gelu"))  # fmt: skip
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_compiled_conv_chain_matches_the_eager_kernel_in_its_layout(channels_last: bool) -> None:
+@pytest.mark.parametrize("channels_last", [False, True, "unbatched"])
+def test_compiled_conv_chain_matches_the_eager_kernel_in_its_layout(
+    channels_last: bool | str,
+) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 8, 13, 11, generator=g)
-    if channels_last:
+    if channels_last is True:
         x = x.to(memory_format=torch.channels_last)
     w1, w2 = torch.randn(16, 8, 3, 3, generator=g) / 8, torch.randn(12, 16, 1, 1, generator=g) / 4
     b1, b2 = torch.randn(16, generator=g), torch.randn(12, generator=g)
@@ -237,11 +239,17 @@ def test_compiled_conv_chain_matches_the_eager_kernel_in_its_layout(channels_las
     backend = _Graphs()
     compiled = torch.compile(lambda *a: cft.conv_chain(*a, **kw), backend=backend,
                              fullgraph=True)  # fmt: skip
-    ours = compiled(x, w1, w2, b1, b2)
-    eager = cft.conv_chain(x, w1, w2, b1, b2, **kw)
+    if channels_last == "unbatched":  # [C, H, W]: one image, [K2, P, Q] out
+        ours, eager = compiled(x[1], w1, w2, b1, b2), cft.conv_chain(x[1], w1, w2, b1, b2, **kw)
+        assert ours.shape == (12, 7, 6) and torch.equal(ours, eager)
+        ours, eager = ours[None], eager[None]
+        x = x[1:]
+    else:
+        ours = compiled(x, w1, w2, b1, b2)
+        eager = cft.conv_chain(x, w1, w2, b1, b2, **kw)
+        assert ours.shape == (2, 12, 7, 6) and ours.stride() == eager.stride()
+        assert ours.is_contiguous(memory_format=torch.channels_last) is channels_last
     assert backend.targets().count(CONV) == 1
-    assert ours.shape == (2, 12, 7, 6) and ours.stride() == eager.stride()
-    assert ours.is_contiguous(memory_format=torch.channels_last) is channels_last
     assert torch.equal(ours, eager)  # the same kernel on the same numbers
     theirs = F.relu(F.conv2d(F.relu(F.conv2d(x.double(), w1.double(), b1.double(), 2, 1)),
                              w2.double(), b2.double()))  # fmt: skip
