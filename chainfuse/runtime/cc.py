@@ -14,6 +14,7 @@ forked after that (`get_num_threads`: such a child runs its kernels on one threa
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import enum
 import functools
@@ -265,6 +266,10 @@ def _load(path: str) -> ctypes.CDLL:
 
 
 _num_threads: int | None = None
+# a front end's thread count for the calls it makes (`call_threads`): chainfuse.torch's, torch's
+_call_threads: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "chainfuse_call_threads", default=None
+)
 _threads_ran = False  # a kernel call was given more than one thread (OpenMP workers may exist)
 _forked = False  # ... and this process is a child forked after that (`_after_fork_in_child`)
 _fork_warned = False
@@ -291,7 +296,9 @@ def get_num_threads() -> int:
     """Threads a kernel call should use: the `set_num_threads` value, else the config default.
 
     Generated kernels take this as an argument and pass it to ``num_threads(nt)`` clauses, so no
-    OpenMP runtime call is needed and two calls may use different counts.
+    OpenMP runtime call is needed and two calls may use different counts. Inside a front end's
+    `call_threads` (chainfuse.torch's functions: ``torch.get_num_threads()``) its count comes
+    before the default, after an explicit `set_num_threads`.
 
     In a process forked after a kernel ran on several threads (a ``fork`` start method's worker,
     a PyTorch DataLoader's) it is 1, with a RuntimeWarning the first time: GNU OpenMP's workers
@@ -300,13 +307,26 @@ def get_num_threads() -> int:
     ``forkserver`` to give them threads.
     """
     global _threads_ran
-    n = _num_threads if _num_threads is not None else config.default_num_threads()
+    n = _num_threads
+    if n is None:
+        n = _call_threads.get() or config.default_num_threads()
     if n > 1:
         if _forked:
             _warn_forked(n)
             return 1
         _threads_ran = True
     return n
+
+
+def call_threads(n: int) -> contextvars.Token[int | None]:
+    """Make `get_num_threads` answer `n` (unless `set_num_threads` set a count) in this context
+    until ``reset_call_threads(token)``: a front end's calls follow its library's setting."""
+    return _call_threads.set(n)
+
+
+def reset_call_threads(token: contextvars.Token[int | None]) -> None:
+    """Undo the `call_threads` that returned `token`."""
+    _call_threads.reset(token)
 
 
 def _warn_forked(n: int) -> None:

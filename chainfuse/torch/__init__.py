@@ -6,6 +6,9 @@ with shape functions, so that `torch.compile` (and `torch.export`) keep each in 
 as one opaque call instead of tracing into chainfuse's Python, where they would break the graph
 at the kernel's ctypes call. Called outside a compiled region, they run the kernel directly:
 the dispatcher's per-call cost stays out of a short call.
+
+Their kernels run on ``torch.get_num_threads()`` threads, as PyTorch's own ops do, unless
+`chainfuse.set_num_threads` set a count.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from chainfuse import ops
+from chainfuse.runtime.cc import call_threads, reset_call_threads
 
 __all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
 
@@ -33,9 +37,13 @@ def _attention_op(
     enable_gqa: bool,
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.attention`, which checks every argument."""
-    out: torch.Tensor = ops.attention(
-        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-    )
+    token = call_threads(torch.get_num_threads())
+    try:
+        out: torch.Tensor = ops.attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    finally:
+        reset_call_threads(token)
     return out
 
 
@@ -94,8 +102,12 @@ def attention(
         _refuse_grad("q, k, v, attn_mask", q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
-    return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                         dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
+    token = call_threads(torch.get_num_threads())
+    try:
+        return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                             dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
+    finally:
+        reset_call_threads(token)
 
 
 def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> str | None:
@@ -218,7 +230,11 @@ def _gemm_chain_op(
     A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.gemm_chain`, which checks every argument."""
-    out: torch.Tensor = ops.gemm_chain(A, B, D, between=between)
+    token = call_threads(torch.get_num_threads())
+    try:
+        out: torch.Tensor = ops.gemm_chain(A, B, D, between=between)
+    finally:
+        reset_call_threads(token)
     return out
 
 
@@ -238,7 +254,11 @@ def gemm_chain(A: Any, B: Any, D: Any, between: str | None = None) -> Any:
     if torch.compiler.is_compiling():
         _refuse_grad("A, B, D", A, B, D)
         return _gemm_chain_op(A, B, D, between)
-    return ops.gemm_chain(A, B, D, between=between)
+    token = call_threads(torch.get_num_threads())
+    try:
+        return ops.gemm_chain(A, B, D, between=between)
+    finally:
+        reset_call_threads(token)
 
 
 def _conv_out(x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
@@ -291,8 +311,12 @@ def _conv_chain_op(
     """The operator's CPU kernel: `ops.conv_chain` into a result laid out as `_conv_out` says
     (`ops.conv_chain` checks every argument)."""
     out = _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
-    ops.conv_chain(x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
-                   padding=(padding[0], padding[1]), between=between, after=after, out=out)  # fmt: skip
+    token = call_threads(torch.get_num_threads())
+    try:
+        ops.conv_chain(x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
+                       padding=(padding[0], padding[1]), between=between, after=after, out=out)  # fmt: skip
+    finally:
+        reset_call_threads(token)
     return out
 
 
@@ -344,5 +368,9 @@ def conv_chain(
         if x.dim() == 3:  # unbatched [C, H, W]: one image, as conv2d takes it
             return _conv_chain_op(x[None], w1, w2, b1, b2, *pairs, between, after)[0]
         return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
-    return ops.conv_chain(x, w1, w2, b1, b2, stride=stride, padding=padding, between=between,
-                          after=after)  # fmt: skip
+    token = call_threads(torch.get_num_threads())
+    try:
+        return ops.conv_chain(x, w1, w2, b1, b2, stride=stride, padding=padding,
+                              between=between, after=after)  # fmt: skip
+    finally:
+        reset_call_threads(token)

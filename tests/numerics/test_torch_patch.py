@@ -160,3 +160,36 @@ def test_a_model_compiled_inside_the_patch_keeps_chainfuses_operator() -> None:
     assert torch.ops.chainfuse.attention.default in targets
     reference.assert_close(got.double().numpy(), want.double().numpy(),
                            chainfuse.attention_chain(2, 4, 29, 29, 12, 12))  # fmt: skip
+
+
+def test_chainfuse_torch_runs_on_torchs_threads_unless_chainfuse_set_a_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a model's calls follow torch.set_num_threads as PyTorch's own ops do (a server that runs
+    # each worker on one thread is not oversubscribed by the patch); chainfuse's own setting wins
+    seen: list[tuple[str, int]] = []
+    for name in ("attention", "gemm_chain"):
+        real = getattr(chainfuse.ops, name)
+
+        def spy(*a: Any, real: Any = real, name: str = name, **k: Any) -> Any:
+            seen.append((name, chainfuse.get_num_threads()))
+            return real(*a, **k)
+
+        monkeypatch.setattr(chainfuse.ops, name, spy)
+    q, w = torch.randn(1, 2, 9, 8), torch.randn(8, 8)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cft.attention(q, q, q)
+            cft.gemm_chain(q[0, 0], w, w, "relu")
+            with cft.patch_sdpa(strict=True), torch.no_grad():
+                F.scaled_dot_product_attention(q, q, q)
+        chainfuse.set_num_threads(2)
+        torch.set_num_threads(1)
+        cft.attention(q, q, q)
+    finally:
+        chainfuse.set_num_threads(None)
+        torch.set_num_threads(before)
+    assert [n for _, n in seen] == [1, 1, 1, 2, 2, 2, 2]
+    assert [name for name, _ in seen][:3] == ["attention", "gemm_chain", "attention"]
