@@ -458,9 +458,10 @@ def attention(
     q, a divisor of them; key head j serves query heads j*g .. j*g + g-1 (g = q's heads / k's),
     read in place, never repeated in memory. k and v may have different head counts then, each
     a divisor of q's (each grouped on its own, as PyTorch does): both are repeated along the
-    heads to the least common multiple of the two (a copy of one or both, as large as they are). `dropout_p` is accepted for SDPA's signature and
-    must be 0 (inference). torch inputs that require grad are refused while grad mode is on:
-    the kernel has no backward, and a result silently cut from the graph would be wrong later.
+    heads to the least common multiple of the two (a copy of one or both, as large as they
+    are). `dropout_p` is accepted for SDPA's signature and must be 0 (inference). torch inputs
+    that require grad are refused while grad mode is on: the kernel has no backward, and a
+    result silently cut from the graph would be wrong later.
     """
     threads = get_num_threads()
     key = by_keys = None

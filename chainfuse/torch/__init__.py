@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -24,6 +25,16 @@ from chainfuse import ops
 from chainfuse.runtime.cc import call_threads, reset_call_threads
 
 __all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
+
+
+def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` with its kernels on ``torch.get_num_threads()`` threads, as
+    PyTorch's own ops run (unless `chainfuse.set_num_threads` set a count)."""
+    token = call_threads(torch.get_num_threads())
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        reset_call_threads(token)
 
 
 @torch.library.custom_op("chainfuse::attention", mutates_args=(), device_types="cpu")
@@ -37,13 +48,10 @@ def _attention_op(
     enable_gqa: bool,
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.attention`, which checks every argument."""
-    token = call_threads(torch.get_num_threads())
-    try:
-        out: torch.Tensor = ops.attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-        )
-    finally:
-        reset_call_threads(token)
+    out: torch.Tensor = _on_torch_threads(
+        ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa,
+    )  # fmt: skip
     return out
 
 
@@ -102,12 +110,8 @@ def attention(
         _refuse_grad("q, k, v, attn_mask", q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
-    token = call_threads(torch.get_num_threads())
-    try:
-        return ops.attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                             dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
-    finally:
-        reset_call_threads(token)
+    return _on_torch_threads(ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                             scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
 
 
 def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> str | None:
@@ -230,11 +234,7 @@ def _gemm_chain_op(
     A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.gemm_chain`, which checks every argument."""
-    token = call_threads(torch.get_num_threads())
-    try:
-        out: torch.Tensor = ops.gemm_chain(A, B, D, between=between)
-    finally:
-        reset_call_threads(token)
+    out: torch.Tensor = _on_torch_threads(ops.gemm_chain, A, B, D, between=between)
     return out
 
 
@@ -254,11 +254,7 @@ def gemm_chain(A: Any, B: Any, D: Any, between: str | None = None) -> Any:
     if torch.compiler.is_compiling():
         _refuse_grad("A, B, D", A, B, D)
         return _gemm_chain_op(A, B, D, between)
-    token = call_threads(torch.get_num_threads())
-    try:
-        return ops.gemm_chain(A, B, D, between=between)
-    finally:
-        reset_call_threads(token)
+    return _on_torch_threads(ops.gemm_chain, A, B, D, between=between)
 
 
 def _conv_out(x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
@@ -311,12 +307,9 @@ def _conv_chain_op(
     """The operator's CPU kernel: `ops.conv_chain` into a result laid out as `_conv_out` says
     (`ops.conv_chain` checks every argument)."""
     out = _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
-    token = call_threads(torch.get_num_threads())
-    try:
-        ops.conv_chain(x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
-                       padding=(padding[0], padding[1]), between=between, after=after, out=out)  # fmt: skip
-    finally:
-        reset_call_threads(token)
+    _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
+                      padding=(padding[0], padding[1]), between=between, after=after,
+                      out=out)  # fmt: skip
     return out
 
 
@@ -368,9 +361,5 @@ def conv_chain(
         if x.dim() == 3:  # unbatched [C, H, W]: one image, as conv2d takes it
             return _conv_chain_op(x[None], w1, w2, b1, b2, *pairs, between, after)[0]
         return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
-    token = call_threads(torch.get_num_threads())
-    try:
-        return ops.conv_chain(x, w1, w2, b1, b2, stride=stride, padding=padding,
-                              between=between, after=after)  # fmt: skip
-    finally:
-        reset_call_threads(token)
+    return _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=stride, padding=padding,
+                             between=between, after=after)  # fmt: skip
