@@ -1598,8 +1598,21 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* the query (m) of each column; padding columns reuse the last valid one */")
         w.line("long q[NR];")
         w.line("for (int c = 0; c < NR; ++c) q[c] = m0 + (j * NR + c < mc ? j * NR + c : mc - 1);")
-    with w.block("for (int r = 0; r < lc; ++r)"):
-        if not masked:
+    first = "0"
+    if spec.causal and spec.mask is MaskKind.NONE:
+        w.line("/* causal alone: the rows of keys at or before the strip's first query are masked")
+        w.line(
+            "   for none of its columns (every row of a block below the diagonal): no compare */"
+        )
+        w.line("const long below = m0 + j * NR - l0 + 1;")
+        w.line("const int free_rows = below < 0 ? 0 : below > lc ? lc : (int)below;")
+        with w.block("for (int r = 0; r < free_rows; ++r)"):
+            w.line("#pragma omp simd")
+            with w.block("for (int c = 0; c < NR; ++c)"):
+                w.line("mx[c] = p[r * NR + c] > mx[c] ? p[r * NR + c] : mx[c];")
+        first = "free_rows"
+    with w.block(f"for (int r = {first}; r < lc; ++r)"):
+        if not masked or spec.mask is MaskKind.NONE:
             w.line("#pragma omp simd")
         with w.block("for (int c = 0; c < NR; ++c)"):
             w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
