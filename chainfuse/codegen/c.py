@@ -1576,6 +1576,32 @@ def _exp_strip(w: Writer, exp: str) -> None:
             w.line("sum[i] += e;")
 
 
+def _masked_rows(w: Writer, spec: GemmChainSpec, first: str, at: str, per_row: bool) -> None:
+    """The strip's rows from `first`: scores masked (the mask at offset `at` of mask_b: read once
+    a row when `per_row`), causal compare, their maxima by column."""
+    masked = spec.mask is not MaskKind.NONE or spec.causal
+    with w.block(f"for (int r = {first}; r < lc; ++r)"):
+        if spec.mask is MaskKind.ADDITIVE and per_row:
+            w.line(f"const float add = cf_mask2(CF_LOAD(mask_b[{at}]));")
+        elif spec.mask is MaskKind.BOOL and per_row:
+            w.line(f"const int keep = mask_b[{at}] != 0;")
+        if spec.mask is MaskKind.NONE or per_row:
+            w.line("#pragma omp simd")
+        with w.block("for (int c = 0; c < NR; ++c)"):
+            w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
+            if spec.mask is MaskKind.ADDITIVE:
+                w.line("v += add;" if per_row else f"v += cf_mask2(CF_LOAD(mask_b[{at}]));")
+            elif spec.mask is MaskKind.BOOL:
+                w.line(
+                    "v = keep ? v : -INFINITY;" if per_row else f"v = mask_b[{at}] ? v : -INFINITY;"
+                )
+            if spec.causal:
+                w.line("v = l0 + r > q[c] ? -INFINITY : v;")
+            if masked:
+                w.line("p[r * NR + c] = v;")
+            w.line("mx[c] = v > mx[c] ? v : mx[c];")
+
+
 def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
     """f on strip `j` of the score tile (`lc` rows of NR columns), once its k blocks are done
     (a relu is not here: the micro-kernel applies it as it stores, `RELU_AT_STORE`)."""
@@ -1611,20 +1637,13 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
             with w.block("for (int c = 0; c < NR; ++c)"):
                 w.line("mx[c] = p[r * NR + c] > mx[c] ? p[r * NR + c] : mx[c];")
         first = "free_rows"
-    with w.block(f"for (int r = {first}; r < lc; ++r)"):
-        if not masked or spec.mask is MaskKind.NONE:
-            w.line("#pragma omp simd")
-        with w.block("for (int c = 0; c < NR; ++c)"):
-            w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
-            if spec.mask is MaskKind.ADDITIVE:
-                w.line("v += cf_mask2(CF_LOAD(mask_b[q[c] * sMm + (l0 + r) * sMl]));")
-            elif spec.mask is MaskKind.BOOL:
-                w.line("v = mask_b[q[c] * sMm + (l0 + r) * sMl] ? v : -INFINITY;")
-            if spec.causal:
-                w.line("v = l0 + r > q[c] ? -INFINITY : v;")
-            if masked:
-                w.line("p[r * NR + c] = v;")
-            w.line("mx[c] = v > mx[c] ? v : mx[c];")
+    if spec.mask is not MaskKind.NONE:
+        w.line("/* a mask the same for every query (a key-padding mask: sMm 0) is one value a row")
+        w.line("   of the strip, and the row's loop runs vectorised; else one gather an element */")
+        w.line("if (sMm == 0)")
+        _masked_rows(w, spec, first, "(l0 + r) * sMl", per_row=True)
+        w.line("else")
+    _masked_rows(w, spec, first, "q[c] * sMm + (l0 + r) * sMl", per_row=False)
     w.line("/* shifts: the new maxima rounded up to integers where they are below 2^21 in")
     w.line("   magnitude (every column of the strip: cf_exp2_from), else the maxima themselves */")
     w.line("int whole = 1;")

@@ -774,6 +774,27 @@ def test_masks_of_any_strides_and_fewer_dims_broadcast(kind: str) -> None:
     reference.assert_close(ours, theirs.numpy(), chainfuse.attention_chain(2, 3, 21, 19, 16, 16))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["additive", "bool", "bool-all-masked-key"])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 29), (1, 29), (2, 3, 1, 29)])
+def test_key_padding_masks_the_same_for_every_query(
+    shape: tuple[int, ...], kind: str, causal: bool
+) -> None:
+    # a mask that does not vary over the queries (stride 0 along them) is read once a row of
+    # keys: against SDPA in float64, alone and with is_causal (queries 1..33 > keys' block)
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(2, 3, n, 17, generator=g) for n in (33, 29, 29))
+    mask = torch.randn(*shape, generator=g)
+    if kind != "additive":
+        mask = mask > 0.2
+        if kind == "bool-all-masked-key":
+            mask[..., :5] = False
+    kw: dict[str, object] = {"attn_mask": mask, "is_causal": causal}
+    ours, theirs = _ours_and_sdpa64(q, k, v, kw, False)
+    reference.assert_close(ours, theirs, chainfuse.attention_chain(2, 3, 33, 29, 17, 17))
+
+
 GQA_APART = {  # q, k, v shapes with enable_gqa: k and v of different head counts
     "k-fewer": ((2, 8, 33, 17), (2, 2, 29, 17), (2, 4, 29, 24)),
     "v-fewer": ((2, 8, 33, 17), (2, 4, 29, 17), (2, 2, 29, 24)),
