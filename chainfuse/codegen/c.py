@@ -1576,20 +1576,22 @@ def _exp_strip(w: Writer, exp: str) -> None:
             w.line("sum[i] += e;")
 
 
-def _masked_rows(w: Writer, spec: GemmChainSpec, first: str, at: str, per_row: bool) -> None:
+def _masked_rows(
+    w: Writer, spec: GemmChainSpec, first: str, at: str, per_row: bool, added: bool = False
+) -> None:
     """The strip's rows from `first`: scores masked (the mask at offset `at` of mask_b: read once
-    a row when `per_row`), causal compare, their maxima by column."""
+    a row when `per_row`; already `added` to them), causal compare, their maxima by column."""
     masked = spec.mask is not MaskKind.NONE or spec.causal
     with w.block(f"for (int r = {first}; r < lc; ++r)"):
         if spec.mask is MaskKind.ADDITIVE and per_row:
             w.line(f"const float add = cf_mask2(CF_LOAD(mask_b[{at}]));")
         elif spec.mask is MaskKind.BOOL and per_row:
             w.line(f"const int keep = mask_b[{at}] != 0;")
-        if spec.mask is MaskKind.NONE or per_row:
+        if spec.mask is MaskKind.NONE or per_row or added:
             w.line("#pragma omp simd")
         with w.block("for (int c = 0; c < NR; ++c)"):
             w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
-            if spec.mask is MaskKind.ADDITIVE:
+            if spec.mask is MaskKind.ADDITIVE and not added:
                 w.line("v += add;" if per_row else f"v += cf_mask2(CF_LOAD(mask_b[{at}]));")
             elif spec.mask is MaskKind.BOOL:
                 w.line(
@@ -1642,6 +1644,28 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         w.line("   of the strip, and the row's loop runs vectorised; else one gather an element */")
         w.line("if (sMm == 0)")
         _masked_rows(w, spec, first, "(l0 + r) * sMl", per_row=True)
+        tb = spec.kernel.transpose_block
+        if spec.mask is MaskKind.ADDITIVE and spec.dtype is DType.FLOAT32 and tb:
+            w.line("/* an fp32 mask along contiguous keys, a whole strip: its blocks transposed in")
+            w.line("   registers and added row by row, then the rows' loop without the mask */")
+            with w.block("else if (sMl == 1 && j * NR + NR <= mc)"):
+                w.line("const float* restrict rows = mask_b + (m0 + j * NR) * sMm + l0;")
+                w.line(f"float blk[{tb * tb}] __attribute__((aligned(64)));")
+                w.line("int r = 0;")
+                with w.block(f"for (; r + {tb} <= lc; r += {tb})"):
+                    with w.block(f"for (int c0 = 0; c0 < NR; c0 += {tb})"):
+                        w.line(
+                            f"{spec.kernel.name}_transpose(rows + c0 * sMm + r, sMm, blk, {tb});"
+                        )
+                        with w.block(f"for (int i = 0; i < {tb}; ++i)"):
+                            w.line("#pragma omp simd")
+                            with w.block(f"for (int c = 0; c < {tb}; ++c)"):
+                                w.line(f"p[(r + i) * NR + c0 + c] += cf_mask2(blk[i * {tb} + c]);")
+                with w.block("for (; r < lc; ++r)"):
+                    w.line(
+                        "for (int c = 0; c < NR; ++c) p[r * NR + c] += cf_mask2(rows[c * sMm + r]);"
+                    )
+                _masked_rows(w, spec, first, "", per_row=False, added=True)
         w.line("else")
     _masked_rows(w, spec, first, "q[c] * sMm + (l0 + r) * sMl", per_row=False)
     w.line("/* shifts: the new maxima rounded up to integers where they are below 2^21 in")
