@@ -1593,7 +1593,7 @@ def _masked_rows(
             w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
             if spec.mask is MaskKind.ADDITIVE and not added:
                 w.line("v += add;" if per_row else f"v += cf_mask2(CF_LOAD(mask_b[{at}]));")
-            elif spec.mask is MaskKind.BOOL:
+            elif spec.mask is MaskKind.BOOL and not added:
                 w.line(
                     "v = keep ? v : -INFINITY;" if per_row else f"v = mask_b[{at}] ? v : -INFINITY;"
                 )
@@ -1645,26 +1645,48 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         w.line("if (sMm == 0)")
         _masked_rows(w, spec, first, "(l0 + r) * sMl", per_row=True)
         tb = spec.kernel.transpose_block
-        if spec.mask is MaskKind.ADDITIVE and spec.dtype is DType.FLOAT32 and tb:
-            w.line("/* an fp32 mask along contiguous keys, a whole strip: its blocks transposed in")
-            w.line("   registers and added row by row, then the rows' loop without the mask */")
+        bool_mask = spec.mask is MaskKind.BOOL
+        if tb and (bool_mask or spec.dtype is DType.FLOAT32):
+            w.line(
+                "/* a mask along contiguous keys, a whole strip: its blocks transposed in registers"
+            )
+            w.line("   (a boolean one as 0 / -inf) and added row by row, then the rows' loop */")
             with w.block("else if (sMl == 1 && j * NR + NR <= mc)"):
-                w.line("const float* restrict rows = mask_b + (m0 + j * NR) * sMm + l0;")
+                elem = "unsigned char" if bool_mask else "float"
+                w.line(f"const {elem}* restrict rows = mask_b + (m0 + j * NR) * sMm + l0;")
                 w.line(f"float blk[{tb * tb}] __attribute__((aligned(64)));")
+                if bool_mask:
+                    w.line(f"float raw[{tb * tb}] __attribute__((aligned(64)));")
                 w.line("int r = 0;")
                 with w.block(f"for (; r + {tb} <= lc; r += {tb})"):
                     with w.block(f"for (int c0 = 0; c0 < NR; c0 += {tb})"):
-                        w.line(
-                            f"{spec.kernel.name}_transpose(rows + c0 * sMm + r, sMm, blk, {tb});"
-                        )
+                        if bool_mask:
+                            with w.block(f"for (int c = 0; c < {tb}; ++c)"):
+                                w.line("#pragma omp simd")
+                                with w.block(f"for (int i = 0; i < {tb}; ++i)"):
+                                    w.line(f"raw[c * {tb} + i] = rows[(c0 + c) * sMm + r + i] ? "
+                                           "0.0f : -INFINITY;")  # fmt: skip
+                            w.line(f"{spec.kernel.name}_transpose(raw, {tb}, blk, {tb});")
+                        else:
+                            w.line(
+                                f"{spec.kernel.name}_transpose(rows + c0 * sMm + r, sMm, blk, {tb});"
+                            )
                         with w.block(f"for (int i = 0; i < {tb}; ++i)"):
                             w.line("#pragma omp simd")
                             with w.block(f"for (int c = 0; c < {tb}; ++c)"):
-                                w.line(f"p[(r + i) * NR + c0 + c] += cf_mask2(blk[i * {tb} + c]);")
+                                w.line("float* restrict pc = p + (r + i) * NR + c0 + c;")
+                                if bool_mask:  # (a select: a score of inf is masked too)
+                                    w.line(f"*pc = blk[i * {tb} + c] == 0.0f ? *pc : -INFINITY;")
+                                else:
+                                    w.line(f"*pc += cf_mask2(blk[i * {tb} + c]);")
                 with w.block("for (; r < lc; ++r)"):
-                    w.line(
-                        "for (int c = 0; c < NR; ++c) p[r * NR + c] += cf_mask2(rows[c * sMm + r]);"
-                    )
+                    if bool_mask:
+                        w.line("for (int c = 0; c < NR; ++c) p[r * NR + c] = rows[c * sMm + r] ? "
+                               "p[r * NR + c] : -INFINITY;")  # fmt: skip
+                    else:
+                        w.line(
+                            "for (int c = 0; c < NR; ++c) p[r * NR + c] += cf_mask2(rows[c * sMm + r]);"
+                        )
                 _masked_rows(w, spec, first, "", per_row=False, added=True)
         w.line("else")
     _masked_rows(w, spec, first, "q[c] * sMm + (l0 + r) * sMl", per_row=False)

@@ -796,20 +796,25 @@ def test_key_padding_masks_the_same_for_every_query(
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["additive", "bool"])
 @pytest.mark.parametrize("shape", [(37, 29), (2, 3, 37, 29), (1, 3, 37, 29)])
 @pytest.mark.parametrize("sizes", [(37, 29), (70, 150)])
-def test_additive_masks_over_queries_and_keys_added_block_by_block(
-    shape: tuple[int, ...], sizes: tuple[int, int], causal: bool
+def test_masks_over_queries_and_keys_applied_block_by_block(
+    shape: tuple[int, ...], sizes: tuple[int, int], kind: str, causal: bool
 ) -> None:
-    # a float mask along contiguous keys is added to a whole strip of scores 8x8 blocks at a
-    # time, transposed in registers (a tail strip of queries and tail rows of keys one by one):
-    # against SDPA in float64, with is_causal too, masks of large magnitude included
+    # a mask along contiguous keys is applied to a whole strip of scores 8x8 blocks at a time,
+    # transposed in registers (a boolean one as 0 / -inf; a tail strip of queries and tail rows
+    # of keys one by one): against SDPA in float64, with is_causal too, float masks of large
+    # magnitude and boolean ones masking every key of some queries included
     torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(37)
     sq, sk = sizes
     q, k, v = (torch.randn(2, 3, n, 17, generator=g) for n in (sq, sk, sk))
     mask = torch.randn(*shape[:-2], sq, sk, generator=g) * 4
     mask[..., ::7] = -1e30
+    if kind == "bool":
+        mask = mask > -1.0
+        mask[..., 3, :] = False
     kw: dict[str, object] = {"attn_mask": mask, "is_causal": causal}
     ours, theirs = _ours_and_sdpa64(q, k, v, kw, False)
     reference.assert_close(ours, theirs, chainfuse.attention_chain(2, 3, sq, sk, 17, 17))
