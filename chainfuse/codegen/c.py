@@ -1581,7 +1581,7 @@ def _masked_rows(
 ) -> None:
     """The strip's rows from `first`: scores masked (the mask at offset `at` of mask_b: read once
     a row when `per_row`; already `added` to them), causal compare, their maxima by column."""
-    masked = spec.mask is not MaskKind.NONE or spec.causal
+    changed = (spec.mask is not MaskKind.NONE and not added) or spec.causal  # (p rewritten)
     with w.block(f"for (int r = {first}; r < lc; ++r)"):
         if spec.mask is MaskKind.ADDITIVE and per_row:
             w.line(f"const float add = cf_mask2(CF_LOAD(mask_b[{at}]));")
@@ -1599,7 +1599,7 @@ def _masked_rows(
                 )
             if spec.causal:
                 w.line("v = l0 + r > q[c] ? -INFINITY : v;")
-            if masked:
+            if changed:
                 w.line("p[r * NR + c] = v;")
             w.line("mx[c] = v > mx[c] ? v : mx[c];")
 
