@@ -1,13 +1,14 @@
 """A decoding loop against SDPA: one query, a new key length every step, 1 thread.
 
-    python scripts/decode_loop.py HEADS DIM FIRST LAST [view|cat] [mask]
+    python scripts/decode_loop.py HEADS DIM FIRST LAST [view|cat] [mask] [layers=N]
 
 Keys FIRST..LAST-1 of a cache: `view` slices it (strides stay), `cat` copies each step's keys
 into new tensors (as a cache grown by concatenation does: strides grow too); `mask` adds a
-float padding mask [1, 1, 1, keys]. A warm-up pass plans the buckets of key lengths; then three
-passes time chainfuse and SDPA back to back on every step (which one goes first alternates),
-with the memory of exact repeat calls cleared before each pass, as a decoder sees each length
-once. Prints the time per step of each and the speedup over SDPA.
+float padding mask [1, 1, 1, keys]; `layers=N` makes each step N calls, one a layer, each on
+its layer's own cache (as a decoder's layers do; default 1). A warm-up pass plans the buckets
+of key lengths; then three passes time chainfuse and SDPA back to back on every step (which one
+goes first alternates), with the memory of exact repeat calls cleared before each pass, as a
+decoder sees each length once. Prints the time per call of each and the speedup over SDPA.
 """
 
 from __future__ import annotations
@@ -24,39 +25,48 @@ import chainfuse.torch as cft
 
 def main(argv: list[str]) -> None:
     heads, dim, first, last = (int(a) for a in argv[:4])
-    mode = " ".join(argv[4:]) or "view"
+    words = argv[4:]
+    layers = 1
+    for word in words:
+        if word.startswith("layers="):
+            layers = int(word.split("=", 1)[1])
+    mode = " ".join(w for w in words if not w.startswith("layers=")) or "view"
     chainfuse.set_num_threads(1)
     torch.set_num_threads(1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    cache_k, cache_v = torch.randn(1, heads, last, dim), torch.randn(1, heads, last, dim)
+    caches = [(torch.randn(1, heads, last, dim), torch.randn(1, heads, last, dim))
+              for _ in range(layers)]  # fmt: skip
     pad = torch.zeros(1, 1, 1, last) if "mask" in mode else None
     q = torch.randn(1, heads, 1, dim)
 
-    def step(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def step(n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        cache_k, cache_v = caches[layer]
         k, v = cache_k[:, :, :n], cache_v[:, :, :n]
         if "cat" in mode:
             k, v = k.clone(), v.clone()
         return k, v, None if pad is None else pad[..., :n].clone()
 
     for n in range(first, last):
-        cft.attention(q, *step(n))
+        cft.attention(q, *step(n, 0))
     spent = {"chainfuse": 0.0, "sdpa": 0.0}
     for _ in range(3):
         ops._REPLAY.clear()
         for n in range(first, last):
-            k, v, m = step(n)
+            operands = [step(n, layer) for layer in range(layers)]
             for who in ("chainfuse", "sdpa") if n % 2 else ("sdpa", "chainfuse"):
                 t0 = time.perf_counter()
                 if who == "sdpa":
-                    sdpa(q, k, v, attn_mask=m)
+                    for k, v, m in operands:
+                        sdpa(q, k, v, attn_mask=m)
                 else:
-                    cft.attention(q, k, v, m)
+                    for k, v, m in operands:
+                        cft.attention(q, k, v, m)
                 spent[who] += time.perf_counter() - t0
-    steps = 3 * (last - first)
-    ours, theirs = spent["chainfuse"] / steps * 1e6, spent["sdpa"] / steps * 1e6
+    calls = 3 * (last - first) * layers
+    ours, theirs = spent["chainfuse"] / calls * 1e6, spent["sdpa"] / calls * 1e6
     print(
-        f"{heads} heads x {dim}, keys {first}..{last - 1}, {mode}: chainfuse {ours:.1f} us/step, "
-        f"sdpa {theirs:.1f}, speedup {theirs / ours:.3f}"
+        f"{heads} heads x {dim}, keys {first}..{last - 1}, {mode}, {layers} layer(s): "
+        f"chainfuse {ours:.1f} us/call, sdpa {theirs:.1f}, speedup {theirs / ours:.3f}"
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from chainfuse import ops
-from chainfuse.runtime.cc import call_threads, reset_call_threads
+from chainfuse.runtime.cc import call_threads, reset_call_threads, threads_for
 
 __all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
 
@@ -110,6 +110,13 @@ def attention(
         _refuse_grad("q, k, v, attn_mask", q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
+    if dropout_p.__class__ is float and dropout_p == 0.0:
+        # a call like one made before (a decoding step) without the context below: ~1.5 us of
+        # ~14 for a short one (one query, 8 keys; SDPA's whole call takes ~10)
+        done = ops._known_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa,
+                                    threads_for(torch.get_num_threads()))[0]  # fmt: skip
+        if done is not None:
+            return done
     return _on_torch_threads(ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                              scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
 
