@@ -49,6 +49,7 @@ from chainfuse.model import (
     estimate,
     least_flops,
     level_cost,
+    moved_bytes,
     rescale_factors,
     rescaled,
     splits,
@@ -343,6 +344,7 @@ class _Search:
         names = [lv.name for lv in self.hw.levels]
         self.code = names.index(code_level(self.hw))  # the level the generated code tiles
         self.rescaled = rescaled(self.chain)
+        self.causal = any(isinstance(op, Softmax) and op.causal for op in self.chain.ops)
         self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
         self.units: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
         self.ext = ext = self.chain.extents  # (a property that builds a dict)
@@ -392,7 +394,10 @@ class _Search:
             if level == self.code and nest.fused:  # the online softmax's rescaling (`model`)
                 factors = rescale_factors(self.chain, tiles, self.rescaled)
                 flops = sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
-            score = (cost.total / bw + flops / self.peak / workers) * imbalance
+            moved = cost.total
+            if self.causal and nest.fused:  # (what the code reads: `model.moved_bytes`)
+                moved = sum(b for _, _, b in moved_bytes(nest, cost, tiles))
+            score = (moved / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score
         return score
 
@@ -404,7 +409,10 @@ class _Search:
         workers = max(1, min(self.threads, units))
         if self.split is not None and nest.fused:
             workers = self.threads
-        return least_flops(nest) / (self.peak * workers) >= best.time_s * (1 - 1e-9)
+        least: float = least_flops(nest)
+        if nest.fused:  # (a causal softmax's rows in blocks of one: the scores kept)
+            least *= min(rescale_factors(self.chain, dict.fromkeys(self.ext, 1), self.rescaled))
+        return least / (self.peak * workers) >= best.time_s * (1 - 1e-9)
 
     def _free(self, nest: Nest) -> tuple[list[str], dict[str, tuple[str, ...]]]:
         """The loops whose tiles are searched (twins follow their leader) and the twins."""

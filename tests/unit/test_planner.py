@@ -171,6 +171,62 @@ def test_softmax_chains_pay_for_their_l_tiles(monkeypatch: pytest.MonkeyPatch) -
     assert plan(relu, hw, threads=1).tiles == before
 
 
+@settings(deadline=None, max_examples=60)
+@given(rows=st.integers(1, 300), keys=st.integers(1, 300), tile=st.integers(1, 320))
+@example(rows=1024, keys=1024, tile=352).via("the plan before the model knew causal")
+def test_causal_share_counts_the_scores_each_row_block_computes(
+    rows: int, keys: int, tile: int
+) -> None:
+    # a row block computes every key up to its last row's (top-left aligned), counted by hand
+    from chainfuse import model
+
+    computed = 0
+    for start in range(0, rows, tile):
+        block = range(start, min(start + tile, rows))
+        computed += sum(min(keys, block[-1] + 1) for _ in block)
+    assert model.causal_share(rows, keys, tile) == computed / (rows * keys)
+    kept = sum(min(keys, i + 1) for i in range(rows)) / (rows * keys)
+    assert model.causal_share(rows, keys, 1) == kept <= model.causal_share(rows, keys, tile)
+
+
+def test_causal_attention_plans_row_blocks_that_skip_the_masked_scores() -> None:
+    # a causal softmax's kernel computes a row block's keys up to its last row: the model
+    # charges each op that share (`model.causal_share`), so the plan takes short row blocks
+    # (the C backend's structure, this machine's L2 of 512 KiB); the unmasked chain's plan and
+    # time do not change, and the causal one's executed flops are the share of the chain's
+    from chainfuse import model
+
+    hw = Hardware.preset(XEON).scaled("L2", 512 * 1024)
+    kw = {"threads": 1, "fuse": True, "structures": [(("b", "h", "m", "l", "k", "n"), 4)],
+          "quanta": {"m": 16, "l": 6, "n": 6}}  # fmt: skip
+    causal = attention_chain(1, 12, 1024, 1024, 64, 64, causal=True)
+    dense = attention_chain(1, 12, 1024, 1024, 64, 64)
+    found = plan(causal, hw, **kw)  # type: ignore[arg-type]
+    level = model.code_level(hw)
+    tm = dict(dict(found.tiles)[level])["m"]
+    share = model.causal_share(1024, 1024, tm)
+    assert tm <= 128 and share < 0.57
+    assert found.flops == round(causal.flops() * share)
+    plain = plan(dense, hw, **kw)  # type: ignore[arg-type]
+    assert plain.flops == dense.flops()
+    assert found.predicted_time_s < 0.6 * plain.predicted_time_s
+    assert model.computed_share(dense, {"m": 16}) == 1.0
+    # and the bytes: a block of rows reads k and v up to its last row's key, the scores (in
+    # cache) only as far; q and the output whole. Unfused or unmasked: as the simulator counts
+    order = ("b", "h", "m", "l", "k", "n")
+    for tiles in ({"m": 16, "l": 96, "k": 64, "n": 64}, {"m": 352, "l": 1024, "k": 64, "n": 64}):
+        nest = model.Nest(causal, order, 4)
+        cost = model.level_cost(nest, tiles)
+        got = {name: b for _, name, b in model.moved_bytes(nest, cost, tiles)}
+        keys = model.keys_share(1024, 1024, tiles["m"])
+        want = {name: b for _, name, b in cost.moved}
+        assert got["K"] == round(want["K"] * keys) and got["V"] == round(want["V"] * keys)
+        assert got["Q"] == want["Q"] and got["O"] == want["O"]
+        assert model.moved_bytes(model.Nest(dense, order, 4), cost, tiles) == cost.moved
+    assert model.keys_share(1024, 1024, 16) == sum(range(16, 1025, 16)) / (64 * 1024)
+    assert model.keys_share(128, 1024, 64) == (64 + 128) / (2 * 1024)
+
+
 def test_plan_accepts_preset_name_and_forced_fusion() -> None:
     chain = gemm_chain(2, 64, 32, 32, 64, "relu")
     by_name = plan(chain, XEON)
