@@ -7,6 +7,12 @@ heads of 128: the row path). Every result is checked against the float64 referen
 chainfuse, `F.scaled_dot_product_attention` and matmul-softmax-matmul are timed interleaved in
 one process, medians at 1 thread and best-of at more. chainfuse is timed as a drop-in for SDPA
 (`chainfuse.ops.attention` on the same tensors, allocating its output as SDPA does).
+
+Masked cases follow (`MASKED`): a causal prompt (GPT-2's 12 heads of 64, 1024 tokens), BERT-base
+with a padding mask over the keys ([1, 1, 1, 512], float) and with a boolean mask that differs
+from query to query ([1, 1, 512, 512], shared by the heads). The same mask goes to all three;
+the unfused baseline adds it (or fills -inf where a boolean or causal mask is False, the causal
+one built once, as models keep it). A causal case's GFLOP/s count the scores it keeps.
 """
 
 from __future__ import annotations
@@ -26,60 +32,109 @@ from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
 from chainfuse.ir import Chain, attention_chain
 
-__all__ = ["cases", "chain_of", "main", "run", "summarise"]
+__all__ = ["MASKED", "cases", "chain_of", "main", "run", "summarise", "useful_gflop", "variant"]
 
 SUITE = "attention"
 SHORT = (32, 64, 128)
 DECODE = (("decode-512", 12, 512, 64), ("decode-1024", 32, 1024, 128))  # one query
+# masked cases: name -> (heads, seq, head dim, causal, mask kind, mask shape); the last is in
+# the quick set
+MASKED: dict[str, tuple[int, int, int, bool, str | None, tuple[int, ...] | None]] = {
+    "padded-512": (12, 512, 64, False, "additive", (1, 1, 1, 512)),
+    "bool-512": (12, 512, 64, False, "bool", (1, 1, 512, 512)),
+    "causal-1024": (12, 1024, 64, True, None, None),
+}
 BASELINES = ("sdpa", "unfused")
 
 
 def cases(quick: bool = False) -> list[tuple[str, int, int, int, int, int]]:
     """(name, heads, seq_q, seq_k, head_dim_qk, head_dim_v) of every case: the 12
     attention-shaped paper workloads (batch as heads; Mixer-S has seq_q != seq_k), then the
-    short sequences, then decoding steps (one query)."""
+    short sequences, then decoding steps (one query), then the masked cases (`MASKED`)."""
     out = [(w.name, w.batch, w.M, w.L, w.K, w.N) for w in workloads.GEMM if w.attention_shaped]
     if quick:
         out = out[1:2] + out[5:6]
     out += [(f"seq-{s}", 12, s, s, 64, 64) for s in SHORT]
     decode = DECODE[:1] if quick else DECODE
-    return out + [(name, heads, 1, keys, d, d) for name, heads, keys, d in decode]
+    out += [(name, heads, 1, keys, d, d) for name, heads, keys, d in decode]
+    masked = list(MASKED.items())[-1:] if quick else MASKED.items()
+    return out + [(name, heads, seq, seq, d, d) for name, (heads, seq, d, *_) in masked]
+
+
+def variant(name: str) -> str:
+    """A case's variant in the report: "softmax", or its mask ("causal", "additive", "bool")."""
+    if name not in MASKED:
+        return "softmax"
+    causal, kind = MASKED[name][3:5]
+    return "causal" if causal else str(kind)
 
 
 def chain_of(name: str, dtype: str = "float32") -> Chain:
     """The attention chain of a case name of `cases()`."""
     for case, heads, seq_q, seq_k, dqk, dv in cases():
         if case == name:
-            return attention_chain(1, heads, seq_q, seq_k, dqk, dv, dtype=dtype)
+            causal, kind, shape = MASKED[name][3:] if name in MASKED else (False, None, None)
+            return attention_chain(1, heads, seq_q, seq_k, dqk, dv, causal=causal, mask=kind,
+                                   mask_shape=shape, dtype=dtype)  # fmt: skip
     raise ValueError(f"unknown attention case {name!r}; known: {[c[0] for c in cases()]}")
 
 
-def _torch_fns(args: Sequence[Any]) -> dict[str, Callable[[], object]]:
+def useful_gflop(chain: Chain, causal: bool) -> float:
+    """A call's work in 1e9 FLOPs: the chain's, or for a causal one that of the scores it keeps
+    (query i sees keys 0..i, top-left aligned) and their share of the rest."""
+    flops = chain.flops() / 1e9
+    if not causal:
+        return flops
+    m, l_ = chain.extents["m"], chain.extents["l"]
+    kept = sum(min(i + 1, l_) for i in range(m))
+    return flops * kept / (m * l_)
+
+
+def _torch_fns(args: Sequence[Any], causal: bool = False) -> dict[str, Callable[[], object]]:
+    """SDPA and unfused PyTorch on q, k, v (and a mask: `args`' fourth, if there)."""
     try:
         import torch
         import torch.nn.functional as F
     except ImportError:
         return {}
 
-    q, k, v = (a if isinstance(a, torch.Tensor) else torch.from_numpy(a) for a in args)
+    q, k, v, *rest = (a if isinstance(a, torch.Tensor) else torch.from_numpy(a) for a in args)
+    mask = rest[0] if rest else None
     scale = 1.0 / math.sqrt(q.shape[-1])
+    # (where a boolean mask is False, or above the diagonal, the scores are filled with -inf)
+    hidden = None
+    if causal:
+        hidden = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1)
+    elif mask is not None and mask.dtype == torch.bool:
+        hidden = ~mask
 
     def unfused() -> object:
-        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, -1), v)
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if hidden is not None:
+            s = s.masked_fill(hidden, -math.inf)
+        elif mask is not None:
+            s = s + mask
+        return torch.matmul(torch.softmax(s, -1), v)
 
-    return {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v), "unfused": unfused}
+    def sdpa() -> object:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+    return {"sdpa": sdpa, "unfused": unfused}
 
 
-def _drop_in(args: Sequence[Any]) -> Callable[[], object]:
-    """chainfuse as a user calls it in SDPA's place: `ops.attention` on the tensors SDPA gets,
-    a fresh output each call (SDPA allocates one too), the kernel found by its sizes."""
+def _drop_in(args: Sequence[Any], causal: bool = False) -> Callable[[], object]:
+    """chainfuse as a user calls it in SDPA's place: `ops.attention` on the tensors SDPA gets
+    (and the mask, `args`' fourth if there), a fresh output each call (SDPA allocates one
+    too), the kernel found by its sizes."""
     try:
         import torch
     except ImportError:
         qkv = list(args)
     else:
         qkv = [a if isinstance(a, torch.Tensor) else torch.from_numpy(a) for a in args]
-    return lambda: ops.attention(*qkv)
+    q, k, v, *rest = qkv
+    mask = rest[0] if rest else None
+    return lambda: ops.attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
 def run(
@@ -96,18 +151,20 @@ def run(
     results: list[Result] = []
     for name in names:
         chain = chain_of(name, dtype)
+        causal = name in MASKED and MASKED[name][3]
         inputs = reference.random_inputs(chain, seed=5)
-        qkv: list[Any] = [inputs[n] for n in ("Q", "K", "V")]
+        qkv: list[Any] = [inputs[n] for n in ("Q", "K", "V", "mask") if n in inputs]
         if half:
             import torch
 
-            qkv = [torch.from_numpy(a).to(getattr(torch, dtype)) for a in qkv]
+            qkv = [torch.from_numpy(a).to(torch.bool if a.dtype == np.bool_ else
+                                          getattr(torch, dtype)) for a in qkv]  # fmt: skip
         want = reference.run(chain, inputs)["O"]
-        baselines = _torch_fns(qkv)
+        baselines = _torch_fns(qkv, causal)
         for n in threads:
             set_threads(n)
             kernel = compile(chain, threads=n)  # planned for the threads it runs on
-            drop_in = _drop_in(qkv)
+            drop_in = _drop_in(qkv, causal)
             out: Any = drop_in()
             reference.assert_close(np.asarray(out.float() if half else out), want, chain)
             fns: dict[str, Callable[[], object]] = {"chainfuse": drop_in}
@@ -116,7 +173,7 @@ def run(
             spec = kernel.spec
             timing = interleave(fns, rounds, best=n > 1)
             results.append(Result(
-                suite_name(SUITE, dtype), name, "softmax", n, chain.flops() / 1e9,
+                suite_name(SUITE, dtype), name, variant(name), n, useful_gflop(chain, causal),
                 ms={k: t.ms for k, t in timing.items()}, baselines=BASELINES,
                 spread={k: t.spread for k, t in timing.items()},
                 best_ms={k: t.best_ms for k, t in timing.items()}, dtype=dtype,
@@ -133,9 +190,11 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in sorted({r.threads for r in results}):
         mine = [r for r in results if r.threads == n and "sdpa" in r.ms]
-        paper = [r for r in mine if not r.workload.startswith(("seq-", "decode-"))]
+        paper = [r for r in mine
+                 if not r.workload.startswith(("seq-", "decode-")) and r.workload not in MASKED]  # fmt: skip
         short = [r for r in mine if r.workload.startswith("seq-")]
         decode = [r for r in mine if r.workload.startswith("decode-")]
+        masked = [r for r in mine if r.workload in MASKED]
         ratios = [r.speedup("sdpa") for r in paper]
         out[f"{n}t"] = {
             "paper_geomean_vs_sdpa": geomean(ratios),
@@ -147,6 +206,7 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
             "paper_count": len(paper),
             "short_min_vs_best_torch": min((r.speedup() for r in short), default=math.nan),
             "decode_min_vs_best_torch": min((r.speedup() for r in decode), default=math.nan),
+            "masked_min_vs_sdpa": min((r.speedup("sdpa") for r in masked), default=math.nan),
         }
     return out
 

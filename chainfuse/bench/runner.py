@@ -212,7 +212,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if "attention" in suites:
             for name in fid_att:
                 fids.append(fidelity.measure(attention.chain_of(name), "attention", name,
-                                             "softmax", args.top, progress=progress))  # fmt: skip
+                                             attention.variant(name), args.top,
+                                             progress=progress))  # fmt: skip
         if "conv-chain" in suites:
             for name in fid_conv:
                 chain = workloads.chain_of(name, FIDELITY_VARIANT)

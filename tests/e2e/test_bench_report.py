@@ -26,7 +26,10 @@ def test_bench_attention_quick_writes_the_report(tmp_path: Path) -> None:
     data = json.loads((out / "results.json").read_text())
     assert len(list(out.glob("*.png"))) >= 3
     cases = {r["workload"] for r in data["results"]}
-    assert {"seq-32", "seq-64", "seq-128", "decode-512"} <= cases and len(cases) == 6
+    assert {"seq-32", "seq-64", "seq-128", "decode-512", "causal-1024"} <= cases
+    assert len(cases) == 7
+    causal = next(r for r in data["results"] if r["workload"] == "causal-1024")
+    assert causal["variant"] == "causal" and causal["gflop"] < 0.51 * 4 * 12 * 1024**2 * 64 / 1e9
     for r in data["results"]:
         assert r["threads"] == 1 and set(r["ms"]) == {"chainfuse", "sdpa", "unfused"}
         assert all(0 < v < math.inf for v in r["ms"].values())

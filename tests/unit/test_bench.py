@@ -244,3 +244,33 @@ def test_fidelity_candidates_start_with_the_planners_choice() -> None:
     assert len({tuple(t.items()) for _, t in ranked}) == len(ranked)  # distinct plans
     keys = [k for k, _ in ranked[1:]]
     assert keys == sorted(keys)  # the others in the model's order
+
+
+@pytest.mark.parametrize("name", ["padded-512", "bool-512", "causal-1024"])
+def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) -> None:
+    # the masked cases' SDPA, unfused PyTorch and chainfuse calls all compute the case's chain
+    # (a baseline that dropped the mask would make its speedup meaningless), on small sizes of
+    # the same kinds; a causal case counts the flops of the scores it keeps
+    pytest.importorskip("torch")
+    import numpy as np
+
+    from chainfuse import reference
+    from chainfuse.bench import attention
+    from chainfuse.ir import attention_chain
+
+    _, _, _, causal, kind, shape = attention.MASKED[name]
+    small = None if shape is None else tuple(9 if s > 1 else 1 for s in shape)
+    chain = attention_chain(1, 2, 9, 9, 8, 8, causal=causal, mask=kind, mask_shape=small)
+    inputs = reference.random_inputs(chain, seed=3)
+    args = [inputs[n] for n in ("Q", "K", "V", "mask") if n in inputs]
+    want = reference.run(chain, inputs)["O"]
+    fns = {**attention._torch_fns(args, causal), "chainfuse": attention._drop_in(args, causal)}
+    for who, fn in fns.items():
+        try:
+            reference.assert_close(np.asarray(fn()), want, chain)
+        except AssertionError as e:
+            raise AssertionError(f"{who}: {e}") from None
+    assert attention.variant(name) == ("causal" if causal else kind)
+    full = attention_chain(1, 2, 9, 9, 8, 8)
+    expect = full.flops() * (45 / 81 if causal else 1)
+    assert math.isclose(attention.useful_gflop(chain, causal) * 1e9, expect)
