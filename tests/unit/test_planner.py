@@ -227,6 +227,22 @@ def test_causal_attention_plans_row_blocks_that_skip_the_masked_scores() -> None
     assert model.keys_share(128, 1024, 64) == (64 + 128) / (2 * 1024)
 
 
+@pytest.mark.parametrize("kind, shape", [("additive", (1, 1, 1, 512)), ("bool", (512, 512))])
+def test_a_mask_broadcast_over_the_heads_leaves_them_batch_loops(
+    kind: str, shape: tuple[int, ...]
+) -> None:
+    # a mask the heads share does not make them a loop to tile: every level's block holds one
+    # head, and a padding mask (a row of keys) leaves the unmasked chain's tiles as they were
+    hw = Hardware.preset(XEON).scaled("L2", 512 * 1024)
+    kw = {"threads": 1, "fuse": True, "structures": [(("b", "h", "m", "l", "k", "n"), 4)],
+          "quanta": {"m": 16, "l": 6, "n": 6}}  # fmt: skip
+    masked = plan(attention_chain(1, 12, 512, 512, 64, 64, mask=kind, mask_shape=shape), hw, **kw)  # type: ignore[arg-type]
+    plain = plan(attention_chain(1, 12, 512, 512, 64, 64), hw, **kw)  # type: ignore[arg-type]
+    assert all(dict(t)["h"] == 1 for _, t in masked.tiles), masked.tiles
+    if kind == "additive":
+        assert masked.tiles == plain.tiles
+
+
 def test_plan_accepts_preset_name_and_forced_fusion() -> None:
     chain = gemm_chain(2, 64, 32, 32, 64, "relu")
     by_name = plan(chain, XEON)
