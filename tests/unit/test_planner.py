@@ -317,6 +317,28 @@ def test_larger_cache_never_increases_optimum(chain: Chain, l2: int | None) -> N
     assert small.predicted_time_s >= large.predicted_time_s * (1 - 1e-9)
 
 
+def test_a_causal_chains_row_blocks_leave_no_short_block_where_that_costs_more() -> None:
+    # a block of <= ROWS_MAX rows takes the row path (~3x a score): a causal plan's blocks of
+    # 16 rows grow where their tail is a large share (24 = 16 + 8 queries -> one block of 32),
+    # not where the growth computes more masked scores than it saves (104 = 6 x 16 + 8)
+    from chainfuse.codegen.c import ROWS_MAX
+    from chainfuse.compiler import _m_blocks, compile
+
+    assert _m_blocks(24, 16, 16, 16, 24, True) == 32
+    assert _m_blocks(40, 16, 16, 16, 40, True) == 48
+    assert _m_blocks(56, 16, 16, 16, 56, True) == 32
+    assert _m_blocks(104, 16, 16, 16, 104, True) == 16
+    assert _m_blocks(24, 16, 16, 16, 24, False) == 16  # an unmasked chain keeps the planner's
+    assert _m_blocks(64, 16, 16, 16, 64, True) == 16  # no short block: nothing to weigh
+    assert _m_blocks(7, 16, 7, 16, 7, True) == 16  # all of m on the row path anyway
+    for m in range(ROWS_MAX + 1, 200, 3):  # whole strips, at most seven more
+        t = _m_blocks(m, 16, m, 16, m, True)
+        assert t % 16 == 0 and 16 <= t <= 16 * 8
+    kernel = compile(attention_chain(1, 2, 24, 24, 16, 16, causal=True), threads=1)
+    if kernel.spec.kernel.nr == 16:
+        assert kernel.spec.T_M >= 24
+
+
 def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
     # op2 computes Eᵀ with n along the micro-kernel's rows: a tail of 1-3 rows runs its 4-row
     # block (part_rows), so 80 = 13 x 6 + 2 would run 82 rows; two blocks of 40 run 80
