@@ -337,6 +337,21 @@ def test_a_causal_chains_row_blocks_leave_no_short_block_where_that_costs_more()
     kernel = compile(attention_chain(1, 2, 24, 24, 16, 16, causal=True), threads=1)
     if kernel.spec.kernel.nr == 16:
         assert kernel.spec.T_M >= 24
+    # 16-bit k and v are widened while packed, once a row block: a causal 16-bit chain's
+    # blocks hold at least WIDE_ROWS rows (or all of m), an fp32 one's are the planner's
+    from chainfuse.compiler import WIDE_ROWS
+
+    for dtype in ("bfloat16", "float16"):
+        for seq in (40, 1024):
+            spec = compile(attention_chain(1, 2, seq, seq, 64, 64, causal=True, dtype=dtype),
+                           threads=1).spec  # fmt: skip
+            assert min(WIDE_ROWS, seq) <= spec.T_M, (dtype, seq, spec.T_M)
+    fp32 = compile(attention_chain(1, 2, 1024, 1024, 64, 64, causal=True), threads=1)
+    from chainfuse.hardware import resolve
+    from chainfuse.model import code_level
+
+    planned = fp32.plan.tiles_at(code_level(resolve(None)))
+    assert planned is not None and planned["m"] == fp32.spec.T_M
 
 
 def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
