@@ -56,22 +56,24 @@ class DType(enum.Enum):
     FLOAT64 = "float64"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+    BOOL = "bool"  # a boolean mask's elements only (one byte each, as the kernels read them)
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}[self.value]
+        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "bool": 1}[self.value]
 
     @classmethod
     def parse(cls, value: DType | str, what: str = "dtype") -> DType:
-        if isinstance(value, DType):
-            return value
+        """A chain's element type by name (or alias); `BOOL` is a mask's, never a chain's."""
         aliases = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16"}
         text = aliases.get(str(value), str(value))
-        try:
-            return cls(text)
-        except ValueError:
-            known = ", ".join(d.value for d in cls)
-            raise ValueError(f"{what}: unknown dtype {value!r}; expected one of {known}") from None
+        found = (
+            value if isinstance(value, DType) else next((d for d in cls if d.value == text), None)
+        )
+        if found is None or found is cls.BOOL:
+            known = ", ".join(d.value for d in cls if d is not cls.BOOL)
+            raise ValueError(f"{what}: unknown dtype {value!r}; expected one of {known}")
+        return found
 
 
 class Role(enum.Enum):
@@ -643,8 +645,10 @@ def _two_gemm_chain(
     unique = list({t.name: t for t in tensors}.values())
     extra = []
     if isinstance(between_op, Softmax) and between_op.mask is not None:
+        # (a boolean mask's elements are bytes: what the model and simulator count)
+        kind = DType.BOOL if between_op.mask_kind is MaskKind.BOOL else dtype
         extra.append(
-            Tensor(between_op.mask.tensor, shapes[between_op.mask.tensor], dtype, Role.INPUT)
+            Tensor(between_op.mask.tensor, shapes[between_op.mask.tensor], kind, Role.INPUT)
         )
     return Chain(name, loops, tuple(unique + extra), tuple(ops)).verify()
 

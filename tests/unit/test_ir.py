@@ -306,6 +306,19 @@ def test_mlp_rejects_softmax_and_conv_rejects_softmax() -> None:
 def test_unknown_dtype_lists_known() -> None:
     with pytest.raises(ValueError, match="float32"):
         gemm_chain(1, 2, 3, 4, 5, dtype="int7")
+    # bool is a mask's element type, never a chain's (nor listed as one)
+    with pytest.raises(ValueError, match=r"unknown dtype 'bool'; expected one of [a-z0-9, ]+$"):
+        gemm_chain(1, 2, 3, 4, 5, dtype="bool")
+
+
+def test_a_boolean_masks_elements_are_bytes() -> None:
+    # the kernels read a boolean mask a byte an element: the model and simulator count that
+    chain = attention_chain(1, 2, 8, 8, 4, 4, dtype="bfloat16", mask="bool", mask_shape=(8, 8))
+    assert chain.tensor("mask").dtype is DType.BOOL and chain.tensor("mask").nbytes == 64
+    assert chain.dtype is DType.BFLOAT16
+    additive = attention_chain(1, 2, 8, 8, 4, 4, mask="additive", mask_shape=(8, 8))
+    assert additive.tensor("mask").nbytes == 256
+    assert Chain.from_json(chain.to_json()) == chain
 
 
 def test_conv_kernel_larger_than_padded_input() -> None:
