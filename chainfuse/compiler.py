@@ -533,8 +533,7 @@ def _m_blocks(extent: int, tile: int, outer: int, nr: int, keys: int, causal: bo
             end = min(extent, mo + block)
             for m0 in range(mo, end, t):
                 rows = min(t, end - m0)
-                scores = rows * (min(keys, m0 + rows) if causal else keys)
-                total += scores * (3 if rows <= ROWS_MAX else 1)
+                total += rows * min(keys, m0 + rows) * (3 if rows <= ROWS_MAX else 1)
         return total
 
     block = max(outer, tile)

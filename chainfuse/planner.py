@@ -45,6 +45,7 @@ from chainfuse.model import (
     LoopKind,
     Nest,
     code_level,
+    computed_share,
     deal,
     estimate,
     least_flops,
@@ -418,7 +419,7 @@ class _Search:
             workers = self.threads
         least: float = least_flops(nest)
         if nest.fused:  # (a causal softmax's rows in blocks of one: the scores kept)
-            least *= min(rescale_factors(self.chain, dict.fromkeys(self.ext, 1), self.rescaled))
+            least *= computed_share(self.chain, dict.fromkeys(self.ext, 1))
         return least / (self.peak * workers) >= best.time_s * (1 - 1e-9)
 
     def _free(self, nest: Nest) -> tuple[list[str], dict[str, tuple[str, ...]]]:
