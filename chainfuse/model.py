@@ -70,6 +70,7 @@ __all__ = [
     "LoopKind",
     "Nest",
     "causal_share",
+    "causal_softmax",
     "code_level",
     "compulsory_bytes",
     "computed_share",
@@ -860,14 +861,22 @@ def rescale_factors(
     )
 
 
+def causal_softmax(chain: Chain) -> Softmax | None:
+    """The chain's causal softmax (one with a row loop), if it has one."""
+    return next(
+        (op for op in chain.ops if isinstance(op, Softmax) and op.causal and op.row is not None),
+        None,
+    )
+
+
 def computed_share(chain: Chain, tiles: Mapping[str, int]) -> float:
     """The share of a fused nest's flops its code computes with the code level's `tiles`: 1,
-    or with a causal softmax `causal_share` of its rows' tile."""
+    or with a causal softmax `causal_share` of its rows' tile (tiles of 1: the scores kept)."""
+    op = causal_softmax(chain)
+    if op is None or op.row is None:
+        return 1.0
     ext = chain.extents
-    for op in chain.ops:
-        if isinstance(op, Softmax) and op.causal and op.row is not None:
-            return causal_share(ext[op.row], ext[op.axis], tiles.get(op.row, ext[op.row]))
-    return 1.0
+    return causal_share(ext[op.row], ext[op.axis], tiles.get(op.row, ext[op.row]))
 
 
 def moved_bytes(
@@ -881,7 +890,7 @@ def moved_bytes(
     if not nest.fused:
         return cost.moved
     chain = nest.chain
-    causal = next((op for op in chain.ops if isinstance(op, Softmax) and op.causal), None)
+    causal = causal_softmax(chain)
     if causal is None or causal.row is None:
         return cost.moved
     ext = chain.extents

@@ -44,6 +44,7 @@ from chainfuse.model import (
     LevelCost,
     LoopKind,
     Nest,
+    causal_softmax,
     code_level,
     computed_share,
     deal,
@@ -352,7 +353,7 @@ class _Search:
         names = [lv.name for lv in self.hw.levels]
         self.code = names.index(code_level(self.hw))  # the level the generated code tiles
         self.rescaled = rescaled(self.chain)
-        self.causal = any(isinstance(op, Softmax) and op.causal for op in self.chain.ops)
+        self.causal = causal_softmax(self.chain) is not None
         self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
         self.units: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
         self.ext = ext = self.chain.extents  # (a property that builds a dict)

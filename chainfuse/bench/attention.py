@@ -31,6 +31,7 @@ from chainfuse.bench.results import HALF_SUFFIX, Result, geomean, suite_name
 from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
 from chainfuse.ir import Chain, attention_chain
+from chainfuse.model import causal_softmax, computed_share
 
 __all__ = ["MASKED", "cases", "chain_of", "main", "run", "summarise", "useful_gflop", "variant"]
 
@@ -79,15 +80,10 @@ def chain_of(name: str, dtype: str = "float32") -> Chain:
     raise ValueError(f"unknown attention case {name!r}; known: {[c[0] for c in cases()]}")
 
 
-def useful_gflop(chain: Chain, causal: bool) -> float:
-    """A call's work in 1e9 FLOPs: the chain's, or for a causal one that of the scores it keeps
-    (query i sees keys 0..i, top-left aligned) and their share of the rest."""
-    flops = chain.flops() / 1e9
-    if not causal:
-        return flops
-    m, l_ = chain.extents["m"], chain.extents["l"]
-    kept = sum(min(i + 1, l_) for i in range(m))
-    return flops * kept / (m * l_)
+def useful_gflop(chain: Chain) -> float:
+    """A call's work in 1e9 FLOPs: the chain's, or for a causal one the share of the scores it
+    keeps (query i sees keys 0..i: `model.computed_share` with rows one at a time)."""
+    return chain.flops() / 1e9 * computed_share(chain, dict.fromkeys(chain.extents, 1))
 
 
 def _torch_fns(args: Sequence[Any], causal: bool = False) -> dict[str, Callable[[], object]]:
@@ -151,7 +147,7 @@ def run(
     results: list[Result] = []
     for name in names:
         chain = chain_of(name, dtype)
-        causal = name in MASKED and MASKED[name][3]
+        causal = causal_softmax(chain) is not None
         inputs = reference.random_inputs(chain, seed=5)
         qkv: list[Any] = [inputs[n] for n in ("Q", "K", "V", "mask") if n in inputs]
         if half:
@@ -173,7 +169,7 @@ def run(
             spec = kernel.spec
             timing = interleave(fns, rounds, best=n > 1)
             results.append(Result(
-                suite_name(SUITE, dtype), name, variant(name), n, useful_gflop(chain, causal),
+                suite_name(SUITE, dtype), name, variant(name), n, useful_gflop(chain),
                 ms={k: t.ms for k, t in timing.items()}, baselines=BASELINES,
                 spread={k: t.spread for k, t in timing.items()},
                 best_ms={k: t.best_ms for k, t in timing.items()}, dtype=dtype,
