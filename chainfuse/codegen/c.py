@@ -66,6 +66,12 @@ AT_WHOLE = 1 << 20  # floats of Aᵀ a thread keeps packed whole (all of k, for 
 HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
 ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
+#: A tiled online softmax keeps a column's shift while the column's maximum stays at most this
+#: far above it (base 2): its exponentials are then below 2^LAZY_SHIFT = 256, and the sum and
+#: Eᵀ are rescaled only when some column's shift moves (each new key tile rescaled all of Eᵀ:
+#: 3-5 % of a long sequence's time, interleaved, Zen 3). Exponents up to it stay exact in
+#: float32 (a sum of 2^24 keys at most 2^32, and 1e4-magnitude values far from overflow).
+LAZY_SHIFT = 8
 
 
 # Every MR-wide sliver of a kc x width panel given row-major, packed row by row: a panel's rows
@@ -705,6 +711,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         pc = ker.part_cols
         w.line(f"#define CF_NW(n) ((n) >= NR ? NR : ((n) + {pc - 1}) / {pc} * {pc})")
     w.line(f"#define ROWS_LB {ROWS_LB} /* ... l (keys) at a time */")
+    w.line(f"#define LAZY_SHIFT {LAZY_SHIFT}.0f /* a shift kept while maxima stay this close */")
     w.line("#define ALIGN16(x) (((x) + 15) & ~15L)")
     w.line("/* floats from one packed MR-row sliver of a kc-step panel to the next: whole cache")
     w.line("   lines, an odd number of them, so that the slivers a panel's row-by-row packing")
@@ -1691,16 +1698,25 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         w.line("else")
     _masked_rows(w, spec, first, "q[c] * sMm + (l0 + r) * sMl", per_row=False)
     w.line("/* shifts: the new maxima rounded up to integers where they are below 2^21 in")
-    w.line("   magnitude (every column of the strip: cf_exp2_from), else the maxima themselves */")
-    w.line("int whole = 1;")
+    w.line("   magnitude (every column of the strip: cf_exp2_from), else the maxima themselves;")
+    w.line("   a column whose new maximum is at most LAZY_SHIFT above its integer shift keeps it")
+    w.line("   (its exponentials stay below 2^LAZY_SHIFT), and Eᵀ is rescaled only when a")
+    w.line("   column's shift moves */")
+    w.line("int whole = 1, moved = 0;")
     with w.block("for (int c = 0; c < NR; ++c)"):
         w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
         w.line("whole &= m_new == -INFINITY || (m_new < 2097152.0f && m_new > -2097152.0f);")
         w.line("mx[c] = m_new;")
     with w.block("for (int c = 0; c < NR; ++c)"):
         w.line("/* a column with nothing but -inf so far keeps zero mass */")
-        w.line("shift[c] = mx[c] == -INFINITY ? 0.0f : whole ? ceilf(mx[c]) : mx[c];")
-        w.line("alpha[c] = cmax[c] == -INFINITY ? 0.0f : cf_exp2_neg(cmax[c] - shift[c]);")
+        w.line("const int keep = whole && cmax[c] != -INFINITY && mx[c] <= cmax[c] + LAZY_SHIFT;")
+        w.line(
+            "shift[c] = mx[c] == -INFINITY ? 0.0f : keep ? cmax[c] : whole ? ceilf(mx[c]) : mx[c];"
+        )
+        w.line(
+            "alpha[c] = keep ? 1.0f : cmax[c] == -INFINITY ? 0.0f : cf_exp2_neg(cmax[c] - shift[c]);"
+        )
+        w.line("moved |= !keep;")
         w.line("cmax[c] = mx[c] == -INFINITY ? -INFINITY : shift[c];")
         w.line("sum[c] = 0.0f;")
     with w.block("if (whole)"):
@@ -1716,7 +1732,7 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         _exp_strip(w, "cf_exp2_neg(p[r * NR + i] - shift[i])")
     with w.block("for (int c = 0; c < NR; ++c)"):
         w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
-    with w.block("if (l0 > 0)"):
+    with w.block("if (l0 > 0 && moved)"):
         if _softmax_to_e(spec):
             with w.block("if (to_e)"), w.block("for (int c = 0; c < NR && j * NR + c < mc; ++c)"):
                 w.line("cf_elem* restrict e = E_b + (j * NR + c) * sEm;")

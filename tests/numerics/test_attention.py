@@ -242,6 +242,39 @@ def test_integer_shifts_give_way_to_exact_maxima_for_huge_scores() -> None:
     np.testing.assert_allclose(got[10:], want[10:], rtol=1e-5, atol=1e-6)
 
 
+def test_shifts_kept_while_maxima_rise_a_little_and_moved_when_they_rise_more() -> None:
+    # the tiled softmax keeps a column's shift while its maximum stays within LAZY_SHIFT of it
+    # (exponentials up to 2^8) and rescales Eᵀ only when some column's shift moves: scores
+    # rising along the keys, per tile of 16 keys by ~0.1-50 in base 2 depending on the query,
+    # keep the shift of some columns for several tiles and move others' every tile
+    from chainfuse.codegen.c import LAZY_SHIFT
+
+    rng = np.random.default_rng(5)
+    chain = chainfuse.attention_chain(1, 1, 40, 96, 8, 8)
+    u = np.zeros(8, np.float32)
+    u[0] = 1.0
+    q = (rng.standard_normal((40, 8)) * 0.05).astype(np.float32)
+    q[:, 0] = np.geomspace(0.01, 4.0, 40, dtype=np.float32)
+    k = (rng.standard_normal((96, 8)) * 0.05).astype(np.float32)
+    k[:, 0] += np.arange(96, dtype=np.float32) * 1.5
+    v = rng.standard_normal((96, 8)).astype(np.float32)
+    rise = q[:, 0] * 1.5 * 16 * math.log2(math.e) / math.sqrt(8)  # per tile, base 2
+    assert rise.min() < LAZY_SHIFT / 8 and rise.max() > 4 * LAZY_SHIFT
+    inputs = {"Q": q[None, None], "K": k[None, None], "V": v[None, None]}
+    want = reference.run(chain, inputs)["O"]
+    for tiles in ({"m": 16, "l": 16}, {"m": 32, "l": 24}, None):
+        got = compile(chain, tiles=tiles)(inputs["Q"], inputs["K"], inputs["V"])
+        reference.assert_close(got, want, chain)
+    # and the keys' order reversed: the largest scores first, no shift moves after the first
+    flip = {
+        "Q": inputs["Q"],
+        "K": inputs["K"][:, :, ::-1].copy(),
+        "V": inputs["V"][:, :, ::-1].copy(),
+    }
+    got = compile(chain, tiles={"m": 16, "l": 16})(flip["Q"], flip["K"], flip["V"])
+    reference.assert_close(got, reference.run(chain, flip)["O"], chain)
+
+
 def test_attention_argument_errors() -> None:
     torch = pytest.importorskip("torch")
     import chainfuse.torch as cft
