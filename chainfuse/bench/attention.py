@@ -3,7 +3,8 @@
 The 12 attention-shaped paper workloads as `softmax(Q Kᵀ / sqrt(d)) V` with 4-D inputs
 [1, heads, seq, d] (so PyTorch takes its fused CPU kernel), plus short sequences (32, 64, 128;
 12 heads of 64) and decoding (one query against 512 keys, 12 heads of 64, and 1024 keys, 32
-heads of 128: the row path). Every result is checked against the float64 reference first; then
+heads of 128: the row path), and a long sequence (`LONG`: Whisper-base's encoder, 8 heads of 64
+over 1500 frames, whose keys take several tiles: the online softmax across them). Every result is checked against the float64 reference first; then
 chainfuse, `F.scaled_dot_product_attention` and matmul-softmax-matmul are timed interleaved in
 one process, medians at 1 thread and best-of at more. chainfuse is timed as a drop-in for SDPA
 (`chainfuse.ops.attention` on the same tensors, allocating its output as SDPA does).
@@ -33,11 +34,22 @@ from chainfuse.compiler import compile
 from chainfuse.ir import Chain, attention_chain
 from chainfuse.model import causal_softmax, computed_share
 
-__all__ = ["MASKED", "cases", "chain_of", "main", "run", "summarise", "useful_gflop", "variant"]
+__all__ = [
+    "LONG",
+    "MASKED",
+    "cases",
+    "chain_of",
+    "main",
+    "run",
+    "summarise",
+    "useful_gflop",
+    "variant",
+]
 
 SUITE = "attention"
 SHORT = (32, 64, 128)
 DECODE = (("decode-512", 12, 512, 64), ("decode-1024", 32, 1024, 128))  # one query
+LONG = (("long-1500", 8, 1500, 64),)  # (name, heads, seq, head dim); not in the quick set
 # masked cases: name -> (heads, seq, head dim, causal, mask kind, mask shape); the last is in
 # the quick set
 MASKED: dict[str, tuple[int, int, int, bool, str | None, tuple[int, ...] | None]] = {
@@ -51,13 +63,15 @@ BASELINES = ("sdpa", "unfused")
 def cases(quick: bool = False) -> list[tuple[str, int, int, int, int, int]]:
     """(name, heads, seq_q, seq_k, head_dim_qk, head_dim_v) of every case: the 12
     attention-shaped paper workloads (batch as heads; Mixer-S has seq_q != seq_k), then the
-    short sequences, then decoding steps (one query), then the masked cases (`MASKED`)."""
+    short sequences, then decoding steps (one query), then the long sequence (`LONG`), then the
+    masked cases (`MASKED`)."""
     out = [(w.name, w.batch, w.M, w.L, w.K, w.N) for w in workloads.GEMM if w.attention_shaped]
     if quick:
         out = out[1:2] + out[5:6]
     out += [(f"seq-{s}", 12, s, s, 64, 64) for s in SHORT]
     decode = DECODE[:1] if quick else DECODE
     out += [(name, heads, 1, keys, d, d) for name, heads, keys, d in decode]
+    out += [] if quick else [(name, heads, seq, seq, d, d) for name, heads, seq, d in LONG]
     masked = list(MASKED.items())[-1:] if quick else MASKED.items()
     return out + [(name, heads, seq, seq, d, d) for name, (heads, seq, d, *_) in masked]
 
@@ -186,10 +200,11 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in sorted({r.threads for r in results}):
         mine = [r for r in results if r.threads == n and "sdpa" in r.ms]
-        paper = [r for r in mine
-                 if not r.workload.startswith(("seq-", "decode-")) and r.workload not in MASKED]  # fmt: skip
+        extra = ("seq-", "decode-", "long-")
+        paper = [r for r in mine if not r.workload.startswith(extra) and r.workload not in MASKED]
         short = [r for r in mine if r.workload.startswith("seq-")]
         decode = [r for r in mine if r.workload.startswith("decode-")]
+        long = [r for r in mine if r.workload.startswith("long-")]
         masked = [r for r in mine if r.workload in MASKED]
         ratios = [r.speedup("sdpa") for r in paper]
         out[f"{n}t"] = {
@@ -202,6 +217,7 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
             "paper_count": len(paper),
             "short_min_vs_best_torch": min((r.speedup() for r in short), default=math.nan),
             "decode_min_vs_best_torch": min((r.speedup() for r in decode), default=math.nan),
+            "long_min_vs_sdpa": min((r.speedup("sdpa") for r in long), default=math.nan),
             "masked_min_vs_sdpa": min((r.speedup("sdpa") for r in masked), default=math.nan),
         }
     return out

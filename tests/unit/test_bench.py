@@ -274,3 +274,28 @@ def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) 
     full = attention_chain(1, 2, 9, 9, 8, 8)
     expect = full.flops() * (45 / 81 if causal else 1)
     assert math.isclose(attention.useful_gflop(chain) * 1e9, expect)
+
+
+def test_attention_issue_figures_keep_the_extra_cases_out_of_the_paper_set() -> None:
+    from chainfuse.bench import attention
+
+    def case(name: str, chainfuse_ms: float, sdpa_ms: float) -> Result:
+        r = _result("attention", name, ms={"chainfuse": chainfuse_ms, "sdpa": sdpa_ms})
+        r.baselines = ("sdpa",)
+        return r
+
+    results = [case("bert-base", 1.0, 1.5), case("vit-base-16", 1.0, 1.2),
+               case("seq-64", 1.0, 1.1), case("decode-512", 1.0, 1.05),
+               case(attention.LONG[0][0], 1.0, 0.9), case("causal-1024", 1.0, 1.7)]  # fmt: skip
+    got = attention.summarise(results, peak=1.0)["1t"]
+    assert got["paper_count"] == 2
+    assert got["paper_geomean_vs_sdpa"] == pytest.approx(math.sqrt(1.5 * 1.2))
+    assert got["paper_min_vs_sdpa"] == pytest.approx(1.2)
+    assert got["short_min_vs_best_torch"] == pytest.approx(1.1)
+    assert got["decode_min_vs_best_torch"] == pytest.approx(1.05)
+    assert got["long_min_vs_sdpa"] == pytest.approx(0.9)
+    assert got["masked_min_vs_sdpa"] == pytest.approx(1.7)
+    names = [c[0] for c in attention.cases()]
+    assert attention.LONG[0][0] in names and attention.LONG[0][0] not in (
+        c[0] for c in attention.cases(quick=True)
+    )
