@@ -176,7 +176,8 @@ def write(
         f"`{command}` on {data['date']}: {hw.name}, {hw.cores} cores, "
         f"{' '.join(sorted(i.value for i in hw.isa))}; Python {platform.python_version()}.",
         "",
-        f"FP32 FMA peak, one core: **{peak:.1f} GFLOP/s measured** by a probe in this run "
+        f"FP32 FMA peak, one core: **{peak:.1f} GFLOP/s measured** by a probe in this run (the "
+        "better of one before and one after the timings) "
         f"(nominal {machine.nominal_peak_gflops:.1f}). Read bandwidth measured, one core: "
         + ", ".join(f"{lv} {bw / 1e9:.1f} GB/s" for lv, bw in machine.bandwidth)
         + f". Load average at the start: {machine.load_average:.2f}.",

@@ -38,6 +38,9 @@ def test_bench_attention_quick_writes_the_report(tmp_path: Path) -> None:
     (fid,) = data["fidelity"]
     assert len(fid["measured_ms"]) == 2 and fid["tuning_gap"] >= 0
     assert "Spearman" in md and data["machine"]["fp32_peak_gflops_per_core_measured"] > 0
+    # the peak the report divides by: the better of the probes before and after the timings
+    probes = data["fp32_probe_gflops"]
+    assert data["machine"]["fp32_peak_gflops_per_core_measured"] == max(probes.values())
     assert set(data["predicted_vs_measured_rho"]) == {"attention"}
 
 
