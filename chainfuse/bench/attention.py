@@ -2,12 +2,13 @@
 
 The 12 attention-shaped paper workloads as `softmax(Q Kᵀ / sqrt(d)) V` with 4-D inputs
 [1, heads, seq, d] (so PyTorch takes its fused CPU kernel), plus short sequences (32, 64, 128;
-12 heads of 64) and decoding (one query against 512 keys, 12 heads of 64, and 1024 keys, 32
-heads of 128: the row path), and a long sequence (`LONG`: Whisper-base's encoder, 8 heads of 64
-over 1500 frames, whose keys take several tiles: the online softmax across them). Every result is checked against the float64 reference first; then
-chainfuse, `F.scaled_dot_product_attention` and matmul-softmax-matmul are timed interleaved in
-one process, medians at 1 thread and best-of at more. chainfuse is timed as a drop-in for SDPA
-(`chainfuse.ops.attention` on the same tensors, allocating its output as SDPA does).
+12 heads of 64), decoding (one query against 512 keys, 12 heads of 64, and 1024 keys, 32 heads
+of 128: the row path) and a long sequence (`LONG`: Whisper-base's encoder, 8 heads of 64 over
+1500 frames, whose keys take several tiles: the online softmax across them). Every result is
+checked against the float64 reference first; then chainfuse, `F.scaled_dot_product_attention`
+and matmul-softmax-matmul are timed interleaved in one process, medians at 1 thread and best-of
+at more. chainfuse is timed as a drop-in for SDPA (`chainfuse.ops.attention` on the same
+tensors, allocating its output as SDPA does).
 
 Masked cases follow (`MASKED`): a causal prompt (GPT-2's 12 heads of 64, 1024 tokens), BERT-base
 with a padding mask over the keys ([1, 1, 1, 512], float) and with a boolean mask that differs
