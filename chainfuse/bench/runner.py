@@ -193,7 +193,6 @@ def _main(argv: Sequence[str] | None) -> int:
     # the peak is what the core can do: a busy moment lowers one probe (one read 70.6 GFLOP/s
     # against 92-95 in the runs around it, and put 9 of the 12 attention workloads at >= 80 %
     # of it), so the report's is the better of the probes before and after the timings
-    gemm_chain.set_threads(1)
     again = fp32_peak_gflops()
     extra["fp32_probe_gflops"] = {"before": machine.peak_gflops, "after": again}
     print(f"FP32 FMA peak measured again: {again:.1f} GFLOP/s per core")

@@ -251,8 +251,6 @@ def test_shifts_kept_while_maxima_rise_a_little_and_moved_when_they_rise_more() 
 
     rng = np.random.default_rng(5)
     chain = chainfuse.attention_chain(1, 1, 40, 96, 8, 8)
-    u = np.zeros(8, np.float32)
-    u[0] = 1.0
     q = (rng.standard_normal((40, 8)) * 0.05).astype(np.float32)
     q[:, 0] = np.geomspace(0.01, 4.0, 40, dtype=np.float32)
     k = (rng.standard_normal((96, 8)) * 0.05).astype(np.float32)
