@@ -1080,7 +1080,9 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                         else:
                             place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
                         packed = "Bt + (long)s * SLIVER(kc)"
-                        _sliver_call(w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR")
+                        _sliver_call(
+                            w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR", room=True
+                        )
                     if not spec.b_transposed:
                         w.line("cf_pf_step(&pf, pf_rows);")
                 if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
@@ -1416,6 +1418,7 @@ def _sliver_call(
     place: tuple[str, str, str],
     packed: str,
     rest: str,
+    room: bool = False,
 ) -> None:
     """One call site of the micro-kernel for an mr-row sliver of the A operand, read in place
     when `direct` (at `place`: pointer, row and step strides) or packed at `packed`; `rest` is
@@ -1434,6 +1437,18 @@ def _sliver_call(
         w.line(
             f"else if ({direct} && m == PART_MR) {uk}_tail({kc}, {ptr}, {rs}, {ks}, {rest}, m, NR, acc);"
         )
+    if room:
+        # C has room for the kernel's rows below the sliver's m (op1's strip of scores: LPM
+        # rows, of which lc are read): the packed sliver, zero below m, runs the part block or
+        # the whole one straight into C (its rows past m come out zero); <uk>_tail ran the
+        # whole block into a tile on the stack and copied m rows out
+        if kernel.part_rows:
+            w.line(
+                f"else if (m <= PART_MR) {uk}_tail({kc}, {packed}, 1, MR, {rest}, PART_MR, NR, acc);"
+            )
+        entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
+        w.line(f"else {entry}({kc}, {packed}, 1, MR, {rest}, {cols}, acc);")
+        return
     w.line(f"else {uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);")
 
 

@@ -424,17 +424,34 @@ static inline void {name}_pack_at(int kc, int m, const float* restrict At, long 
     }}
 }}
 """
+    tb = kernel.transpose_block
+    blocks, first = "", "0"
+    if tb and kernel.transpose is not None and mr >= tb:
+        # rows in groups of tb, tb steps at a time, transposed in registers: a 12-row kernel's
+        # tail sliver of 8-11 keys (32 queries over 32 keys) packed its 64 steps a float at a
+        # time, 7 % of that attention's time
+        first = "i0"
+        blocks = f"""
+    int i0 = 0;
+    for (; i0 + {tb} <= m; i0 += {tb}) {{
+        int p = 0;
+        for (; p + {tb} <= kc; p += {tb}) {name}_transpose(A + i0 * lda + p, lda, Ap + (long)p * {mr} + i0, {mr});
+        for (; p < kc; ++p) {{
+            for (int i = i0; i < i0 + {tb}; ++i) Ap[(long)p * {mr} + i] = A[i * lda + p];
+        }}
+    }}"""
     return f"""
 /* Ap[p*{mr} + i] = A[i*lda + p] for i < m, 0 up to {mr}: A row-major (m x kc). */
 static inline void {name}_pack_a(int kc, int m, const float* restrict A, long lda,
                                  float* restrict Ap)
-{{
-    for (int i = 0; i < {mr}; ++i) {{ /* row by row: contiguous reads, one strided write stream */
+{{{blocks}
+    for (int i = {first}; i < m; ++i) {{ /* row by row: contiguous reads, a strided write stream */
         const float* restrict row = A + i * lda;
-        if (i < m) {{
-            for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = row[p];
-        }} else {{
-            for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = 0.0f;
+        for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = row[p];
+    }}
+    if (m < {mr}) {{ /* the zeros step by step: contiguous stores */
+        for (int p = 0; p < kc; ++p) {{
+            for (int i = m; i < {mr}; ++i) Ap[(long)p * {mr} + i] = 0.0f;
         }}
     }}
 }}

@@ -1178,6 +1178,31 @@ def _guarded(a: np.ndarray) -> tuple[np.ndarray, object]:
     return out, buf
 
 
+@pytest.mark.parametrize("kernel", _FP32_HERE, ids=lambda k: k.name)
+def test_a_packed_tail_sliver_of_every_length_runs_its_block_straight_into_the_strip(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # op1's last sliver of keys in a tile, of each length 1..mr-1 (packed, zeros below its
+    # rows), runs the part block or the whole one into the strip of scores, whose rows past the
+    # tile's keys nothing reads: at the end of the keys and inside them (l tiles whose length is
+    # not a multiple of mr: the online softmax over several), over k blocks (accumulated), in
+    # attention, causal and masked, and in a relu GEMM chain (its strip of intermediates)
+    _force(monkeypatch, kernel)
+    mr = kernel.mr
+    for t in range(1, mr):
+        sk = 2 * mr + t
+        causal, mask = [(False, None), (True, None), (False, "bool")][t % 3]
+        _check_attention(1, 2, kernel.nr + 3, sk, 37, 24, causal, mask, False, None, 100.0)
+        _check_attention(1, 2, 2 * kernel.nr + 1, 3 * sk + 1, 37, 24, causal, mask, t % 2 == 0,
+                         {"l": mr + t, "k": 16}, 1e4)  # fmt: skip
+        chain = chainfuse.gemm_chain(2, kernel.nr + 3, 24, 37, sk, "relu")
+        k = compile(chain, tiles={"l": mr + t, "k": 16})
+        assert k.spec.kernel is kernel
+        inputs = reference.random_inputs(chain, seed=t)
+        out = k(*[inputs[n.name] for n in chain.inputs])
+        reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+
+
 @pytest.mark.parametrize("kernel", _PART_HERE, ids=lambda k: k.name)
 def test_short_slivers_of_part_rows_are_read_in_place_within_the_tensor(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch

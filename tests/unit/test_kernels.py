@@ -113,6 +113,12 @@ int run_in_place(int kc, int ng, long gs, const float* A, long rs, long ks, cons
     return 0;
 }}
 
+/* the row-major packing on its own: Ap (kc x mr) from A (m x kc) */
+void run_pack_a(int kc, int m, const float* A, long lda, float* Ap)
+{{
+    {k}_pack_a(kc, m, A, lda, Ap);
+}}
+
 /* the transposed packing on its own: Bp (kc x nr) from Bt (n x kc), times scale */
 void run_pack_bt(int kc, int n, const float* Bt, long ldbt, float* Bp, float scale)
 {{
@@ -141,6 +147,9 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...,
                 built[kernel.name] = lib.run
                 built[kernel.name + ".in_place"] = lib.run_in_place
                 built[kernel.name + ".pack_bt"] = lib.run_pack_bt
+                lib.run_pack_a.argtypes = [i, i, ptr, lg, ptr]
+                lib.run_pack_a.restype = None
+                built[kernel.name + ".pack_a"] = lib.run_pack_a
                 if kernel.col_widths:
                     lib.run_cols.argtypes = [i, ptr, lg, lg, ptr, ptr, lg, i, i]
                     lib.run_cols.restype = ctypes.c_int
@@ -301,6 +310,31 @@ def test_cols_computes_its_width_and_zeroes_the_rest_of_the_strip(
         assert (C[:mr, w:nr] == 0).all(), f"{what}: the columns past w are not zeros"
         C[:mr, w:nr] = 7.0
         _assert_block(C, A, B, C0 if accumulate & 1 else None, 7.0, what, accumulate > 1)
+
+
+@pytest.mark.parametrize("kc", [1, 7, 8, 17, 64])
+@pytest.mark.parametrize("kernel", KERNELS, ids=_ids)
+def test_pack_a_copies_its_rows_and_zeroes_the_rest_exactly(
+    compiled: Callable[..., Run], kernel: MicroKernel, kc: int
+) -> None:
+    """`_pack_a(kc, m, A, lda, Ap)`: Ap[p*mr + i] = A[i, p] for i < m, zeros in the rows past
+    m, nothing written past kc steps; register-transposed groups of rows (a 12-row kernel's
+    8-11), the rows after them and short slivers alike."""
+    _runnable(kernel)
+    run = compiled(kernel, "pack_a")
+    rng = np.random.default_rng(kc)
+    mr = kernel.mr
+    tb = kernel.transpose_block or mr
+    for m in sorted({1, tb - 1, tb, tb + 1, mr - 1, mr} & set(range(1, mr + 1))):
+        lda = kc + 5
+        A = np.full((m, lda), np.nan, np.float32)
+        A[:, :kc] = rng.uniform(-1e4, 1e4, (m, kc))
+        Ap = np.full(kc * mr + 16, 7.0, np.float32)
+        run(kc, m, _ptr(A), lda, _ptr(Ap))
+        want = np.zeros((kc, mr), np.float32)
+        want[:, :m] = A[:, :kc].T
+        assert np.array_equal(Ap[: kc * mr].reshape(kc, mr), want), f"{kernel.name} kc={kc} m={m}"
+        assert (Ap[kc * mr :] == 7.0).all(), f"{kernel.name} kc={kc} m={m}: written past kc"
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.125 * 1.4426950408889634])
