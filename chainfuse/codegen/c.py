@@ -1425,7 +1425,9 @@ def _sliver_call(
     the B operand, C and ldc. One inlined copy of the register block instead of two (each costs
     compile time); a short sliver (m < MR) is packed, unless it has exactly the kernel's
     `part_rows` rows (`PART_MR`: `<uk>_tail` reads only those, in place). A kernel with narrow
-    blocks (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`)."""
+    blocks (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`).
+    With `room` (C has rows for a whole block past the sliver's, which nothing reads), a packed
+    short sliver runs the part or the whole block straight into C."""
     uk = kernel.name
     ptr, rs, ks = place
     with w.block("if (m == MR)"):
