@@ -1430,10 +1430,10 @@ def _sliver_call(
     short sliver runs the part or the whole block straight into C."""
     uk = kernel.name
     ptr, rs, ks = place
+    entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
     with w.block("if (m == MR)"):
         w.line(f"const float* restrict as = {direct} ? {ptr} : {packed};")
         rows = rs if rs == "1" else f"{direct} ? {rs} : 1"
-        entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
         w.line(f"{entry}({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, {cols}, acc);")
     if kernel.part_rows:  # exactly its rows: <uk>_tail reads only those
         w.line(
@@ -1448,7 +1448,6 @@ def _sliver_call(
             w.line(
                 f"else if (m <= PART_MR) {uk}_tail({kc}, {packed}, 1, MR, {rest}, PART_MR, NR, acc);"
             )
-        entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
         w.line(f"else {entry}({kc}, {packed}, 1, MR, {rest}, {cols}, acc);")
         return
     w.line(f"else {uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);")
