@@ -1088,7 +1088,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
-                        _epilogue_strip(w, spec)
+                        _epilogue_strip(w, spec, bool(spec.kernel.part_cols) and in_place)
         w.line("/* op2: Eᵀ[n_o, m_o] (+)= Dᵀ[n_o, l_o] . Pᵀ[l_o, m_o] */")
         with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
@@ -1589,21 +1589,29 @@ def _e_row(w: Writer, softmax: bool, row: str) -> None:
         w.line(f"const float inv = inv_sum[{row}];")
 
 
-def _exp_strip(w: Writer, exp: str) -> None:
-    """The strip's scores exponentiated in place by `exp` (of row r, column i), summed by column."""
+def _exp_strip(w: Writer, exp: str, width: str) -> None:
+    """The strip's scores exponentiated in place by `exp` (of row r, column i), summed by
+    column: its first `width` columns."""
     with w.block("for (int r = 0; r < lc; ++r)"):
         w.line("#pragma omp simd")
-        with w.block("for (int i = 0; i < NR; ++i)"):
+        with w.block(f"for (int i = 0; i < {width}; ++i)"):
             w.line(f"const float e = {exp};")
             w.line("p[r * NR + i] = e;")
             w.line("sum[i] += e;")
 
 
 def _masked_rows(
-    w: Writer, spec: GemmChainSpec, first: str, at: str, per_row: bool, added: bool = False
+    w: Writer,
+    spec: GemmChainSpec,
+    first: str,
+    at: str,
+    per_row: bool,
+    width: str,
+    added: bool = False,
 ) -> None:
     """The strip's rows from `first`: scores masked (the mask at offset `at` of mask_b: read once
-    a row when `per_row`; already `added` to them), causal compare, their maxima by column."""
+    a row when `per_row`; already `added` to them), causal compare, their maxima by column (the
+    first `width` columns)."""
     changed = (spec.mask is not MaskKind.NONE and not added) or spec.causal  # (p rewritten)
     with w.block(f"for (int r = {first}; r < lc; ++r)"):
         if spec.mask is MaskKind.ADDITIVE and per_row:
@@ -1612,7 +1620,7 @@ def _masked_rows(
             w.line(f"const int keep = mask_b[{at}] != 0;")
         if spec.mask is MaskKind.NONE or per_row or added:
             w.line("#pragma omp simd")
-        with w.block("for (int c = 0; c < NR; ++c)"):
+        with w.block(f"for (int c = 0; c < {width}; ++c)"):
             w.line("float v = p[r * NR + c]; /* scaled: Aᵀ was packed times scale log2(e) */")
             if spec.mask is MaskKind.ADDITIVE and not added:
                 w.line("v += add;" if per_row else f"v += cf_mask2(CF_LOAD(mask_b[{at}]));")
@@ -1627,9 +1635,10 @@ def _masked_rows(
             w.line("mx[c] = v > mx[c] ? v : mx[c];")
 
 
-def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
+def _epilogue_strip(w: Writer, spec: GemmChainSpec, narrow: bool) -> None:
     """f on strip `j` of the score tile (`lc` rows of NR columns), once its k blocks are done
-    (a relu is not here: the micro-kernel applies it as it stores, `RELU_AT_STORE`)."""
+    (a relu is not here: the micro-kernel applies it as it stores, `RELU_AT_STORE`). `narrow`:
+    op2 reads only the `nw` columns of a tail strip, and the softmax runs on those alone."""
     if spec.epilogue is Epilogue.GELU:
         w.line("/* gelu on the strip */")
         w.line("float* restrict p = Pt + (long)j * LPM * NR;")
@@ -1642,13 +1651,29 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
     w.line("float* restrict p = Pt + (long)j * LPM * NR;")
     w.line("float* restrict cmax = col_max + j * NR;")
     w.line("float* restrict csum = col_sum + j * NR;")
+    if not narrow:
+        _softmax_strip(w, spec, "NR")
+        return
+    w.line("/* a tail strip: its nw columns alone, which is all op2 reads of it (a strip of 16")
+    w.line("   queries at NR 64 exponentiated four times the scores it needs) */")
+    with w.block("if (nw == NR)"):
+        _softmax_strip(w, spec, "NR")
+    with w.block("else"):
+        _softmax_strip(w, spec, "nw")
+
+
+def _softmax_strip(w: Writer, spec: GemmChainSpec, width: str) -> None:
+    """`_epilogue_strip`'s softmax on the strip's first `width` columns (NR, or a tail
+    strip's nw)."""
     w.line("float mx[NR], shift[NR], alpha[NR], sum[NR];")
-    w.line("for (int c = 0; c < NR; ++c) mx[c] = -INFINITY;")
+    w.line(f"for (int c = 0; c < {width}; ++c) mx[c] = -INFINITY;")
     masked = spec.mask is not MaskKind.NONE or spec.causal
     if masked:
         w.line("/* the query (m) of each column; padding columns reuse the last valid one */")
         w.line("long q[NR];")
-        w.line("for (int c = 0; c < NR; ++c) q[c] = m0 + (j * NR + c < mc ? j * NR + c : mc - 1);")
+        w.line(
+            f"for (int c = 0; c < {width}; ++c) q[c] = m0 + (j * NR + c < mc ? j * NR + c : mc - 1);"
+        )
     first = "0"
     if spec.causal and spec.mask is MaskKind.NONE:
         w.line("/* causal alone: the rows of keys at or before the strip's first query are masked")
@@ -1659,17 +1684,18 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         w.line("const int free_rows = below < 0 ? 0 : below > lc ? lc : (int)below;")
         with w.block("for (int r = 0; r < free_rows; ++r)"):
             w.line("#pragma omp simd")
-            with w.block("for (int c = 0; c < NR; ++c)"):
+            with w.block(f"for (int c = 0; c < {width}; ++c)"):
                 w.line("mx[c] = p[r * NR + c] > mx[c] ? p[r * NR + c] : mx[c];")
         first = "free_rows"
     if spec.mask is not MaskKind.NONE:
         w.line("/* a mask the same for every query (a key-padding mask: sMm 0) is one value a row")
         w.line("   of the strip, and the row's loop runs vectorised; else one gather an element */")
         w.line("if (sMm == 0)")
-        _masked_rows(w, spec, first, "(l0 + r) * sMl", per_row=True)
+        _masked_rows(w, spec, first, "(l0 + r) * sMl", True, width)
         tb = spec.kernel.transpose_block
         bool_mask = spec.mask is MaskKind.BOOL
-        if tb and (bool_mask or spec.dtype is DType.FLOAT32):
+        # (a whole strip only: a tail strip takes the gathers)
+        if tb and (bool_mask or spec.dtype is DType.FLOAT32) and width == "NR":
             w.line(
                 "/* a mask along contiguous keys, a whole strip: its blocks transposed in registers"
             )
@@ -1710,20 +1736,20 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
                         w.line(
                             "for (int c = 0; c < NR; ++c) p[r * NR + c] += cf_mask2(rows[c * sMm + r]);"
                         )
-                _masked_rows(w, spec, first, "", per_row=False, added=True)
+                _masked_rows(w, spec, first, "", False, width, added=True)
         w.line("else")
-    _masked_rows(w, spec, first, "q[c] * sMm + (l0 + r) * sMl", per_row=False)
+    _masked_rows(w, spec, first, "q[c] * sMm + (l0 + r) * sMl", False, width)
     w.line("/* shifts: the new maxima rounded up to integers where they are below 2^21 in")
     w.line("   magnitude (every column of the strip: cf_exp2_from), else the maxima themselves;")
     w.line("   a column whose new maximum is at most LAZY_SHIFT above its integer shift keeps it")
     w.line("   (its exponentials stay below 2^LAZY_SHIFT), and Eᵀ is rescaled only when a")
     w.line("   column's shift moves */")
     w.line("int whole = 1, moved = 0;")
-    with w.block("for (int c = 0; c < NR; ++c)"):
+    with w.block(f"for (int c = 0; c < {width}; ++c)"):
         w.line("const float m_new = mx[c] > cmax[c] ? mx[c] : cmax[c];")
         w.line("whole &= m_new == -INFINITY || (m_new < 2097152.0f && m_new > -2097152.0f);")
         w.line("mx[c] = m_new;")
-    with w.block("for (int c = 0; c < NR; ++c)"):
+    with w.block(f"for (int c = 0; c < {width}; ++c)"):
         w.line("/* a column with nothing but -inf so far keeps zero mass */")
         w.line("const int keep = whole && cmax[c] != -INFINITY && mx[c] <= cmax[c] + LAZY_SHIFT;")
         w.line(
@@ -1736,17 +1762,17 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
         w.line("cmax[c] = mx[c] == -INFINITY ? -INFINITY : shift[c];")
         w.line("sum[c] = 0.0f;")
     with w.block("if (whole)"):
-        if _exp2_strip(spec):
+        if _exp2_strip(spec) and width == "NR":
             w.line("cf_exp2_strip(p, lc, shift, sum);")
         else:
             w.line("float c[NR], lo[NR];")
-            with w.block("for (int i = 0; i < NR; ++i)"):
+            with w.block(f"for (int i = 0; i < {width}; ++i)"):
                 w.line("c[i] = 12583039.0f - shift[i];")
                 w.line("lo[i] = shift[i] - 127.0f;")
-            _exp_strip(w, "cf_exp2_from(p[r * NR + i], c[i], lo[i])")
+            _exp_strip(w, "cf_exp2_from(p[r * NR + i], c[i], lo[i])", width)
     with w.block("else"):
-        _exp_strip(w, "cf_exp2_neg(p[r * NR + i] - shift[i])")
-    with w.block("for (int c = 0; c < NR; ++c)"):
+        _exp_strip(w, "cf_exp2_neg(p[r * NR + i] - shift[i])", width)
+    with w.block(f"for (int c = 0; c < {width}; ++c)"):
         w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
     with w.block("if (l0 > 0 && moved)"):
         if _softmax_to_e(spec):
@@ -1756,4 +1782,4 @@ def _epilogue_strip(w: Writer, spec: GemmChainSpec) -> None:
             w.line("else")
         with w.block("for (long c2 = 0; c2 < N; ++c2)"):
             w.line("float* restrict et = Et + c2 * LDE + j * NR;")
-            w.line("for (int c = 0; c < NR; ++c) et[c] *= alpha[c];")
+            w.line(f"for (int c = 0; c < {width}; ++c) et[c] *= alpha[c];")

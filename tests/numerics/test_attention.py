@@ -1126,6 +1126,24 @@ def test_tail_strips_of_every_narrow_width_with_each_kernel(
     assert pc and len(counts) == 3 * len(kernel.col_widths) + 1
 
 
+@pytest.mark.parametrize("kernel", _NARROW_HERE, ids=lambda k: k.name)
+def test_a_tail_strips_softmax_runs_on_its_columns_alone_over_several_l_tiles(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the softmax of a tail strip of each narrow width (and one column short of it) runs on
+    # its nw columns only: over several l tiles whose maxima rise (large scores: shifts move and
+    # what op2 accumulated is rescaled, through Eᵀ and, with dv = nr, straight in E), masked,
+    # causal and both, with the transposed mask path of whole strips in the same call
+    _force(monkeypatch, kernel)
+    nr = kernel.nr
+    kinds = [(False, None), (True, None), (False, "additive"), (False, "bool"), (True, "bool")]
+    for i, sq in enumerate(sorted({nr + w + d for w in kernel.col_widths for d in (-1, 0)})):
+        causal, mask = kinds[i % len(kinds)]
+        for dv in (24, nr):
+            _check_attention(1, 2, sq, 3 * kernel.mr + 5 + i, 40, dv, causal, mask, False,
+                             {"l": kernel.mr + 1}, 1e3)  # fmt: skip
+
+
 @pytest.mark.parametrize("kernel", _FP32_HERE, ids=lambda k: k.name)
 def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
