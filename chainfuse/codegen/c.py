@@ -66,6 +66,18 @@ AT_WHOLE = 1 << 20  # floats of Aᵀ a thread keeps packed whole (all of k, for 
 HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
 ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
+#: a row of m on the row path costs about this many of the tiled path's columns (Zen 4,
+#: 1 thread: 2.8-4.8 us a query and head of 257 keys of 64 there, 0.67 us a column here)
+ROWS_COST = 5
+
+
+def rows_tail(kernel: MicroKernel) -> int:
+    """Rows of m past a row block's whole strips that take `<name>_rows` instead of a tail
+    strip, which computes a whole narrow block (`part_cols`, else nr) of columns for them:
+    those that cost less there (a block of 257 queries: 1 on the row path, not 16 columns)."""
+    return min(ROWS_MAX, (kernel.part_cols or kernel.nr) // ROWS_COST)
+
+
 #: A tiled online softmax keeps a column's shift while the column's maximum stays at most this
 #: far above it (base 2): its exponentials are then below 2^LAZY_SHIFT = 256, and the sum and
 #: Eᵀ are rescaled only when some column's shift moves (each new key tile rescaled all of Eᵀ:
@@ -706,6 +718,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         " (<uk>_tail reads only its rows; 0: none) */"
     )
     w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many rows or fewer: _rows */")
+    w.line(
+        f"#define ROWS_TAIL {rows_tail(ker)} /* rows past whole strips of a block that take _rows */"
+    )
     if ker.part_cols:
         w.line("/* the columns a tail strip of n < NR computes: whole narrow blocks (<uk>_cols) */")
         pc = ker.part_cols
@@ -960,10 +975,18 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const long mo = (blk % mblocks) * T_MO;")
     w.line("const long mo_end = M - mo < T_MO ? M : mo + T_MO;")
     with w.block("for (long m0 = mo; m0 < mo_end; m0 += T_M)"):
-        w.line("const int mc = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
+        w.line("const int rows = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
         # causal: key blocks wholly after the block's last query are all masked: skipped
-        bound = "L < m0 + mc ? L : m0 + mc" if spec.causal else "l_hi"
-        w.line(f"const long l_end = {bound};")
+        bound = "L < m0 + {0} ? L : m0 + {0}" if spec.causal else "l_hi"
+        w.line("/* a few rows past whole strips take _rows (ROWS_TAIL), the rest the tiles */")
+        w.line(
+            "const int tail = split == 1 && rows > NR && rows % NR <= ROWS_TAIL ? rows % NR : 0;"
+        )
+        with w.block("if (tail > 0)"):
+            w.line(f"const long tail_end = {bound.format('rows')};")
+            _rows_invoke(w, spec, "tail", "m0 + rows - tail", "tail_end")
+        w.line("const int mc = rows - tail;")
+        w.line(f"const long l_end = {bound.format('mc')};")
         _rows_call(w, spec)
         _row_block(w, spec)
 
@@ -1200,20 +1223,25 @@ def _rows_call(w: Writer, spec: GemmChainSpec) -> None:
     padding. Threads that split l (one block, several threads) each add their share into their
     Eᵀ, for the second pass to sum as it sums the tiled path's."""
     with w.block("if (mc <= ROWS_MAX)"):
-        mask = "0, 0, 0"
-        if spec.mask is not MaskKind.NONE:
-            elem = "cf_elem" if spec.mask is MaskKind.ADDITIVE else "unsigned char"
-            mask = f"(const {elem}*)mask_data + b0 * sM0 + b1 * sM1, sMm, sMl"
-        softmax = spec.epilogue is Epilogue.SOFTMAX
-        scale = "scale2" if softmax else "1.0f"
-        et = "0" if softmax else "split > 1 ? Et : 0"
-        w.line(
-            f"{spec.name}_rows(mc, m0, K, N, l_lo, l_end, A + b0 * sA0 + b1 * sA1 + m0 * sAm,"
-            " sAm, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
-            f" E + b0 * sE0 + b1 * sE1 + m0 * sEm, sEm, {scale}, {mask}, rows_q, rows_o, rows_w, {et},"
-            " LDE);"
-        )
+        _rows_invoke(w, spec, "mc", "m0", "l_end")
         w.line("continue;")
+
+
+def _rows_invoke(w: Writer, spec: GemmChainSpec, rows: str, first: str, l_end: str) -> None:
+    """`<name>_rows` on `rows` rows of m from `first`, keys up to `l_end`."""
+    mask = "0, 0, 0"
+    if spec.mask is not MaskKind.NONE:
+        elem = "cf_elem" if spec.mask is MaskKind.ADDITIVE else "unsigned char"
+        mask = f"(const {elem}*)mask_data + b0 * sM0 + b1 * sM1, sMm, sMl"
+    softmax = spec.epilogue is Epilogue.SOFTMAX
+    scale = "scale2" if softmax else "1.0f"
+    et = "0" if softmax else "split > 1 ? Et : 0"
+    w.line(
+        f"{spec.name}_rows({rows}, {first}, K, N, l_lo, {l_end}, A + b0 * sA0 + b1 * sA1"
+        f" + ({first}) * sAm, sAm, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
+        f" E + b0 * sE0 + b1 * sE1 + ({first}) * sEm, sEm, {scale}, {mask}, rows_q, rows_o,"
+        f" rows_w, {et}, LDE);"
+    )
 
 
 def _rows(w: Writer, spec: GemmChainSpec) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import chainfuse
 from chainfuse import compiler, reference
 from chainfuse.bench import workloads
+from chainfuse.codegen.c import rows_tail
 from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware
 from chainfuse.ir import DType
@@ -1097,6 +1098,7 @@ _FP32_HERE = [
 ]  # fmt: skip
 _NARROW_HERE = [k for k in _FP32_HERE if k.col_widths]
 _PART_HERE = [k for k in _FP32_HERE if k.part_rows]
+_TAIL_ROWS_HERE = [k for k in _FP32_HERE if rows_tail(k)]  # (a 4-column kernel: none)
 
 
 def _force(monkeypatch: pytest.MonkeyPatch, kernel: MicroKernel) -> None:
@@ -1124,6 +1126,32 @@ def test_tail_strips_of_every_narrow_width_with_each_kernel(
         out = k(*[inputs[t.name] for t in chain.inputs])
         reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
     assert pc and len(counts) == 3 * len(kernel.col_widths) + 1
+
+
+@pytest.mark.parametrize("kernel", _TAIL_ROWS_HERE, ids=lambda k: k.name)
+def test_a_few_rows_past_whole_strips_take_the_row_path_and_the_rest_the_tiles(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # row blocks of 1..ROWS_TAIL rows past whole strips (and one more, which stays tiled):
+    # those rows run `_rows` with the block's other rows tiled, in attention (causal: their
+    # keys end at their own queries; masks over queries, broadcast; several l tiles), in
+    # row blocks after the first (T_M), and in a gelu GEMM chain on 1 and 2 threads
+    _force(monkeypatch, kernel)
+    nr, tail = kernel.nr, rows_tail(kernel)
+    kinds = [(False, None), (True, None), (False, "additive"), (True, "bool")]
+    for i, extra in enumerate(range(1, tail + 2)):
+        causal, mask = kinds[i % len(kinds)]
+        _check_attention(1, 2, nr + extra, 41 + extra, 24, 40, causal, mask, i % 2 == 1,
+                         None, 10.0)  # fmt: skip
+        _check_attention(2, 1, 3 * nr + extra, 2 * nr + 3, 24, 40, causal, mask, False,
+                         {"m": 2 * nr, "l": nr + 5}, 1e3)  # fmt: skip
+        chain = chainfuse.gemm_chain(2, nr + extra, 24, 40, 33, "gelu")
+        inputs = reference.random_inputs(chain, seed=extra)
+        for threads in (1, 2):
+            k = compile(chain, threads=threads)
+            assert k.spec.kernel is kernel
+            out = k(*[inputs[n.name] for n in chain.inputs])
+            reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
 
 
 @pytest.mark.parametrize("kernel", _NARROW_HERE, ids=lambda k: k.name)
