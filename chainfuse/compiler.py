@@ -35,6 +35,7 @@ from chainfuse.codegen.c import (
     GemmChainSpec,
     emit_gemm_chain,
     match_gemm_chain,
+    rows_tail,
 )
 from chainfuse.codegen.conv import (
     GEOMETRY,
@@ -300,6 +301,16 @@ class Kernel(_Built):
         if short:
             text += (
                 f"\n  a last row block of {' or '.join(map(str, short))} rows of {m}: the row path"
+            )
+        # a block's few rows past whole strips of nr (codegen's ROWS_TAIL): the row path too
+        blocks = {spec.T_M for r in (outer, M % outer or outer) if r >= spec.T_M} | tails
+        few = sorted({b % nr for b in blocks if b > nr and 0 < b % nr <= rows_tail(uk)})
+        if few:
+            split = "" if spec.epilogue is Epilogue.SOFTMAX else " (unless threads split l)"
+            text += (
+                f"\n  a row block's last {' or '.join(map(str, few))}"
+                f" {'row' if few == [1] else 'rows'} of {m} past whole"
+                f" blocks of {nr}: the row path{split}"
             )
         return text
 

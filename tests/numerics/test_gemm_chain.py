@@ -420,7 +420,7 @@ def test_few_rows_take_the_row_path(
 def test_describe_says_which_code_runs() -> None:
     # the micro-kernel and how the chain's loops lie on it, the code-level tiles, and the row
     # blocks that take the row path (all of them at <= ROWS_MAX rows, or a short last block)
-    from chainfuse.codegen.c import ROWS_MAX
+    from chainfuse.codegen.c import ROWS_MAX, rows_tail
 
     tiled = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 128})
     uk = tiled.spec.kernel
@@ -430,6 +430,14 @@ def test_describe_says_which_code_runs() -> None:
     assert "a last row block of 8 rows of m: the row path" in text
     whole = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 136})
     assert "row path" not in whole.describe()
+    # a row block's 1..ROWS_TAIL rows past whole strips (and not one more)
+    for extra in (1, rows_tail(uk), rows_tail(uk) + 1):
+        sq = 2 * uk.nr + extra
+        text = compile(chainfuse.attention_chain(1, 2, sq, 50, 16, 16), tiles={"m": sq}).describe()
+        said = (
+            f"a row block's last {extra} row{'s' * (extra > 1)} of m past whole blocks of {uk.nr}"
+        )
+        assert (said in text) == (0 < extra <= rows_tail(uk)), text
     rows = compile(chainfuse.gemm_chain(1, ROWS_MAX, 16, 16, 16)).describe()
     assert (
         rows.startswith(f"  code: the row path for all {ROWS_MAX} rows of m")
