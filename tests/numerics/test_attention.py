@@ -1106,6 +1106,16 @@ def _force(monkeypatch: pytest.MonkeyPatch, kernel: MicroKernel) -> None:
     monkeypatch.setattr(compiler, "select_weighted", lambda problems, hw: kernel)
 
 
+def _check_gemm_chain(chain: chainfuse.Chain, kernel: MicroKernel, seed: int, **how: Any) -> None:
+    """`chain` compiled (`how`: compile's tiles, threads) runs `kernel` and matches the
+    reference on random inputs of `seed`."""
+    k = compile(chain, **how)
+    assert k.spec.kernel is kernel
+    inputs = reference.random_inputs(chain, seed=seed)
+    out = k(*[inputs[t.name] for t in chain.inputs])
+    reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+
+
 @pytest.mark.parametrize("kernel", _NARROW_HERE, ids=lambda k: k.name)
 def test_tail_strips_of_every_narrow_width_with_each_kernel(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
@@ -1120,11 +1130,7 @@ def test_tail_strips_of_every_narrow_width_with_each_kernel(
         causal, mask = [(False, None), (True, None), (False, "additive"), (False, "bool")][i % 4]
         _check_attention(1, 2, sq, 37 + i, 40, 24, causal, mask, i % 2 == 1, None, 10.0)
         chain = chainfuse.gemm_chain(2, sq, 24, 40, 37 + i, "relu")
-        k = compile(chain, tiles={"m": nr * 2, "l": 18, "k": 16})  # (k blocks: acc)
-        assert k.spec.kernel is kernel
-        inputs = reference.random_inputs(chain, seed=i)
-        out = k(*[inputs[t.name] for t in chain.inputs])
-        reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+        _check_gemm_chain(chain, kernel, i, tiles={"m": nr * 2, "l": 18, "k": 16})  # (acc)
     assert pc and len(counts) == 3 * len(kernel.col_widths) + 1
 
 
@@ -1146,12 +1152,8 @@ def test_a_few_rows_past_whole_strips_take_the_row_path_and_the_rest_the_tiles(
         _check_attention(2, 1, 3 * nr + extra, 2 * nr + 3, 24, 40, causal, mask, False,
                          {"m": 2 * nr, "l": nr + 5}, 1e3)  # fmt: skip
         chain = chainfuse.gemm_chain(2, nr + extra, 24, 40, 33, "gelu")
-        inputs = reference.random_inputs(chain, seed=extra)
         for threads in (1, 2):
-            k = compile(chain, threads=threads)
-            assert k.spec.kernel is kernel
-            out = k(*[inputs[n.name] for n in chain.inputs])
-            reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+            _check_gemm_chain(chain, kernel, extra, threads=threads)
 
 
 @pytest.mark.parametrize("kernel", _NARROW_HERE, ids=lambda k: k.name)
@@ -1242,11 +1244,7 @@ def test_a_packed_tail_sliver_of_every_length_runs_its_block_straight_into_the_s
         _check_attention(1, 2, 2 * kernel.nr + 1, 3 * sk + 1, 37, 24, causal, mask, t % 2 == 0,
                          {"l": mr + t, "k": 16}, 1e4)  # fmt: skip
         chain = chainfuse.gemm_chain(2, kernel.nr + 3, 24, 37, sk, "relu")
-        k = compile(chain, tiles={"l": mr + t, "k": 16})
-        assert k.spec.kernel is kernel
-        inputs = reference.random_inputs(chain, seed=t)
-        out = k(*[inputs[n.name] for n in chain.inputs])
-        reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+        _check_gemm_chain(chain, kernel, t, tiles={"l": mr + t, "k": 16})
 
 
 @pytest.mark.parametrize("kernel", _PART_HERE, ids=lambda k: k.name)
