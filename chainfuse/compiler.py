@@ -277,8 +277,9 @@ class Kernel(_Built):
     def describe(self) -> str:
         """What the compiled code runs, beside the plan (`plan`'s register block is the model's
         quantum; the code computes the transposed chain): the micro-kernel and how the chain's
-        loops lie on its block, the code-level tiles, and which row blocks take the row path
-        (at most ROWS_MAX rows of m: dot products and sums, compiled for the kernel's ISA)."""
+        loops lie on its block, the code-level tiles, and which rows take the row path (blocks
+        of at most ROWS_MAX rows of m, and a block's last `rows_tail` rows past whole strips:
+        dot products and sums, compiled for the kernel's ISA)."""
         spec, ext = self.spec, self.chain.extents
         m, l_ = self.chain.contractions[0].output.loops[-2:]
         n = self.chain.contractions[1].output.loops[-1]
