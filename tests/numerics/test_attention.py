@@ -1072,6 +1072,13 @@ def test_few_queries_take_the_row_path_and_match_the_reference(
     _check_attention(1, 2, rows, sk, dqk, dv, causal, mask, broadcast, tiles, magnitude)
 
 
+@pytest.mark.parametrize("dqk", [1, 7, 8, 15, 16, 17, 24, 31])
+def test_row_path_dot_products_of_every_length_past_whole_vectors(dqk: int) -> None:
+    # the row path's four dot products at a time (`cf_dot4`): head dims through two vectors a
+    # step, one vector, and single floats past them; 13 keys (a last group of one re-read)
+    _check_attention(1, 2, 3, 13, dqk, 5, False, None, False, None, 100.0)
+
+
 def test_row_path_rows_without_keys_and_huge_scores() -> None:
     # a fully masked query gives zeros, a huge score range stays finite, NaN in a key reaches
     # exactly the queries whose scores read it, as in the tiled path
