@@ -1410,7 +1410,7 @@ def _rows_add_rows(
 # 0.95, 2 x 256 x 256 1.00.
 _DOT4 = r"""
 typedef float cf_v8 __attribute__((vector_size(32)));
-typedef float cf_v8u __attribute__((vector_size(32), aligned(4)));
+typedef float cf_v8u __attribute__((vector_size(32), aligned(4), may_alias)); /* float rows */
 typedef int cf_v8i __attribute__((vector_size(32)));
 #if defined(__clang__)
 #define CF_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
