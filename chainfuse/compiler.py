@@ -35,7 +35,7 @@ from chainfuse.codegen.c import (
     GemmChainSpec,
     emit_gemm_chain,
     match_gemm_chain,
-    rows_tail,
+    rows_past_strips,
 )
 from chainfuse.codegen.conv import (
     GEOMETRY,
@@ -278,8 +278,8 @@ class Kernel(_Built):
         """What the compiled code runs, beside the plan (`plan`'s register block is the model's
         quantum; the code computes the transposed chain): the micro-kernel and how the chain's
         loops lie on its block, the code-level tiles, and which rows take the row path (blocks
-        of at most ROWS_MAX rows of m, and a block's last `rows_tail` rows past whole strips:
-        dot products and sums, compiled for the kernel's ISA)."""
+        of at most ROWS_MAX rows of m, and a block's last few past whole strips,
+        `rows_past_strips`: dot products and sums, compiled for the kernel's ISA)."""
         spec, ext = self.spec, self.chain.extents
         m, l_ = self.chain.contractions[0].output.loops[-2:]
         n = self.chain.contractions[1].output.loops[-1]
@@ -305,7 +305,7 @@ class Kernel(_Built):
             )
         # a block's few rows past whole strips of nr (codegen's ROWS_TAIL): the row path too
         blocks = {spec.T_M for r in (outer, M % outer or outer) if r >= spec.T_M} | tails
-        few = sorted({b % nr for b in blocks if b > nr and 0 < b % nr <= rows_tail(uk)})
+        few = sorted({rows_past_strips(b, uk) for b in blocks} - {0})
         if few:
             split = "" if spec.epilogue is Epilogue.SOFTMAX else " (unless threads split l)"
             text += (

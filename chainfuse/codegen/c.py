@@ -78,6 +78,13 @@ def rows_tail(kernel: MicroKernel) -> int:
     return min(ROWS_MAX, (kernel.part_cols or kernel.nr) // ROWS_COST)
 
 
+def rows_past_strips(rows: int, kernel: MicroKernel) -> int:
+    """How many of a row block's `rows` rows of m take `<name>_rows` past its whole strips
+    (`_block`'s `tail`, where threads do not split l): 0 unless 1..`rows_tail` are left."""
+    left = rows % kernel.nr
+    return left if rows > kernel.nr and left <= rows_tail(kernel) else 0
+
+
 #: A tiled online softmax keeps a column's shift while the column's maximum stays at most this
 #: far above it (base 2): its exponentials are then below 2^LAZY_SHIFT = 256, and the sum and
 #: Eᵀ are rescaled only when some column's shift moves (each new key tile rescaled all of Eᵀ:
@@ -981,7 +988,7 @@ def _block(w: Writer, spec: GemmChainSpec) -> None:
         # causal: key blocks wholly after the block's last query are all masked: skipped
         bound = "L < m0 + {0} ? L : m0 + {0}" if spec.causal else "l_hi"
         w.line("/* a few rows past whole strips take _rows (ROWS_TAIL), the rest the tiles */")
-        w.line(
+        w.line(  # (`rows_past_strips`: the same rule, for describe)
             "const int tail = split == 1 && rows > NR && rows % NR <= ROWS_TAIL ? rows % NR : 0;"
         )
         with w.block("if (tail > 0)"):
