@@ -1341,6 +1341,8 @@ def _rows_softmax(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* keys after the query (l > m): the caller's l_end ends at the block's last */")
         w.line("for (int l = 0; l < lb; ++l) si[l] = l0 + l > m0 + i ? -INFINITY : si[l];")
     w.line("float mx = -INFINITY;")
+    w.line("/* (vectorised: a max reduction's lanes start at -inf; each passes NaN over) */")
+    w.line("#pragma omp simd reduction(max:mx)")
     w.line("for (int l = 0; l < lb; ++l) mx = si[l] > mx ? si[l] : mx;")
     w.line("const float m_new = mx > cmax[i] ? mx : cmax[i];")
     w.line("/* a row with nothing but -inf so far keeps zero mass */")
