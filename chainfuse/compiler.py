@@ -35,6 +35,7 @@ from chainfuse.codegen.c import (
     GemmChainSpec,
     emit_gemm_chain,
     match_gemm_chain,
+    row_path_rows,
     rows_past_strips,
 )
 from chainfuse.codegen.conv import (
@@ -243,7 +244,13 @@ class Kernel(_Built):
     """A compiled chain: call it with the chain's inputs (in `chain.inputs` order)."""
 
     def __init__(
-        self, chain: Chain, plan_: Plan, spec: GemmChainSpec, shape: GemmChainShape, header: str
+        self,
+        chain: Chain,
+        plan_: Plan,
+        spec: GemmChainSpec,
+        shape: GemmChainShape,
+        header: str,
+        cache_bytes: int,
     ) -> None:
         self.chain = chain
         self.shape = shape
@@ -264,6 +271,8 @@ class Kernel(_Built):
         # the plan's tiles: run-time arguments of the object, which every plan shares
         self._tiles = (spec.T_M, spec.T_L, spec.T_K, spec.T_N)
         self._local = threading.local()
+        # the last cache level's bytes: how far the row path reaches (`row_path_rows`)
+        self._cache_bytes = cache_bytes
         soft = [op for op in chain.ops if isinstance(op, Softmax)]
         self._scale = soft[0].scale if soft else 1.0
         self._dtype = chain.dtype.value  # of every input and the output (masks: see _prepare)
@@ -278,16 +287,20 @@ class Kernel(_Built):
         """What the compiled code runs, beside the plan (`plan`'s register block is the model's
         quantum; the code computes the transposed chain): the micro-kernel and how the chain's
         loops lie on its block, the code-level tiles, and which rows take the row path (blocks
-        of at most ROWS_MAX rows of m, and a block's last few past whole strips,
-        `rows_past_strips`: dot products and sums, compiled for the kernel's ISA)."""
+        of at most `row_path_rows` rows of m, judged by the chain's own sizes, and a block's last
+        few past whole strips, `rows_past_strips`: dot products and sums, compiled for the
+        kernel's ISA)."""
         spec, ext = self.spec, self.chain.extents
         m, l_ = self.chain.contractions[0].output.loops[-2:]
         n = self.chain.contractions[1].output.loops[-1]
         uk, M = spec.kernel, ext[m]
         tiles = f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}"
-        if M <= ROWS_MAX:
+        reach = row_path_rows(
+            spec.b_transposed, _bd_bytes(self.chain, self.shape), self._cache_bytes
+        )
+        if reach >= M:  # (all of m)
             return (
-                f"  code: the row path for all {M} rows of {m} (<= {ROWS_MAX}), no register"
+                f"  code: the row path for all {M} rows of {m} (<= {reach}), no register"
                 f" block (built for {uk.name}'s ISA); {tiles}"
             )
         mr, nr = uk.mr, uk.nr
@@ -298,7 +311,7 @@ class Kernel(_Built):
         )
         outer = max(self._outer_m, spec.T_M)  # the rows of m a parallel block holds
         tails = {r % spec.T_M for r in (outer, M % outer or outer)} - {0}
-        short = sorted(t for t in tails if t <= ROWS_MAX)
+        short = sorted(t for t in tails if t <= reach)
         if short:
             text += (
                 f"\n  a last row block of {' or '.join(map(str, short))} rows of {m}: the row path"
@@ -329,6 +342,7 @@ class Kernel(_Built):
             args[PACKED["work_per_thread"]] = self._per
             args[PACKED["nthreads"]] = threads
             args[PACKED["outer_m"]] = self._outer_m
+            args[PACKED["cache_bytes"]] = self._cache_bytes
             at = PACKED["tiles"]
             args[at : at + 4] = list(self._tiles)
             args[PACKED["scale_bits"]] = int.from_bytes(struct.pack("<f", self._scale), "little")
@@ -537,7 +551,9 @@ def _m_blocks(extent: int, tile: int, outer: int, nr: int, keys: int, causal: bo
     new tile's time over 16's, 24 queries 0.76 (32 rows), 40 0.91 (48), 56 0.92 (32), 136 1.01
     (48); 104 queries keep 16 (48 and 64 rows: 1.08x and 1.07x the time). Not an unmasked
     chain's: its tile is the planner's larger one, whose rows fill the caches it was sized for
-    (257 queries in blocks of 144 rather than 128 + 1: 1.075x the time)."""
+    (257 queries in blocks of 144 rather than 128 + 1: 1.075x the time). Blocks of 7 or 8 rows
+    that `row_path_rows` sends to the tiles count as the row path's here too: a narrow strip
+    computes 16 columns for their 8 rows, about as dear."""
 
     def cost(t: int) -> int:
         block, total = max(outer, t), 0
@@ -660,7 +676,22 @@ def compile(
         dtype=chain.dtype,
     )
     header = _header(chain, chosen, spec)
-    return Kernel(chain, chosen, spec, shape, header)
+    return Kernel(chain, chosen, spec, shape, header, _last_cache_bytes(hw))
+
+
+def _last_cache_bytes(hw: Hardware) -> int:
+    """The capacity of the last level before memory (0 where the machine lists no cache)."""
+    return hw.levels[-2].capacity if len(hw.levels) > 1 else 0
+
+
+def _bd_bytes(chain: Chain, shape: GemmChainShape) -> float:
+    """Bytes of B and D (attention's K and V) over the whole batch, as the chain declares them:
+    what the generated code weighs against the last cache level (`row_path_rows`)."""
+    tensors = {t.name: t for t in chain.tensors}
+    elem = 4 if chain.dtype is DType.FLOAT32 else 2
+    return float(
+        sum(np.prod(tensors[n].shape, dtype=np.float64) for n in shape.tensors[1:3]) * elem
+    )
 
 
 def _remembered_plan(

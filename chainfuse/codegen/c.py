@@ -65,10 +65,31 @@ AT_WHOLE = 1 << 20  # floats of Aᵀ a thread keeps packed whole (all of k, for 
 #: 16-bit in and out, fp32 arithmetic inside
 HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
 ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
+#: ... and of at most this many where B's rows meet A's in dot products (attention's K,
+#: `b_transposed`) and all of B and D take at most a quarter of the last cache level
+#: (`row_path_rows`): there the tiles' narrow strip (16 columns) costs less than 7 or 8 rows' dot
+#: products. Measured (Zen 4, 32 MiB L3 shared with other machines, 1 thread, interleaved, 20
+#: rounds), the tiled path's time over the row path's at 6 / 7 / 8 queries: 12 heads x 128 keys
+#: x 64 0.92 / 0.91 / 0.71, x 512 (3 MiB of K and V) 1.01 / 0.82 / 0.78, 8 x 256 x 128 0.98 /
+#: 0.76 / 0.73, 16 x 256 x 80 0.96 / 0.86 / 0.74 (at 5 queries 1.02-1.25); 12 x 2048 x 64 (12
+#: MiB) 1.11 / 0.88 / 0.81-0.97; from 16 MiB each row block waits on K and V from further out,
+#: and the row path's reads overlap its arithmetic: 16 x 1024 x 128 (16 MiB) - / 1.54 / 1.16, 24
+#: x 1024 x 128 - / 1.39 / 1.39, 32 x 1024 x 128 1.45 / 1.46 / 1.44. (An MLP's rows, B added in
+#: row by row, stay on the row path through ROWS_MAX: 256 x 1024 x 256 at 8 rows 1.08, 768 x
+#: 3072 x 768 0.88.)
+ROWS_FIT = 6
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 #: a row of m on the row path costs about this many of the tiled path's columns (Zen 4,
 #: 1 thread: 2.8-4.8 us a query and head of 257 keys of 64 there, 0.67 us a column here)
 ROWS_COST = 5
+
+
+def row_path_rows(b_transposed: bool, bd_bytes: float, cache_bytes: int) -> int:
+    """Row blocks of at most this many rows of m take `<name>_rows` (the C's `rows_max`):
+    ROWS_FIT where B meets A in dot products (`b_transposed`) and B and D (`bd_bytes`, all of
+    both over the batch) take at most a quarter of the last cache level (`cache_bytes`), else
+    ROWS_MAX."""
+    return ROWS_FIT if b_transposed and 4 * bd_bytes <= cache_bytes else ROWS_MAX
 
 
 def rows_tail(kernel: MicroKernel) -> int:
@@ -694,7 +715,7 @@ static inline void cf_half_pack_bt(int kc, int n, const uint16_t* restrict Bt, l
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
     "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "tiles": 32,
-    "end": 36,
+    "cache_bytes": 36, "end": 37,
 }  # fmt: skip
 
 
@@ -725,6 +746,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         " (<uk>_tail reads only its rows; 0: none) */"
     )
     w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many rows or fewer: _rows */")
+    if spec.b_transposed:
+        w.line(f"#define ROWS_FIT {ROWS_FIT} /* ... where B and D fit in the cache (rows_max) */")
     w.line(
         f"#define ROWS_TAIL {rows_tail(ker)} /* rows past whole strips of a block that take _rows */"
     )
@@ -839,7 +862,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         f"    const cf_elem* restrict D, cf_elem* restrict E, const long* sizes,\n"
         f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
         f"    float* restrict work, long work_per_thread, int nthreads, long outer_m,\n"
-        f"    const long* tiles)"
+        f"    const long* tiles, long cache_bytes)"
     ):
         w.line("CF_TILES(tiles)")
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
@@ -851,6 +874,22 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long TK = K < T_K ? K : T_K;")
         w.line("const long AK = CF_AK(K, TK); /* Aᵀ's k: all of it, or one block */")
         w.line("const long DTN = CF_DTN(N);")
+        if spec.b_transposed:
+            w.line("/* the row path's reach (row_path_rows in c.py): ROWS_FIT rows where all of B")
+            w.line(
+                "   and D (K and V) take at most a quarter of the last cache level, else ROWS_MAX */"
+            )
+            w.line(
+                "const double bd_bytes = ((double)(sB0 ? nb0 : 1) * (double)(sB1 ? nb1 : 1) * (double)K"
+                " + (double)(sD0 ? nb0 : 1) * (double)(sD1 ? nb1 : 1) * (double)N) * (double)L"
+                " * (double)sizeof(cf_elem);"
+            )
+            w.line(
+                "const int rows_max = 4.0 * bd_bytes <= (double)cache_bytes ? ROWS_FIT : ROWS_MAX;"
+            )
+        else:
+            w.line("const int rows_max = ROWS_MAX; /* (see row_path_rows in c.py) */")
+        w.line("(void)cache_bytes;")
         w.line("/* the parallel blocks: a batch index and T_MO rows of m (the plan's outermost m")
         w.line("   tile: the blocks its model deals to the cores), run as row blocks of T_M */")
         w.line("const long T_MO = outer_m < T_M ? T_M : outer_m;")
@@ -929,7 +968,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"{name}((const cf_elem*)a[0], (const cf_elem*)a[1], (const cf_elem*)a[2],"
             " (cf_elem*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27,"
-            " (float*)a[5], a[6], (int)a[7], a[31], a + 32);"
+            " (float*)a[5], a[6], (int)a[7], a[31], a + 32, a[36]);"
         )
     return w.text()
 
@@ -1226,12 +1265,12 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
 
 
 def _rows_call(w: Writer, spec: GemmChainSpec) -> None:
-    """A row block of at most ROWS_MAX rows of m (decoding: one query or a group of them; an
-    MLP's one token; a tail block) goes to `<name>_rows`: in the tiled path its rows would fill
-    1-8 of the micro-kernel's nr columns, and the other FMAs of every call would be spent on
-    padding. Threads that split l (one block, several threads) each add their share into their
-    Eᵀ, for the second pass to sum as it sums the tiled path's."""
-    with w.block("if (mc <= ROWS_MAX)"):
+    """A row block of at most `rows_max` rows of m (`row_path_rows`; decoding: one query or a
+    group of them; an MLP's one token; a tail block) goes to `<name>_rows`: in the tiled path its
+    rows would fill 1-8 of the micro-kernel's nr columns, and the other FMAs of every call would
+    be spent on padding. Threads that split l (one block, several threads) each add their share
+    into their Eᵀ, for the second pass to sum as it sums the tiled path's."""
+    with w.block("if (mc <= rows_max)"):
         _rows_invoke(w, spec, "mc", "m0", "l_end")
         w.line("continue;")
 

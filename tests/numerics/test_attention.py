@@ -1056,20 +1056,56 @@ def test_every_sequence_length_and_plan_shares_one_compiled_object() -> None:
     sq=st.integers(1, 8), sk=st.one_of(st.sampled_from([1, 5, 255, 256, 257, 513]), SEQ),
     dqk=st.sampled_from([1, 3, 40, 59, 64, 111]), dv=st.sampled_from([1, 7, 64, 160]),
     causal=st.booleans(), mask=MASK, broadcast=st.booleans(), magnitude=MAGNITUDE,
-    tail=st.booleans(),
+    tail=st.booleans(), beyond_cache=st.booleans(),
 )  # fmt: skip
 def test_few_queries_take_the_row_path_and_match_the_reference(
     sq: int, sk: int, dqk: int, dv: int, causal: bool, mask: str | None, broadcast: bool,
-    magnitude: float, tail: bool,
+    magnitude: float, tail: bool, beyond_cache: bool,
 ) -> None:  # fmt: skip
-    # row blocks of <= ROWS_MAX queries (decoding) skip the micro-kernel; with `tail`, the last
-    # of several 16-query blocks is one, so both paths write parts of one output
+    # row blocks of <= ROWS_FIT queries (decoding) skip the micro-kernel, and of <= ROWS_MAX
+    # where K and V take more than a quarter of the last cache level (`beyond_cache`: none);
+    # with `tail`, the last of several 16-query blocks is one, so both paths write parts of one
+    # output
     from chainfuse.codegen.c import ROWS_MAX
 
     assert sq <= ROWS_MAX
     rows = 32 + sq if tail else sq
     tiles = {"m": 16} if tail else None
-    _check_attention(1, 2, rows, sk, dqk, dv, causal, mask, broadcast, tiles, magnitude)
+    with pytest.MonkeyPatch.context() as mp:
+        if beyond_cache:
+            mp.setattr(compiler, "_last_cache_bytes", lambda hw: 0)
+        _check_attention(1, 2, rows, sk, dqk, dv, causal, mask, broadcast, tiles, magnitude)
+
+
+def test_the_row_path_reaches_further_where_k_and_v_leave_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # blocks of ROWS_FIT + 1 .. ROWS_MAX queries take the tiles while all of K and V fit in a
+    # quarter of the last cache level (a narrow strip costs less than their dot products), the
+    # row path where they do not (`row_path_rows`): describe() says so, and the generated code agrees (the two paths round
+    # differently: their outputs differ, each the reference's). An MLP's rows (B added in row
+    # by row) take the row path through ROWS_MAX either way.
+    from chainfuse.codegen.c import ROWS_FIT, ROWS_MAX
+
+    def run(sq: int, tail: bool) -> tuple[str, np.ndarray]:
+        chain = chainfuse.attention_chain(1, 3, 32 + sq if tail else sq, 70, 24, 24)
+        kernel = compile(chain, tiles={"m": 16} if tail else None)
+        inputs = reference.random_inputs(chain, seed=sq)
+        out = kernel(*[inputs[t.name] for t in chain.inputs])
+        reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
+        return kernel.describe(), out
+
+    cases = [(sq, tail) for sq in (ROWS_FIT, ROWS_FIT + 1, ROWS_MAX) for tail in (False, True)]
+    fits = {case: run(*case) for case in cases}
+    monkeypatch.setattr(compiler, "_last_cache_bytes", lambda hw: 0)
+    beyond = {case: run(*case) for case in cases}
+    for (sq, tail), (said, out) in fits.items():
+        rows = f"a last row block of {sq} rows" if tail else f"the row path for all {sq} rows"
+        assert (rows in said) == (sq <= ROWS_FIT), said
+        assert rows in beyond[sq, tail][0], beyond[sq, tail][0]
+        assert np.array_equal(out, beyond[sq, tail][1]) == (sq <= ROWS_FIT), (sq, tail)
+    mlp = compile(chainfuse.mlp_chain(ROWS_MAX, 24, 70, 24))
+    assert mlp.describe().startswith(f"  code: the row path for all {ROWS_MAX} rows of m")
 
 
 @pytest.mark.parametrize("dqk", [1, 7, 8, 15, 16, 17, 24, 31])

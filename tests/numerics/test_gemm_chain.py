@@ -427,7 +427,10 @@ def test_describe_says_which_code_runs() -> None:
     text = tiled.describe()
     assert f"micro-kernel {uk.name}; op1's blocks {uk.mr} rows of l by {uk.nr} of m," in text
     assert "tiles T_M=128 T_L=" in text
-    assert "a last row block of 8 rows of m: the row path" in text
+    # (8 queries past 128 take the tiles where K and V fit in the cache: row_path_rows; 6 not)
+    assert "a last row block of" not in text
+    text = compile(chainfuse.attention_chain(1, 2, 134, 50, 16, 16), tiles={"m": 128}).describe()
+    assert "a last row block of 6 rows of m: the row path" in text
     whole = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 136})
     assert "row path" not in whole.describe()
     # a row block's 1..ROWS_TAIL rows past whole strips (and not one more)
