@@ -295,9 +295,7 @@ class Kernel(_Built):
         n = self.chain.contractions[1].output.loops[-1]
         uk, M = spec.kernel, ext[m]
         tiles = f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}"
-        reach = row_path_rows(
-            spec.b_transposed, _bd_bytes(self.chain, self.shape), self._cache_bytes
-        )
+        reach = row_path_rows(spec, _bd_bytes(self.chain, self.shape), self._cache_bytes)
         if reach >= M:  # (all of m)
             return (
                 f"  code: the row path for all {M} rows of {m} (<= {reach}), no register"

@@ -65,8 +65,8 @@ AT_WHOLE = 1 << 20  # floats of Aᵀ a thread keeps packed whole (all of k, for 
 #: 16-bit in and out, fp32 arithmetic inside
 HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
 ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
-#: ... and of at most this many where B's rows meet A's in dot products (attention's K,
-#: `b_transposed`) and all of B and D take at most a quarter of the last cache level
+#: ... and of at most this many where fp32 B's rows meet A's in dot products (attention's K:
+#: `fits_rows`) and all of B and D take at most a quarter of the last cache level
 #: (`row_path_rows`): there the tiles' narrow strip (16 columns) costs less than 7 or 8 rows' dot
 #: products. Measured (Zen 4, 32 MiB L3 shared with other machines, 1 thread, interleaved, 20
 #: rounds), the tiled path's time over the row path's at 6 / 7 / 8 queries: 12 heads x 128 keys
@@ -84,12 +84,19 @@ ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax
 ROWS_COST = 5
 
 
-def row_path_rows(b_transposed: bool, bd_bytes: float, cache_bytes: int) -> int:
+def fits_rows(spec: GemmChainSpec) -> bool:
+    """Whether ROWS_FIT can bound the row path: fp32 B met in dot products (`b_transposed`). Not
+    16-bit B and D, which the tiles widen as they pack them, for every row block: the row path
+    stays ahead there through ROWS_MAX (bf16, 12 heads x 512 keys x 64, the tiles' time over the
+    row path's at 6 / 7 / 8 queries: 1.87 / 1.63 / 1.57)."""
+    return spec.b_transposed and spec.dtype not in HALF
+
+
+def row_path_rows(spec: GemmChainSpec, bd_bytes: float, cache_bytes: int) -> int:
     """Row blocks of at most this many rows of m take `<name>_rows` (the C's `rows_max`):
-    ROWS_FIT where B meets A in dot products (`b_transposed`) and B and D (`bd_bytes`, all of
-    both over the batch) take at most a quarter of the last cache level (`cache_bytes`), else
-    ROWS_MAX."""
-    return ROWS_FIT if b_transposed and 4 * bd_bytes <= cache_bytes else ROWS_MAX
+    ROWS_FIT where `fits_rows` and B and D (`bd_bytes`, all of both over the batch) take at
+    most a quarter of the last cache level (`cache_bytes`), else ROWS_MAX."""
+    return ROWS_FIT if fits_rows(spec) and 4 * bd_bytes <= cache_bytes else ROWS_MAX
 
 
 def rows_tail(kernel: MicroKernel) -> int:
@@ -746,7 +753,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         " (<uk>_tail reads only its rows; 0: none) */"
     )
     w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many rows or fewer: _rows */")
-    if spec.b_transposed:
+    if fits_rows(spec):
         w.line(f"#define ROWS_FIT {ROWS_FIT} /* ... where B and D fit in the cache (rows_max) */")
     w.line(
         f"#define ROWS_TAIL {rows_tail(ker)} /* rows past whole strips of a block that take _rows */"
@@ -874,7 +881,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long TK = K < T_K ? K : T_K;")
         w.line("const long AK = CF_AK(K, TK); /* Aᵀ's k: all of it, or one block */")
         w.line("const long DTN = CF_DTN(N);")
-        if spec.b_transposed:
+        if fits_rows(spec):
             w.line("/* the row path's reach (row_path_rows in c.py): ROWS_FIT rows where all of B")
             w.line(
                 "   and D (K and V) take at most a quarter of the last cache level, else ROWS_MAX */"

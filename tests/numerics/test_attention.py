@@ -1083,8 +1083,7 @@ def test_the_row_path_reaches_further_where_k_and_v_leave_the_cache(
     # blocks of ROWS_FIT + 1 .. ROWS_MAX queries take the tiles while all of K and V fit in a
     # quarter of the last cache level (a narrow strip costs less than their dot products), the
     # row path where they do not (`row_path_rows`): describe() says so, and the generated code agrees (the two paths round
-    # differently: their outputs differ, each the reference's). An MLP's rows (B added in row
-    # by row) take the row path through ROWS_MAX either way.
+    # differently: their outputs differ, each the reference's).
     from chainfuse.codegen.c import ROWS_FIT, ROWS_MAX
 
     def run(sq: int, tail: bool) -> tuple[str, np.ndarray]:
@@ -1104,8 +1103,14 @@ def test_the_row_path_reaches_further_where_k_and_v_leave_the_cache(
         assert (rows in said) == (sq <= ROWS_FIT), said
         assert rows in beyond[sq, tail][0], beyond[sq, tail][0]
         assert np.array_equal(out, beyond[sq, tail][1]) == (sq <= ROWS_FIT), (sq, tail)
+    # an MLP's rows, and 16-bit K and V (which the tiles widen as they pack them): the row
+    # path through ROWS_MAX rows either way
     mlp = compile(chainfuse.mlp_chain(ROWS_MAX, 24, 70, 24))
-    assert mlp.describe().startswith(f"  code: the row path for all {ROWS_MAX} rows of m")
+    half = compile(chainfuse.attention_chain(1, 3, ROWS_MAX, 70, 24, 24, dtype="bfloat16"))
+    for kernel in (mlp, half):
+        assert kernel.describe().startswith(f"  code: the row path for all {ROWS_MAX} rows of m")
+        assert "ROWS_FIT" not in kernel.source
+    assert "#define ROWS_FIT" in compile(chainfuse.attention_chain(1, 3, 2, 70, 24, 24)).source
 
 
 @pytest.mark.parametrize("dqk", [1, 7, 8, 15, 16, 17, 24, 31])
