@@ -67,17 +67,17 @@ HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
 ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
 #: ... and of at most this many where fp32 B's rows meet A's in dot products (attention's K:
 #: `fits_rows`) and all of B and D take at most a quarter of the last cache level
-#: (`row_path_rows`): there the tiles' narrow strip (16 columns) costs less than 7 or 8 rows' dot
+#: (`row_path_rows`): there the tiles' narrow strip (16 columns) costs less than 8 rows' dot
 #: products. Measured (Zen 4, 32 MiB L3 shared with other machines, 1 thread, interleaved, 20
-#: rounds), the tiled path's time over the row path's at 6 / 7 / 8 queries: 12 heads x 128 keys
-#: x 64 0.92 / 0.91 / 0.71, x 512 (3 MiB of K and V) 1.01 / 0.82 / 0.78, 8 x 256 x 128 0.98 /
-#: 0.76 / 0.73, 16 x 256 x 80 0.96 / 0.86 / 0.74 (at 5 queries 1.02-1.25); 12 x 2048 x 64 (12
-#: MiB) 1.11 / 0.88 / 0.81-0.97; from 16 MiB each row block waits on K and V from further out,
-#: and the row path's reads overlap its arithmetic: 16 x 1024 x 128 (16 MiB) - / 1.54 / 1.16, 24
-#: x 1024 x 128 - / 1.39 / 1.39, 32 x 1024 x 128 1.45 / 1.46 / 1.44. (An MLP's rows, B added in
-#: row by row, stay on the row path through ROWS_MAX: 256 x 1024 x 256 at 8 rows 1.08, 768 x
-#: 3072 x 768 0.88.)
-ROWS_FIT = 6
+#: rounds, the row path as of cf_dot4 inlined), the tiled path's time over the row path's at 6 /
+#: 7 / 8 queries: 12 heads x 128 keys x 64 - / 1.14 / 0.94, x 512 (3 MiB of K and V) 1.14 / 0.99
+#: / 0.89, 8 x 256 x 128 - / 1.12 / 0.89, 16 x 256 x 80 1.37 / 0.99 / 0.91; 12 x 2048 x 64 (12
+#: MiB) - / 1.05 / 1.10. Before that row path was 0.83-0.90 of its time: the tiles 0.76-0.91 at
+#: 7 and 0.71-0.81 at 8 while K and V fit, and 1.16-1.54x from 16 MiB (16-32 heads x 1024 x
+#: 128), where each row block waits on K and V from further out and the row path's reads
+#: overlap its arithmetic. (An MLP's rows, B added in row by row, stay on the row path through
+#: ROWS_MAX: 256 x 1024 x 256 at 8 rows 1.08, 768 x 3072 x 768 0.88.)
+ROWS_FIT = 7
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 #: a row of m on the row path costs about this many of the tiled path's columns (Zen 4,
 #: 1 thread: 2.8-4.8 us a query and head of 257 keys of 64 there, 0.67 us a column here)
