@@ -550,8 +550,8 @@ def _m_blocks(extent: int, tile: int, outer: int, nr: int, keys: int, causal: bo
     (48); 104 queries keep 16 (48 and 64 rows: 1.08x and 1.07x the time). Not an unmasked
     chain's: its tile is the planner's larger one, whose rows fill the caches it was sized for
     (257 queries in blocks of 144 rather than 128 + 1: 1.075x the time). Blocks of 8 rows that
-    `row_path_rows` sends to the tiles count as the row path's here too: a narrow strip
-    computes 16 columns for their 8 rows, about as dear."""
+    `row_path_rows` sends to the tiles count as the row path's here too (a narrow strip
+    computes 16 columns for their 8 rows: twice their scores, near the row path's thrice)."""
 
     def cost(t: int) -> int:
         block, total = max(outer, t), 0

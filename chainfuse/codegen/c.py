@@ -1474,7 +1474,7 @@ typedef int cf_v8i __attribute__((vector_size(32)));
 #endif
 
 /* out[j] = sum over k < K of q[k] * kj[k], j < 4; inlined where it is called (gcc left it a
-   call from the -O2 row path: 0.84-0.94 of that path's time inlined, 1-6 queries) */
+   call from the -O2 row path: 0.83-0.94 of that path's time inlined, 1-6 queries) */
 static inline __attribute__((always_inline)) void cf_dot4(long K, const float* restrict q,
                                                           const float* restrict k0,
                                                           const float* restrict k1,
