@@ -78,6 +78,7 @@ ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (de
 #: overlap its arithmetic. (An MLP's rows, B added in row by row, stay on the row path through
 #: ROWS_MAX: 256 x 1024 x 256 at 8 rows 1.08, 768 x 3072 x 768 0.88.)
 ROWS_FIT = 7
+ROWS_FIT_SHARE = 4  # ... while B and D take at most 1/this of the last cache level
 ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
 #: a row of m on the row path costs about this many of the tiled path's columns (Zen 4,
 #: 1 thread: 2.8-4.8 us a query and head of 257 keys of 64 there, 0.67 us a column here)
@@ -96,7 +97,7 @@ def row_path_rows(spec: GemmChainSpec, bd_bytes: float, cache_bytes: int) -> int
     """Row blocks of at most this many rows of m take `<name>_rows` (the C's `rows_max`):
     ROWS_FIT where `fits_rows` and B and D (`bd_bytes`, all of both over the batch) take at
     most a quarter of the last cache level (`cache_bytes`), else ROWS_MAX."""
-    return ROWS_FIT if fits_rows(spec) and 4 * bd_bytes <= cache_bytes else ROWS_MAX
+    return ROWS_FIT if fits_rows(spec) and ROWS_FIT_SHARE * bd_bytes <= cache_bytes else ROWS_MAX
 
 
 def rows_tail(kernel: MicroKernel) -> int:
@@ -892,7 +893,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
                 " * (double)sizeof(cf_elem);"
             )
             w.line(
-                "const int rows_max = 4.0 * bd_bytes <= (double)cache_bytes ? ROWS_FIT : ROWS_MAX;"
+                f"const int rows_max = {ROWS_FIT_SHARE}.0 * bd_bytes <= (double)cache_bytes"
+                " ? ROWS_FIT : ROWS_MAX;"
             )
         else:
             w.line("const int rows_max = ROWS_MAX; /* (see row_path_rows in c.py) */")
