@@ -34,6 +34,7 @@ from chainfuse.codegen.c import (
     GemmChainShape,
     GemmChainSpec,
     emit_gemm_chain,
+    exponentiates_beside_op1,
     match_gemm_chain,
     row_path_rows,
     rows_past_strips,
@@ -307,6 +308,12 @@ class Kernel(_Built):
             f" op2's {mr} of {n} by {nr} of {m} (or {mr} of {m} by {nr} of {n} where it writes"
             f" {spec.tensors[3]} directly); {tiles}"
         )
+        if exponentiates_beside_op1(spec):
+            k = ",".join(self.chain.contractions[0].reduction)
+            text += (
+                f"\n  the softmax's exponentials: each block of {mr} rows of {l_} during the next"
+                f" block's FMAs (whole strips of {nr} of {m}, {k} in one block)"
+            )
         outer = max(self._outer_m, spec.T_M)  # the rows of m a parallel block holds
         tails = {r % spec.T_M for r in (outer, M % outer or outer)} - {0}
         short = sorted(t for t in tails if t <= reach)

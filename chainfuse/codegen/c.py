@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import struct
 from dataclasses import dataclass, replace
 
 from chainfuse.codegen.writer import Writer
 from chainfuse.hardware import Isa
 from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
 from chainfuse.kernels import MicroKernel, emit_with_packing
+from chainfuse.kernels.base import EXP2_CUBIC, exp2_eighths
 
 __all__ = [
     "PACKED",
@@ -47,6 +47,7 @@ __all__ = [
     "GemmChainShape",
     "GemmChainSpec",
     "emit_gemm_chain",
+    "exponentiates_beside_op1",
     "match_gemm_chain",
 ]
 
@@ -525,13 +526,6 @@ static inline float cf_erf(float x)
 """
 
 
-def _exp2_eighths() -> str:
-    """`2^(k/8)`, k = 0..7, for `_EXP2_STRIP`'s table: each as its float32 bits (rounded to
-    nearest) less 1.0's and less `k << 20`, the low bits the shifter leaves above the index."""
-    bits = [struct.unpack("<I", struct.pack("<f", 2.0 ** (k / 8)))[0] for k in range(8)]
-    return ", ".join(str(b - 0x3F800000 - (k << 20)) for k, b in enumerate(bits))
-
-
 # The softmax strip's exponentials on AVX2 (16 columns: two vectors a row), the "whole" shifts'
 # case (integers below 2^21 in magnitude). The same 2^(v - s) as cf_exp2_from but with the
 # shifter rounding to eighths: t = v + (0x1.8p20 + 127 - s) keeps 8 (round(v - s, 1/8) + 127) in
@@ -551,8 +545,8 @@ static inline void cf_exp2_strip(float* restrict p, int rows, const float* restr
                                  float* restrict sum)
 {
     const __m256i tab = _mm256_setr_epi32(EIGHTHS);
-    const __m256 c1 = _mm256_set1_ps(6.931472421e-1f), c2 = _mm256_set1_ps(2.402576357e-1f);
-    const __m256 c3 = _mm256_set1_ps(5.549622327e-2f);
+    const __m256 c1 = _mm256_set1_ps(EXP2_C1), c2 = _mm256_set1_ps(EXP2_C2);
+    const __m256 c3 = _mm256_set1_ps(EXP2_C3);
     const __m256 s0 = _mm256_loadu_ps(shift), s1 = _mm256_loadu_ps(shift + 8);
     const __m256 big = _mm256_set1_ps(1572991.0f), below = _mm256_set1_ps(127.0f);
     const __m256 k0 = _mm256_sub_ps(big, s0), k1 = _mm256_sub_ps(big, s1);
@@ -584,8 +578,11 @@ static inline void cf_exp2_strip(float* restrict p, int rows, const float* restr
     _mm256_storeu_ps(part + 8, sum1);
     for (int i = 0; i < 16; ++i) sum[i] += part[i];
 }
-"""
-).replace("EIGHTHS", _exp2_eighths())
+""".replace("EIGHTHS", exp2_eighths())
+    .replace("EXP2_C1", EXP2_CUBIC[0])
+    .replace("EXP2_C2", EXP2_CUBIC[1])
+    .replace("EXP2_C3", EXP2_CUBIC[2])
+)
 
 
 def _exp2_strip(spec: GemmChainSpec) -> bool:
@@ -597,6 +594,138 @@ def _exp2_strip(spec: GemmChainSpec) -> bool:
         and Isa.FMA in spec.kernel.isa
         and spec.kernel.nr == 16
     )
+
+
+def exponentiates_beside_op1(spec: GemmChainSpec) -> bool:
+    """Whether op1's whole blocks of an attention's scores run the micro-kernel's `scores_exp`
+    (`cf_scores_strip`): float32, no mask and not causal (the strip's own pass applies those
+    between op1 and the maxima), and a kernel that has it."""
+    return (
+        spec.epilogue is Epilogue.SOFTMAX
+        and spec.mask is MaskKind.NONE
+        and not spec.causal
+        and spec.dtype is DType.FLOAT32
+        and spec.b_transposed
+        and spec.kernel.scores_exp is not None
+        and bool(spec.kernel.part_cols)
+    )
+
+
+def _scores_strip(w: Writer, spec: GemmChainSpec) -> None:
+    """`cf_scores_strip`: op1 and the online softmax of one whole strip of scores (NR columns,
+    k in one block), the exponentials of each block of MR keys spread over the next block's
+    FMA loop (`MicroKernel.scores_exp`) instead of a pass of their own after op1, and no pass
+    for the maxima (each block writes its own).
+
+    A column's shift is set from the maxima of the blocks seen so far, rounded up to an integer
+    (below 2^21 in magnitude, else the maximum itself), and kept while the maxima stay within
+    LAZY_SHIFT of it, as the strip's own pass keeps it across l blocks: a block whose maximum
+    passes that moves it, and the rows already exponentiated (and their sum) are rescaled by
+    2^(old - new), as the online softmax rescales Eᵀ. Scores of the first few keys close to
+    the column's maximum (attention's usual case) move it once; a column whose scores climb by
+    more than LAZY_SHIFT from block to block rescales all its earlier rows each time."""
+    uk = spec.kernel.name
+    w.line("/* the columns whose maximum so far (run) passed its gate (shift + LAZY_SHIFT; -inf")
+    w.line("   before any finite score) take a new shift, and their `done` rows exponentiated so")
+    w.line("   far and their sums are rescaled by 2^(old - new) (0 where they had none) */")
+    with w.block(
+        "static void cf_scores_shift(const float* restrict run, float* restrict shift,"
+        " float* restrict gate, float* restrict sum, float* restrict p, int done)"
+    ):
+        with w.block("for (int c = 0; c < NR; ++c)"):
+            w.line("if (!(run[c] > gate[c])) continue;")
+            w.line("const float m = run[c];")
+            w.line("const float s = m < 2097152.0f && m > -2097152.0f ? ceilf(m) : m;")
+            w.line("const float a = gate[c] == -INFINITY ? 0.0f : cf_exp2_neg(shift[c] - s);")
+            w.line("for (int r = 0; r < done; ++r) p[r * NR + c] *= a;")
+            w.line("sum[c] *= a;")
+            w.line("shift[c] = s;")
+            w.line("gate[c] = s + LAZY_SHIFT;")
+    w.line("")
+    w.line("/* op1 for a whole strip of lc >= MR rows of keys (A's rows in place at Bd, rs apart,")
+    w.line("   ks a step, when direct; else packed in slivers at Bt) and its online softmax: each")
+    w.line("   block's scores exponentiated during the next block's FMAs, the last block and the")
+    w.line("   rows past whole blocks after them; the column statistics (cmax: the shift, csum)")
+    w.line("   updated as the strip's own pass updates them, alpha what Eᵀ is to be rescaled by.")
+    w.line("   Returns whether any column's shift moved */")
+    with w.block(
+        "static int cf_scores_strip(int kc, int lc, int direct, const float* restrict Bd,"
+        " long rs, long ks, const float* restrict Bt, long sliver, const float* restrict a,"
+        " float* restrict p, float* restrict cmax, float* restrict csum, float* restrict alpha)"
+    ):
+        w.line("float shift[NR], gate[NR], run[NR], sum[NR];")
+        with w.block("for (int c = 0; c < NR; ++c)"):
+            w.line("const int live = cmax[c] != -INFINITY;")
+            w.line("shift[c] = live ? cmax[c] : 0.0f;")
+            w.line("gate[c] = live ? cmax[c] + LAZY_SHIFT : -INFINITY;")
+            w.line("run[c] = cmax[c];")
+            w.line("sum[c] = 0.0f;")
+        w.line("const int blocks = lc / MR;")
+        with w.block("for (int s = 0; s < blocks; ++s)"):
+            w.line("float* restrict c = p + (long)s * MR * NR;")
+            w.line(
+                "const float* restrict as = direct ? Bd + (long)s * MR * rs : Bt + (long)s * sliver;"
+            )
+            w.line(
+                f"if ({uk}_scores_exp(kc, as, direct ? rs : 1, direct ? ks : MR, a, c,"
+                " s > 0 ? c - MR * NR : c, s > 0 ? MR : 0, shift, sum, run, gate))"
+            )
+            w.line("    cf_scores_shift(run, shift, gate, sum, p, s * MR);")
+        w.line("const int m = lc - blocks * MR;")
+        with w.block("if (m > 0)"):
+            w.line("/* the rows past whole blocks: op1 as the strip's own loop runs a short sliver")
+            w.line(
+                "   (`_sliver_call`: in place with exactly PART_MR rows, else packed, the part or"
+            )
+            w.line("   the whole block run straight into the strip, which has room for it) */")
+            w.line("float* restrict c = p + (long)blocks * MR * NR;")
+            w.line("const float* restrict packed = Bt + (long)blocks * sliver;")
+            uk = spec.kernel.name
+            if spec.kernel.part_rows:
+                w.line(
+                    f"if (direct && m == PART_MR) {uk}_tail(kc, Bd + (long)blocks * MR * rs, rs, ks,"
+                    " a, c, NR, m, NR, 0);"
+                )
+                w.line(
+                    f"else if (m <= PART_MR) {uk}_tail(kc, packed, 1, MR, a, c, NR, PART_MR, NR, 0);"
+                )
+                w.line(f"else {uk}_cols(kc, packed, 1, MR, a, c, NR, NR, 0);")
+            else:
+                w.line(f"{uk}_cols(kc, packed, 1, MR, a, c, NR, NR, 0);")
+            with w.block("for (int r = 0; r < m; ++r)"):
+                w.line("#pragma omp simd")
+                with w.block("for (int i = 0; i < NR; ++i)"):
+                    w.line("run[i] = c[r * NR + i] > run[i] ? c[r * NR + i] : run[i];")
+            w.line("cf_scores_shift(run, shift, gate, sum, p, (blocks - 1) * MR);")
+        w.line(
+            f"{uk}_exp2_rows(p + (long)(blocks - 1) * MR * NR, lc - (blocks - 1) * MR, shift, sum);"
+        )
+        w.line("int moved = 0;")
+        with w.block("for (int c = 0; c < NR; ++c)"):
+            w.line("/* (a column with nothing but -inf so far keeps zero mass) */")
+            w.line(
+                "const float al = cmax[c] == -INFINITY ? 0.0f : shift[c] == cmax[c] ? 1.0f"
+                " : cf_exp2_neg(cmax[c] - shift[c]);"
+            )
+            w.line("alpha[c] = al;")
+            w.line("moved |= al != 1.0f;")
+            w.line("csum[c] = csum[c] * al + sum[c];")
+            w.line("cmax[c] = gate[c] == -INFINITY ? -INFINITY : shift[c];")
+        w.line("return moved;")
+
+
+def _scores_strip_call(w: Writer, spec: GemmChainSpec) -> None:
+    """Op1's strip loop: a whole strip (k in one block, at least MR keys) takes
+    `cf_scores_strip` and skips the blocks and the softmax pass below."""
+    with w.block("if (nw == NR && TK == K && lc >= MR)"):
+        w.line("float* restrict p = Pt + (long)j * LPM * NR;")
+        w.line("float alpha[NR];")
+        w.line(
+            "const int moved = cf_scores_strip(kc, lc, direct_b, B_b + l0 * sBr + k0, sBr, 1,"
+            " Bt, SLIVER(kc), a, p, col_max + j * NR, col_sum + j * NR, alpha);"
+        )
+        _rescale_e(w, spec, "NR")
+        w.line("continue;")
 
 
 _HALF = r"""
@@ -747,6 +876,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line(" */")
     w.lines(_MATH)
     w.lines(emit_with_packing(ker))
+    if exponentiates_beside_op1(spec) and ker.scores_exp is not None:
+        w.lines(ker.scores_exp(ker))
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
     w.line(
@@ -855,6 +986,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             " + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N) + CF_WIDE(K, N);"
         )
     w.line("")
+    if exponentiates_beside_op1(spec):
+        _scores_strip(w, spec)
+        w.line("")
     _store_e(w, spec)
     w.line("")
     _rows(w, spec)
@@ -1149,6 +1283,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     w.line("const int acc = (k0 > 0) | (k0 + kc >= K ? RELU_AT_STORE : 0);")
                 else:
                     w.line("const int acc = k0 > 0;")
+                if exponentiates_beside_op1(spec):
+                    _scores_strip_call(w, spec)
                 with w.block("for (int s = 0; s * MR < lc; ++s)"):
                     w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
                     w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
@@ -1931,6 +2067,12 @@ def _softmax_strip(w: Writer, spec: GemmChainSpec, width: str) -> None:
         _exp_strip(w, "cf_exp2_neg(p[r * NR + i] - shift[i])", width)
     with w.block(f"for (int c = 0; c < {width}; ++c)"):
         w.line("csum[c] = csum[c] * alpha[c] + sum[c];")
+    _rescale_e(w, spec, width)
+
+
+def _rescale_e(w: Writer, spec: GemmChainSpec, width: str) -> None:
+    """Where a strip's shifts moved after its first l block: what Eᵀ (or E) holds of the strip's
+    `width` columns times `alpha`."""
     with w.block("if (l0 > 0 && moved)"):
         if _softmax_to_e(spec):
             with w.block("if (to_e)"), w.block("for (int c = 0; c < NR && j * NR + c < mc; ++c)"):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import DType
 
 __all__ = [
+    "EXP2_CUBIC",
     "PREFETCH_FAR",
     "REGISTRY",
     "MicroKernel",
@@ -54,6 +56,7 @@ __all__ = [
     "available",
     "emit_vector_tile",
     "emit_with_packing",
+    "exp2_eighths",
     "microkernel",
     "pack_a",
     "pack_b",
@@ -116,6 +119,16 @@ class MicroKernel:
     step); a tail block of ``n <= w`` columns runs the narrowest that covers it and costs ``w``
     columns' FMAs, not ``nr`` columns' (208 queries in strips of 64 leave one of 16), and
     `score` counts columns in steps of it.
+
+    ``scores_exp`` (optional) emits ``int <name>_scores_exp(kc, A, rs, ks, Bp, C, ep, rows,
+    shift, sum, run, gate)``: the whole block of ``<name>_full_s`` stored at ``C`` (rows ``nr``
+    floats apart, not accumulated); on the way, spread over its k loop, the ``rows`` rows of
+    ``nr`` floats at ``ep`` (the block before it) replaced by ``2^(v - shift)`` and added to
+    ``sum`` (both ``nr`` floats, per column); its column maxima taken into ``run`` (NaN passed
+    over), and whether any of those passed ``gate``; and ``<name>_exp2_rows(p, rows, shift,
+    sum)``, the exponentials on whole rows alone. A
+    softmax's exponentials then run beside the FMA loop, on the pipes it leaves idle, instead of
+    in a pass of their own (``cf_scores_strip`` in `chainfuse.codegen.c`).
     """
 
     name: str
@@ -132,6 +145,7 @@ class MicroKernel:
     transpose_block: int = 0
     part_rows: int = 0
     part_cols: int = 0
+    scores_exp: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
@@ -782,6 +796,23 @@ def select_weighted(problems: Sequence[tuple[Problem, float]], hardware: Hardwar
     return REGISTRY.select_weighted(problems, hardware)
 
 
+# 2^r = 1 + r (c1 + r (c2 + r c3)) on r in [-1/16, 1/16] (fitted for chainfuse: least squares on
+# Chebyshev nodes, reweighted towards the minimax relative error; 1.4e-7 relative evaluated in
+# float32): with `exp2_eighths`'s table, the exponentials of a softmax's scores in four
+# FMA-unit operations a vector (`codegen.c`'s AVX2 strip, an AVX-512 kernel's `scores_exp`)
+EXP2_CUBIC = ("6.931472421e-1f", "2.402576357e-1f", "5.549622327e-2f")
+
+
+def exp2_eighths() -> str:
+    """`2^(k/8)`, k = 0..7, as C integers for a table in a register: each as its float32 bits
+    (rounded to nearest) less 1.0's and less `k << 20`, the low bits the shifter
+    (0x1.8p20 + 127 added to v) leaves above the index. With `i` those bits of the shifted
+    value, `table[i & 7] + (i << 20)` are the bits of 2^(n + k/8), n + k/8 = v rounded to
+    eighths; 0 for v = -127 (index and exponent bits 0, the first entry 0)."""
+    bits = [struct.unpack("<I", struct.pack("<f", 2.0 ** (k / 8)))[0] for k in range(8)]
+    return ", ".join(str(b - 0x3F800000 - (k << 20)) for k, b in enumerate(bits))
+
+
 def microkernel(
     *,
     name: str,
@@ -797,6 +828,7 @@ def microkernel(
     transpose_block: int = 0,
     part_rows: int = 0,
     part_cols: int = 0,
+    scores_exp: Callable[[MicroKernel], str] | None = None,
     registry: Registry = REGISTRY,
 ) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
     """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
@@ -824,6 +856,7 @@ def microkernel(
             transpose_block=transpose_block,
             part_rows=part_rows,
             part_cols=part_cols,
+            scores_exp=scores_exp,
         )
         return registry.register(kernel)
 

@@ -1147,6 +1147,7 @@ _FP32_HERE = [
 _NARROW_HERE = [k for k in _FP32_HERE if k.col_widths]
 _PART_HERE = [k for k in _FP32_HERE if k.part_rows]
 _TAIL_ROWS_HERE = [k for k in _FP32_HERE if rows_tail(k)]  # (a 4-column kernel: none)
+_SCORES_EXP_HERE = [k for k in _FP32_HERE if k.scores_exp is not None]
 
 
 def _force(monkeypatch: pytest.MonkeyPatch, kernel: MicroKernel) -> None:
@@ -1348,3 +1349,50 @@ def test_a_packed_value_head_serves_the_row_blocks_of_its_head_only(
         inputs["V"][...] = np.flip(inputs["V"], axis=-2) * 2.0  # same array, new values
         out = k(*[inputs[n] for n in names])
         reference.assert_close(out, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+
+
+@pytest.mark.parametrize("kernel", _SCORES_EXP_HERE, ids=lambda k: k.name)
+def test_scores_exponentiated_beside_op1_move_their_shifts_block_by_block(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # whole strips of nr queries take cf_scores_strip (the kernel's scores_exp: each block of mr
+    # keys exponentiated during the next block's FMAs, the shifts set from the blocks' maxima
+    # as they come). Scores rising along the keys by ~0-14 per block (base 2) depending on the
+    # query move a column's shift every block or every few (its rows exponentiated before are
+    # rescaled by 2^(old - new): a missed rescale leaves them 2^8 off), falling scores keep the
+    # first block's; a key ~3e6 along the rise makes some maxima too large for integer shifts,
+    # one ~300 along past whole blocks would overflow the exponentials without its shift.
+    # One l tile or several (E or Eᵀ rescaled after op2 ran, l tiles of fewer than mr keys on
+    # the strip's own pass), 0..mr-1 keys past whole blocks, K read in place or packed (a row
+    # block of more than DIRECT_STRIPS strips), E written directly or through Eᵀ
+    from chainfuse.codegen.c import DIRECT_STRIPS
+
+    _force(monkeypatch, kernel)
+    nr, mr = kernel.nr, kernel.mr
+    rng = np.random.default_rng(11)
+    masked = chainfuse.attention_chain(1, 1, nr, 2 * mr, 8, nr, mask="bool")
+    assert "cf_scores_strip(" not in compile(masked).source  # (the strip's own pass applies it)
+    packed_m = (DIRECT_STRIPS + 1) * nr
+    cases = [(nr + 3, 5 * mr + t, nr, None) for t in range(mr)]
+    cases += [(nr + 3, 7 * mr + 2, nr + 16, {"l": 2 * mr + 1}), (2 * nr, 40, nr, {"l": 3 * mr})]
+    cases += [(packed_m + 5, 4 * mr + 3, nr, {"m": packed_m + 8}), (nr, 9 * mr, 24, None)]
+    for sq, sk, dv, tiles in cases:
+        chain = chainfuse.attention_chain(1, 1, sq, sk, 8, dv)
+        k = compile(chain, tiles=tiles)
+        assert k.spec.kernel is kernel and "cf_scores_strip(" in k.source
+        q = (rng.standard_normal((sq, 8)) * 0.05).astype(np.float32)
+        q[:, 0] = np.linspace(-2.0, 3.0, sq, dtype=np.float32)
+        key = (rng.standard_normal((sk, 8)) * 0.05).astype(np.float32)
+        key[:, 0] += np.arange(sk, dtype=np.float32)
+        v = rng.standard_normal((sk, dv)).astype(np.float32)
+        inputs = {"Q": q[None, None], "K": key[None, None], "V": v[None, None]}
+        got = k(inputs["Q"], inputs["K"], inputs["V"])
+        reference.assert_close(got, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+        # a key far along the rise: in the middle, ~3e6 (one-hot where q[:, 0] > 0), then the
+        # last (past whole blocks where sk % mr > 0) ~300 ahead: up to 2^450 without its shift
+        for far, at in ((sk // 2, 3e6), (sk - 1, sk + 300.0)):
+            moved = key.copy()
+            moved[far, 0] = at
+            inputs["K"] = moved[None, None]
+            got = k(inputs["Q"], inputs["K"], inputs["V"])
+            reference.assert_close(got, reference.run(chain, inputs)["O"], chain, inputs=inputs)

@@ -427,6 +427,10 @@ def test_describe_says_which_code_runs() -> None:
     text = tiled.describe()
     assert f"micro-kernel {uk.name}; op1's blocks {uk.mr} rows of l by {uk.nr} of m," in text
     assert "tiles T_M=128 T_L=" in text
+    said = "the softmax's exponentials: each block of"
+    assert (said in text) == (uk.scores_exp is not None)  # (whole strips of nr, no mask)
+    masked = chainfuse.attention_chain(1, 2, 136, 50, 16, 16, mask="bool")
+    assert said not in compile(masked, tiles={"m": 128}).describe()
     # (8 queries past 128 take the tiles where K and V fit in the cache: row_path_rows; 6 not)
     assert "a last row block of" not in text
     text = compile(chainfuse.attention_chain(1, 2, 134, 50, 16, 16), tiles={"m": 128}).describe()
