@@ -662,6 +662,12 @@ def compile(
     outer = chosen.tiles_at(chosen.levels[-1]) or {}
     planned = {**planned, m: _m_blocks(ext[m], planned[m], outer.get(m, ext[m]), kernel.nr,
                                        ext[l_], shape.causal)}  # fmt: skip
+    for loop in tiles or {}:
+        if loop not in (m, l_, k, n):  # (a misspelt tile would be ignored: a silent default)
+            raise ValueError(
+                f"tiles: unknown loop {loop!r} for {chain.name}; the code's tiles are of"
+                f" {m!r}, {l_!r}, {k!r} and {n!r} (T_M, T_L, T_K, T_N)"
+            )
     tiles = {**planned, **(tiles or {})}
     for loop, t in tiles.items():
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:

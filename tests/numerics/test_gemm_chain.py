@@ -158,6 +158,8 @@ def test_bad_arguments_name_the_tensor() -> None:
         kernel(torch.empty(1, 8, 5, device="meta"), inputs["B"], inputs["D"])
     with pytest.raises(ValueError, match=r"tiles\['m'\] must be a positive integer"):
         compile(chain, tiles={"m": 0})
+    with pytest.raises(ValueError, match=r"tiles: unknown loop 'T_M' for .*'m', 'l', 'k' and 'n'"):
+        compile(chain, tiles={"T_M": 128})  # (the code's name for it, not the loop's)
     a, b, d = inputs["A"], inputs["B"], inputs["D"]
     with pytest.raises(TypeError, match="between: expected None or an activation name"):
         chainfuse.ops.gemm_chain(a, b, d, between=["relu"])  # type: ignore[arg-type]
