@@ -599,7 +599,8 @@ def _exp2_strip(spec: GemmChainSpec) -> bool:
 def exponentiates_beside_op1(spec: GemmChainSpec) -> bool:
     """Whether op1's whole blocks of an attention's scores run the micro-kernel's `scores_exp`
     (`cf_scores_strip`): float32, no mask and not causal (the strip's own pass applies those
-    between op1 and the maxima), and a kernel that has it."""
+    between op1 and the maxima), and a kernel that has it (and narrow blocks: a strip's `nw`
+    columns pick whole strips)."""
     return (
         spec.epilogue is Epilogue.SOFTMAX
         and spec.mask is MaskKind.NONE
@@ -680,7 +681,6 @@ def _scores_strip(w: Writer, spec: GemmChainSpec) -> None:
             w.line("   the whole block run straight into the strip, which has room for it) */")
             w.line("float* restrict c = p + (long)blocks * MR * NR;")
             w.line("const float* restrict packed = Bt + (long)blocks * sliver;")
-            uk = spec.kernel.name
             if spec.kernel.part_rows:
                 w.line(
                     f"if (direct && m == PART_MR) {uk}_tail(kc, Bd + (long)blocks * MR * rs, rs, ks,"

@@ -55,13 +55,19 @@ def avx512_scores_exp(kernel: MicroKernel) -> str:
     T = 2^(n + k/8), and 2^r = 1 + r q(r) on the remainder (`EXP2_CUBIC`): four FMA-unit
     operations a vector and eight on the other pipes (max, adds, the integer shift and add, the
     permute), which an FMA-bound loop leaves idle. One vector every second k step: on Zen 4 (1
-    thread, interleaved, against the strip's own pass after op1) bert-base, mixer-b-32-s and
-    vit-huge-14 took 0.968-0.981 of the time; three vectors every eighth step 1.00-1.01, one
-    every third 0.974-0.995. The shift is any float (subtracted first), so one column's huge
-    maximum does not hold the others to exact shifts.
+    thread, interleaved, against the strip's own pass after op1) the 12 paper attentions took
+    0.964-0.986 of the time; a first version spaced them three every eighth step (bert-base,
+    mixer-b-32-s, vit-huge-14: 1.00-1.01 where every second step gave 0.968-0.981) or one every
+    third (0.974-0.995). The shift is any float (subtracted first), so one column's huge maximum
+    does not hold the others to exact shifts.
     """
     name, mr, nr = kernel.name, kernel.mr, kernel.nr
     vectors = nr // 16
+    if nr % 16 or mr * vectors + vectors + 1 > 32:
+        raise ValueError(
+            f"{name}: scores_exp wants whole zmm vectors a row and its mr x nr/16 accumulators,"
+            f" B vectors and broadcast in the 32 registers (mr={mr}, nr={nr})"
+        )
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(mr)]
     zero = "\n".join(
         "    __m512 " + ", ".join(f"{c} = _mm512_setzero_ps()" for c in row) + ";" for row in acc

@@ -532,3 +532,11 @@ def test_invalid_values_are_rejected() -> None:
     assert avx512_6x64_f32.col_widths == (16, 32, 48)
     with pytest.raises(ValueError, match="not a multiple of 16"):  # whole vectors only
         dataclasses.replace(avx512_6x64_f32, part_cols=8).emit()
+    # scores_exp (softmax exponentials beside op1's FMAs) wants whole zmm rows and its block,
+    # B vectors and broadcast in the 32 registers: 8 x 64 would need 37
+    for mr, nr in ((8, 64), (6, 40)):
+        wide = dataclasses.replace(avx512_6x64_f32, mr=mr, nr=nr, part_cols=0, transpose_block=0,
+                                   transpose=None)  # fmt: skip
+        assert wide.scores_exp is not None
+        with pytest.raises(ValueError, match=f"scores_exp wants .* \\(mr={mr}, nr={nr}\\)"):
+            wide.scores_exp(wide)
