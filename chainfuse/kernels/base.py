@@ -126,9 +126,9 @@ class MicroKernel:
     ``nr`` floats at ``ep`` (the block before it) replaced by ``2^(v - shift)`` and added to
     ``sum`` (both ``nr`` floats, per column); its column maxima taken into ``run`` (NaN passed
     over), and whether any of those passed ``gate``; and ``<name>_exp2_rows(p, rows, shift,
-    sum)``, the exponentials on whole rows alone. A
-    softmax's exponentials then run beside the FMA loop, on the pipes it leaves idle, instead of
-    in a pass of their own (``cf_scores_strip`` in `chainfuse.codegen.c`).
+    sum)``, the exponentials on whole rows alone. A softmax's exponentials then run beside the
+    FMA loop, on the pipes it leaves idle, instead of in a pass of their own
+    (``cf_scores_strip`` in `chainfuse.codegen.c`).
     """
 
     name: str
