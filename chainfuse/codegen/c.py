@@ -674,24 +674,15 @@ def _scores_strip(w: Writer, spec: GemmChainSpec) -> None:
             w.line("    cf_scores_shift(run, shift, gate, sum, p, s * MR);")
         w.line("const int m = lc - blocks * MR;")
         with w.block("if (m > 0)"):
-            w.line("/* the rows past whole blocks: op1 as the strip's own loop runs a short sliver")
             w.line(
-                "   (`_sliver_call`: in place with exactly PART_MR rows, else packed, the part or"
+                "/* the rows past whole blocks: op1 as the strip's own loop runs a short sliver */"
             )
-            w.line("   the whole block run straight into the strip, which has room for it) */")
             w.line("float* restrict c = p + (long)blocks * MR * NR;")
-            w.line("const float* restrict packed = Bt + (long)blocks * sliver;")
-            if spec.kernel.part_rows:
-                w.line(
-                    f"if (direct && m == PART_MR) {uk}_tail(kc, Bd + (long)blocks * MR * rs, rs, ks,"
-                    " a, c, NR, m, NR, 0);"
-                )
-                w.line(
-                    f"else if (m <= PART_MR) {uk}_tail(kc, packed, 1, MR, a, c, NR, PART_MR, NR, 0);"
-                )
-                w.line(f"else {uk}_cols(kc, packed, 1, MR, a, c, NR, NR, 0);")
-            else:
-                w.line(f"{uk}_cols(kc, packed, 1, MR, a, c, NR, NR, 0);")
+            w.line("const int acc = 0, nw = NR;")
+            w.line("(void)nw;")
+            place = ("Bd + (long)blocks * MR * rs", "rs", "ks")
+            packed = "Bt + (long)blocks * sliver"
+            _sliver_call(w, spec.kernel, "kc", "direct", place, packed, "a, c, NR", True, True)
             with w.block("for (int r = 0; r < m; ++r)"):
                 w.line("#pragma omp simd")
                 with w.block("for (int i = 0; i < NR; ++i)"):
@@ -1712,6 +1703,7 @@ def _sliver_call(
     packed: str,
     rest: str,
     room: bool = False,
+    short: bool = False,
 ) -> None:
     """One call site of the micro-kernel for an mr-row sliver of the A operand, read in place
     when `direct` (at `place`: pointer, row and step strides) or packed at `packed`; `rest` is
@@ -1720,17 +1712,19 @@ def _sliver_call(
     `part_rows` rows (`PART_MR`: `<uk>_tail` reads only those, in place). A kernel with narrow
     blocks (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`).
     With `room` (C has rows for a whole block past the sliver's, which nothing reads), a packed
-    short sliver runs the part or the whole block straight into C."""
+    short sliver runs the part or the whole block straight into C. With `short` the sliver is
+    known to be short (`cf_scores_strip`'s rows past whole blocks): no whole block's call."""
     uk = kernel.name
     ptr, rs, ks = place
     entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
-    with w.block("if (m == MR)"):
-        w.line(f"const float* restrict as = {direct} ? {ptr} : {packed};")
-        rows = rs if rs == "1" else f"{direct} ? {rs} : 1"
-        w.line(f"{entry}({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, {cols}, acc);")
+    # (condition or None for the last, statement) in order: if / else if / else
+    branches: list[tuple[str | None, str]] = []
     if kernel.part_rows:  # exactly its rows: <uk>_tail reads only those
-        w.line(
-            f"else if ({direct} && m == PART_MR) {uk}_tail({kc}, {ptr}, {rs}, {ks}, {rest}, m, NR, acc);"
+        branches.append(
+            (
+                f"{direct} && m == PART_MR",
+                f"{uk}_tail({kc}, {ptr}, {rs}, {ks}, {rest}, m, NR, acc);",
+            )
         )
     if room:
         # C has room for the kernel's rows below the sliver's m (op1's strip of scores: LPM
@@ -1738,12 +1732,22 @@ def _sliver_call(
         # the whole one straight into C (its rows past m come out zero); <uk>_tail ran the
         # whole block into a tile on the stack and copied m rows out
         if kernel.part_rows:
-            w.line(
-                f"else if (m <= PART_MR) {uk}_tail({kc}, {packed}, 1, MR, {rest}, PART_MR, NR, acc);"
+            branches.append(
+                ("m <= PART_MR", f"{uk}_tail({kc}, {packed}, 1, MR, {rest}, PART_MR, NR, acc);")
             )
-        w.line(f"else {entry}({kc}, {packed}, 1, MR, {rest}, {cols}, acc);")
-        return
-    w.line(f"else {uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);")
+        branches.append((None, f"{entry}({kc}, {packed}, 1, MR, {rest}, {cols}, acc);"))
+    else:
+        branches.append((None, f"{uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);"))
+    word = "if"
+    if not short:
+        with w.block("if (m == MR)"):
+            w.line(f"const float* restrict as = {direct} ? {ptr} : {packed};")
+            rows = rs if rs == "1" else f"{direct} ? {rs} : 1"
+            w.line(f"{entry}({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, {cols}, acc);")
+        word = "else if"
+    for condition, statement in branches:
+        w.line(f"{word} ({condition}) {statement}" if condition else f"else {statement}")
+        word = "else if"
 
 
 def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
