@@ -630,6 +630,14 @@ def compile(
     m, l_ = first.output.loops[-2:]
     k, n = order[len(batch) + 2 :]
     ext = chain.extents
+    for loop, t in (tiles or {}).items():  # (checked before planning: a bad tile costs nothing)
+        if loop not in (m, l_, k, n):  # (a misspelt tile would be ignored: a silent default)
+            raise ValueError(
+                f"tiles: unknown loop {loop!r} for {chain.name}; the code's tiles are of"
+                f" {m!r}, {l_!r}, {k!r} and {n!r} (T_M, T_L, T_K, T_N)"
+            )
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
     # the generated code computes the transposed chain: m runs along the micro-kernel's nr
     # columns, l and n along its mr rows; both GEMMs run with the kernel, weighed by flops
     op1, op2 = (
@@ -662,16 +670,7 @@ def compile(
     outer = chosen.tiles_at(chosen.levels[-1]) or {}
     planned = {**planned, m: _m_blocks(ext[m], planned[m], outer.get(m, ext[m]), kernel.nr,
                                        ext[l_], shape.causal)}  # fmt: skip
-    for loop in tiles or {}:
-        if loop not in (m, l_, k, n):  # (a misspelt tile would be ignored: a silent default)
-            raise ValueError(
-                f"tiles: unknown loop {loop!r} for {chain.name}; the code's tiles are of"
-                f" {m!r}, {l_!r}, {k!r} and {n!r} (T_M, T_L, T_K, T_N)"
-            )
     tiles = {**planned, **(tiles or {})}
-    for loop, t in tiles.items():
-        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-            raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
     spec = GemmChainSpec(
         batch=batch,
         tensors=shape.tensors,
