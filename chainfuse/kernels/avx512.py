@@ -19,19 +19,21 @@ prefers 12x32 there (attention over 32 queries: 0.044 ms against 0.068 ms with 6
 
 from __future__ import annotations
 
+import struct
+
 from chainfuse.hardware import Isa
 from chainfuse.ir import DType
 from chainfuse.kernels.avx2 import avx2_transpose8
-from chainfuse.kernels.base import (
-    EXP2_CUBIC,
-    MicroKernel,
-    VectorOps,
-    emit_vector_tile,
-    exp2_eighths,
-    microkernel,
-)
+from chainfuse.kernels.base import MicroKernel, VectorOps, emit_vector_tile, microkernel
 
-__all__ = ["AVX512", "avx512_6x64_f32", "avx512_12x32_f32", "avx512_scores_exp"]
+__all__ = [
+    "AVX512",
+    "EXP2_SIXTEENTHS",
+    "avx512_6x64_f32",
+    "avx512_12x32_f32",
+    "avx512_scores_exp",
+    "exp2_sixteenths",
+]
 
 AVX512 = VectorOps(
     type="__m512",
@@ -47,15 +49,45 @@ AVX512 = VectorOps(
 )
 
 
+# 2^r = c0 + r (c1 + r c2) on r in [-1/32, 1/32] (fitted for chainfuse: least squares on
+# Chebyshev nodes, reweighted towards the minimax relative error). Folded into a sixteenths
+# table (`exp2_sixteenths`), 2^v is then 5.4e-7 off at most, relative (4.5 float32 ulps),
+# evaluated in float32 (v on a grid of 3e-5 over [-120, 0] and 2e6 random v in [-3, 0]): the
+# eighths table and the cubic of the AVX2 strip (`codegen.c`) give 1.1e-7 on the same grid in
+# four FMA-unit operations a vector, this two. (PyTorch's AVX-512 exp for its CPU flash
+# attention, exp_u20, is documented at 20 ulps.) The same table folded into a cubic (four
+# coefficients, three operations) gives 1.05e-7. bert-base's scores strip (64 queries, 510
+# keys, alone in a loop, 1 thread, Zen 4) took 1694 cycles a 6x64 block with the eighths, 1674
+# with the folded cubic, 1636 with this (1536 its FMAs; 1580 with no exponentials at all).
+EXP2_SIXTEENTHS = (1.0000000068776311, 0.6931878317649445, 0.24021946551485635)
+
+
+def exp2_sixteenths(degree: int) -> str:
+    """C initialiser of the folded table of `EXP2_SIXTEENTHS`' coefficient `degree`:
+    2^(j/16) c_degree, j = 0..15, each rounded to float32 (vpermps reads it by the low four bits
+    of the shifter's sum, (16 v) mod 16 rounded)."""
+    c = EXP2_SIXTEENTHS[degree]
+    single = (struct.unpack("<f", struct.pack("<f", 2.0 ** (j / 16) * c))[0] for j in range(16))
+    return ", ".join(f"{x!r}f" for x in single)  # (the float32 values, exact as doubles)
+
+
 def avx512_scores_exp(kernel: MicroKernel) -> str:
     """C of ``<name>_scores_exp`` and ``<name>_exp2_rows`` (`MicroKernel.scores_exp`).
 
-    The exponentials are the AVX2 strip's (`codegen.c`): v = x - shift, then the shifter rounds
-    v to eighths, an eight-entry table in a register (vpermd) and the exponent bits make
-    T = 2^(n + k/8), and 2^r = 1 + r q(r) on the remainder (`EXP2_CUBIC`): four FMA-unit
-    operations a vector and eight on the other pipes (max, adds, the integer shift and add, the
-    permute), which an FMA-bound loop leaves idle. One vector every second k step: on Zen 4 (1
-    thread, interleaved, against the strip's own pass after op1) the 12 paper attentions took
+    The exponentials: v = x - shift, the shifter rounds v to sixteenths k = n + j/16, and 2^v =
+    2^n p_j(v - k), p_j the quadratic of `EXP2_SIXTEENTHS` times 2^(j/16) (its three
+    coefficients read from 16-entry tables by vpermps), 2^n by vscalefps. Two FMA-unit
+    operations a vector (the quadratic's); the max, adds, permutes and the scalef run on the other
+    pipes, which an FMA-bound loop leaves idle (measured on Zen 4, 16 FMAs a loop with 8 more
+    ops each: vaddps, vmaxps, vpermps (a table in memory too), vpslld, vpaddd, vcvtps2dq,
+    vrndscaleps, vscalefps cost nothing; vmulps, vfmadd, vpermt2ps, vcmpps into a mask one
+    cycle each, so no compare zeroes what lies far below the shift: the clamp at -152 does,
+    and the subnormals above it cost Zen 4's FMAs and vscalefps nothing). The eighths table and
+    the exponent bits added in (vpermd, vpslld, vpaddd), with 2^r = 1 + r q(r) and T 2^r as
+    T + (r T) q(r), took four: with two, the 12 paper attentions (1 thread, interleaved, torch
+    tensors, unfused PyTorch in the rounds) ran 0.967-1.008 of the time (geomean 0.985; a
+    second run 0.972-1.029). One vector every second k step: on Zen 4 (1 thread,
+    interleaved, against the strip's own pass after op1) the 12 paper attentions took
     0.964-0.986 of the time; a first version spaced them three every eighth step (bert-base,
     mixer-b-32-s, vit-huge-14: 1.00-1.01 where every second step gave 0.968-0.981) or one every
     third (0.974-0.995). The shift is any float (subtracted first), so one column's huge maximum
@@ -94,26 +126,31 @@ def avx512_scores_exp(kernel: MicroKernel) -> str:
         + f"    passed |= _mm512_cmp_ps_mask(m, _mm512_loadu_ps(gate + {16 * v}), _CMP_GT_OQ);"
         for v in range(vectors)
     )
-    c1, c2, c3 = EXP2_CUBIC
-    eighths = exp2_eighths()
+    tables = "\n".join(
+        f"static const float {name}_exp2_a{d}[16] __attribute__((aligned(64))) = {{\n"
+        f"    {exp2_sixteenths(d)}}};"
+        for d in range(3)
+    )
+    a = [f"_mm512_permutexvar_ps(j, _mm512_load_ps({name}_exp2_a{d}))" for d in range(3)]
     return f"""
+/* {name}_exp2_vec's tables: 2^(j/16) times the quadratic's coefficients (EXP2_SIXTEENTHS) */
+{tables}
+
 /* {name}_exp2_vec: the 16 scores at x replaced by 2^(x - shift) (shift: their columns'), added
-   to sum; x <= shift - 127 (and -inf) give 0, NaN stays NaN (the max passes it on) */
+   to sum; x <= shift - 152 (and -inf) give 0 (2^-152 p rounds to it), x above that and below
+   shift - 126 subnormals; NaN stays NaN (the max passes it on) */
 static inline __attribute__((always_inline)) void {name}_exp2_vec(float* restrict x,
     const float* restrict shift, float* restrict sum)
 {{
-    const __m512 big = _mm512_set1_ps(1572991.0f); /* 0x1.8p20 + 127: rounds to eighths */
-    const __m512 v = _mm512_max_ps(_mm512_set1_ps(-127.0f),
+    const __m512 big = _mm512_set1_ps(786432.0f); /* 0x1.8p19: rounds to sixteenths */
+    const __m512 v = _mm512_max_ps(_mm512_set1_ps(-152.0f),
                                    _mm512_sub_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(shift)));
     const __m512 t = _mm512_add_ps(v, big);
-    const __m512 r = _mm512_sub_ps(v, _mm512_sub_ps(t, big));
-    const __m512i i = _mm512_castps_si512(t);
-    const __m512i tab = _mm512_setr_epi32({eighths}, {eighths});
-    const __m512 T = _mm512_castsi512_ps(
-        _mm512_add_epi32(_mm512_permutexvar_epi32(i, tab), _mm512_slli_epi32(i, 20)));
-    const __m512 q = _mm512_fmadd_ps(
-        _mm512_fmadd_ps(_mm512_set1_ps({c3}), r, _mm512_set1_ps({c2})), r, _mm512_set1_ps({c1}));
-    const __m512 e = _mm512_fmadd_ps(q, _mm512_mul_ps(r, T), T);
+    const __m512 k = _mm512_sub_ps(t, big);
+    const __m512 r = _mm512_sub_ps(v, k);
+    const __m512i j = _mm512_castps_si512(t); /* its low four bits: (16 k) mod 16 */
+    const __m512 p = _mm512_fmadd_ps(_mm512_fmadd_ps({a[2]}, r, {a[1]}), r, {a[0]});
+    const __m512 e = _mm512_scalef_ps(p, k); /* p 2^floor(k) */
     _mm512_storeu_ps(x, e);
     _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), e));
 }}

@@ -799,7 +799,8 @@ def select_weighted(problems: Sequence[tuple[Problem, float]], hardware: Hardwar
 # 2^r = 1 + r (c1 + r (c2 + r c3)) on r in [-1/16, 1/16] (fitted for chainfuse: least squares on
 # Chebyshev nodes, reweighted towards the minimax relative error; 1.4e-7 relative evaluated in
 # float32): with `exp2_eighths`'s table, the exponentials of a softmax's scores in four
-# FMA-unit operations a vector (`codegen.c`'s AVX2 strip, an AVX-512 kernel's `scores_exp`)
+# FMA-unit operations a vector (`codegen.c`'s AVX2 strip; the AVX-512 kernels' `scores_exp`
+# take two, `kernels.avx512.EXP2_SIXTEENTHS`)
 EXP2_CUBIC = ("6.931472421e-1f", "2.402576357e-1f", "5.549622327e-2f")
 
 

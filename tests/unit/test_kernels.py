@@ -540,3 +540,55 @@ def test_invalid_values_are_rejected() -> None:
         assert wide.scores_exp is not None
         with pytest.raises(ValueError, match=f"scores_exp wants .* \\(mr={mr}, nr={nr}\\)"):
             wide.scores_exp(wide)
+
+
+_EXP_KERNELS = [k for k in KERNELS if k.scores_exp is not None]
+
+
+@pytest.mark.parametrize("kernel", _EXP_KERNELS, ids=_ids)
+def test_scores_exponentials_are_accurate_and_their_sums_exact(
+    kernel: MicroKernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`<name>_exp2_rows` (what `scores_exp` runs beside op1's FMAs) on every kind of value:
+    2^(x - shift) within 5.4e-7 relative (4.5 float32 ulps) wherever it is a normal float,
+    below 2^-126 never above it, 0 for x <= shift - 152 and -inf, NaN for NaN; and each
+    column's sum exactly the float32 sum, row by row, of the exponentials it stored."""
+    _runnable(kernel)
+    monkeypatch.setenv(config.ENV_CACHE_DIR, str(tmp_path))
+    name, nr = kernel.name, kernel.nr
+    assert kernel.scores_exp is not None
+    source = f"""#include <immintrin.h>
+#include <math.h>
+{kernel.scores_exp(kernel)}
+void run_exp2_rows(float* p, int rows, const float* shift, float* sum)
+{{
+    {name}_exp2_rows(p, rows, shift, sum);
+}}
+"""
+    lib = load(build(source, f"test_exp_{name}", kernel.cflags).path)
+    ptr = ctypes.c_void_p
+    lib.run_exp2_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr]
+    lib.run_exp2_rows.restype = None
+    rng = np.random.default_rng(7)
+    # every column its own shift (any float: subtracted first), and below it a dense sweep of
+    # v = x - shift from 8 above (a lazily kept shift) to far below the smallest subnormal
+    shift = rng.uniform(-60, 60, nr).astype(np.float32)
+    shift[:3] = (0.0, 1e6, -3.5)
+    v = np.concatenate([np.linspace(-160.0, 8.0, 60_000), rng.uniform(-2, 0.5, 12_000)])
+    rows = -(-v.size // nr)
+    x = (np.resize(v, rows * nr).reshape(rows, nr) + shift).astype(np.float32)
+    x[0, :4] = (-np.inf, np.nan, shift[2] - 152.0, shift[3] - 151.0)
+    p = x.copy()
+    total = np.full(nr, 0.5, np.float32)  # (sums are added to what is there)
+    lib.run_exp2_rows(_ptr(p), rows, _ptr(shift), _ptr(total))
+    exact = np.exp2((x - shift).astype(np.float64))  # the kernel's v: x - shift in float32
+    normal, tiny = exact >= 2.0**-126, exact < 2.0**-126  # (neither: the NaN)
+    rel = np.abs(p[normal] / exact[normal] - 1.0)
+    assert rel.max() <= 5.4e-7, f"{name}: 2^v off by {rel.max():.3g} relative"
+    assert (p[tiny] <= 2.0**-126).all() and (p[tiny] >= 0).all()
+    assert (p[(x - shift) <= -152] == 0).all() and p[0, 0] == 0 and p[0, 2] == 0
+    assert np.isnan(p[0, 1]) and np.isnan(total[1])
+    want = np.full(nr, 0.5, np.float32)
+    for row in p:  # the kernel's order: row after row, each add rounded to float32
+        want = want + row
+    assert np.array_equal(total, want, equal_nan=True)
