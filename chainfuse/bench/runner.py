@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     process may go on: tests, notebooks)."""
     from chainfuse.runtime import cc
 
+    # every contender's OpenMP runtime passive (the README's protocol for 2 threads): each reads
+    # the policy once, when it is loaded, and PyTorch's is loaded just below
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     before = cc._num_threads
     torch_before = _torch_threads()
     try:
@@ -145,7 +148,6 @@ def _main(argv: Sequence[str] | None) -> int:
             return 2
         suites.remove("conv-chain")
         print("note: conv-chain suite not available in this build; skipped", file=sys.stderr)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     gemm_names = gemm_chain.QUICK if args.quick else tuple(w.name for w in workloads.GEMM)
     att_names = [c[0] for c in attention.cases(args.quick)]
