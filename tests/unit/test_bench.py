@@ -11,6 +11,7 @@ import io
 import itertools
 import json
 import math
+import os
 import statistics
 import warnings
 from pathlib import Path
@@ -240,8 +241,6 @@ def test_runner_makes_every_openmp_runtime_passive_before_loading_torch(
     seen: list[str | None] = []
 
     def torch_threads() -> None:
-        import os
-
         seen.append(os.environ.get("OMP_WAIT_POLICY"))
 
     monkeypatch.setattr(runner, "_torch_threads", torch_threads)
