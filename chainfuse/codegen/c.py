@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import struct
 from dataclasses import dataclass, replace
 
 from chainfuse.codegen.writer import Writer
 from chainfuse.hardware import Isa
 from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
 from chainfuse.kernels import MicroKernel, emit_with_packing
-from chainfuse.kernels.base import EXP2_CUBIC, exp2_eighths
 
 __all__ = [
     "PACKED",
@@ -526,6 +526,13 @@ static inline float cf_erf(float x)
 """
 
 
+def _exp2_eighths() -> str:
+    """`2^(k/8)`, k = 0..7, for `_EXP2_STRIP`'s table: each as its float32 bits (rounded to
+    nearest) less 1.0's and less `k << 20`, the low bits the shifter leaves above the index."""
+    bits = [struct.unpack("<I", struct.pack("<f", 2.0 ** (k / 8)))[0] for k in range(8)]
+    return ", ".join(str(b - 0x3F800000 - (k << 20)) for k, b in enumerate(bits))
+
+
 # The softmax strip's exponentials on AVX2 (16 columns: two vectors a row), the "whole" shifts'
 # case (integers below 2^21 in magnitude). The same 2^(v - s) as cf_exp2_from but with the
 # shifter rounding to eighths: t = v + (0x1.8p20 + 127 - s) keeps 8 (round(v - s, 1/8) + 127) in
@@ -539,14 +546,13 @@ static inline float cf_erf(float x)
 # attentions, geomean 0.989. v = s gives 1 exactly, v <= s - 127 and -inf 0 exactly (t's
 # index and exponent bits are then 0, and so is the table's first entry), NaN stays NaN (the
 # max lets it through and r carries it).
-_EXP2_STRIP = (
-    r"""
+_EXP2_STRIP = r"""
 static inline void cf_exp2_strip(float* restrict p, int rows, const float* restrict shift,
                                  float* restrict sum)
 {
     const __m256i tab = _mm256_setr_epi32(EIGHTHS);
-    const __m256 c1 = _mm256_set1_ps(EXP2_C1), c2 = _mm256_set1_ps(EXP2_C2);
-    const __m256 c3 = _mm256_set1_ps(EXP2_C3);
+    const __m256 c1 = _mm256_set1_ps(6.931472421e-1f), c2 = _mm256_set1_ps(2.402576357e-1f);
+    const __m256 c3 = _mm256_set1_ps(5.549622327e-2f);
     const __m256 s0 = _mm256_loadu_ps(shift), s1 = _mm256_loadu_ps(shift + 8);
     const __m256 big = _mm256_set1_ps(1572991.0f), below = _mm256_set1_ps(127.0f);
     const __m256 k0 = _mm256_sub_ps(big, s0), k1 = _mm256_sub_ps(big, s1);
@@ -578,11 +584,7 @@ static inline void cf_exp2_strip(float* restrict p, int rows, const float* restr
     _mm256_storeu_ps(part + 8, sum1);
     for (int i = 0; i < 16; ++i) sum[i] += part[i];
 }
-""".replace("EIGHTHS", exp2_eighths())
-    .replace("EXP2_C1", EXP2_CUBIC[0])
-    .replace("EXP2_C2", EXP2_CUBIC[1])
-    .replace("EXP2_C3", EXP2_CUBIC[2])
-)
+""".replace("EIGHTHS", _exp2_eighths())
 
 
 def _exp2_strip(spec: GemmChainSpec) -> bool:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import re
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +44,6 @@ from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import DType
 
 __all__ = [
-    "EXP2_CUBIC",
     "PREFETCH_FAR",
     "REGISTRY",
     "MicroKernel",
@@ -56,7 +54,6 @@ __all__ = [
     "available",
     "emit_vector_tile",
     "emit_with_packing",
-    "exp2_eighths",
     "microkernel",
     "pack_a",
     "pack_b",
@@ -794,24 +791,6 @@ def select(problem: Problem, hardware: Hardware) -> MicroKernel:
 def select_weighted(problems: Sequence[tuple[Problem, float]], hardware: Hardware) -> MicroKernel:
     """The best applicable micro-kernel for several (problem, flops) run with one kernel."""
     return REGISTRY.select_weighted(problems, hardware)
-
-
-# 2^r = 1 + r (c1 + r (c2 + r c3)) on r in [-1/16, 1/16] (fitted for chainfuse: least squares on
-# Chebyshev nodes, reweighted towards the minimax relative error; 1.4e-7 relative evaluated in
-# float32): with `exp2_eighths`'s table, the exponentials of a softmax's scores in four
-# FMA-unit operations a vector (`codegen.c`'s AVX2 strip; the AVX-512 kernels' `scores_exp`
-# take two, `kernels.avx512.EXP2_SIXTEENTHS`)
-EXP2_CUBIC = ("6.931472421e-1f", "2.402576357e-1f", "5.549622327e-2f")
-
-
-def exp2_eighths() -> str:
-    """`2^(k/8)`, k = 0..7, as C integers for a table in a register: each as its float32 bits
-    (rounded to nearest) less 1.0's and less `k << 20`, the low bits the shifter
-    (0x1.8p20 + 127 added to v) leaves above the index. With `i` those bits of the shifted
-    value, `table[i & 7] + (i << 20)` are the bits of 2^(n + k/8), n + k/8 = v rounded to
-    eighths; 0 for v = -127 (index and exponent bits 0, the first entry 0)."""
-    bits = [struct.unpack("<I", struct.pack("<f", 2.0 ** (k / 8)))[0] for k in range(8)]
-    return ", ".join(str(b - 0x3F800000 - (k << 20)) for k, b in enumerate(bits))
 
 
 def microkernel(
