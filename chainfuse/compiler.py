@@ -655,7 +655,12 @@ def compile(
     chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
     planned = chosen.tiles_at(code_level(hw))
     assert planned is not None
-    if shape.epilogue is Epilogue.SOFTMAX:
+    wide = ext[n] in kernel.wide_cols and ext[n] != kernel.nr
+    if shape.epilogue is Epilogue.SOFTMAX and chain.dtype is DType.FLOAT32 and wide:
+        # op2 writes E's rows with the whole value head in registers (`codegen.c.wide_heads`):
+        # one n block, V's rows read in place
+        planned = {**planned, n: ext[n]}
+    elif shape.epilogue is Epilogue.SOFTMAX:
         planned = {**planned, n: _row_blocks(ext[n], planned[n], kernel.mr, kernel.part_rows)}
     if shape.causal and chain.dtype is not DType.FLOAT32:
         # 16-bit k and v are widened into fp32 as they are packed, for every row block (fp32's

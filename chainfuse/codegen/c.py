@@ -203,6 +203,18 @@ def _softmax_to_e(spec: GemmChainSpec) -> bool:
     return spec.dtype is DType.FLOAT32 and spec.epilogue is Epilogue.SOFTMAX
 
 
+def wide_heads(spec: GemmChainSpec) -> tuple[int, ...]:
+    """The value-head widths whose op2 writes E's rows with the whole head in registers
+    (`MicroKernel.wide`, decided at run time with `to_e`): a softmax chain's, where E's rows
+    can take it (`_softmax_to_e`) and the micro-kernel has wide blocks; () otherwise. Beside
+    `nr` (the strided block's), these too skip the Eᵀ accumulator and its transposing store,
+    and V's rows are read in place at any stride."""
+    kernel = spec.kernel
+    if not _softmax_to_e(spec) or kernel.wide is None:
+        return ()
+    return tuple(c for c in kernel.wide_cols if c != kernel.nr)
+
+
 def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
     """`CF_TILES(t)`: the plan's tiles, run-time arguments (one compiled object serves every
     plan of a chain's structure: a new sequence length never waits for the compiler), and the
@@ -871,6 +883,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.lines(emit_with_packing(ker))
     if exponentiates_beside_op1(spec) and ker.scores_exp is not None:
         w.lines(ker.scores_exp(ker))
+    if wide_heads(spec) and ker.wide is not None:
+        w.lines(ker.wide(ker))
     w.line(f"#define MR {mr}")
     w.line(f"#define NR {nr}")
     w.line(
@@ -1195,8 +1209,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line(f"const int direct_b = direct{far_b};")
     if softmax:
         if _softmax_to_e(spec):
-            w.line("/* op2 straight into E where D's rows are the packed layout (_softmax_to_e) */")
-            w.line("const int to_e = N == NR && T_N >= N && sDl == NR && l_end > l_lo;")
+            heads = "".join(f" || N == {c}" for c in wide_heads(spec))
+            w.line("/* op2 straight into E where D's rows are the packed layout (_softmax_to_e),")
+            w.line("   or a wide block holds a whole value head (wide_heads) */")
+            w.line(f"const int to_e = ((N == NR && sDl == NR){heads}) && T_N >= N && l_end > l_lo;")
         _reuse_d(w, spec)
     reused = " && !reuse_d" if softmax else ""
     w.line(f"const int direct_d = direct{reused} && (few || sDl <= DIRECT_STRIDE);")
@@ -1376,7 +1392,13 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 with w.block("if (to_e)"):
                     # (in place: nc = N = NR, one strip, rows NR apart)
                     d = "D_b + l0 * sDl" if _softmax_to_e(spec) else "Dt + (long)s * lc * NR"
-                    _op2_to_e(w, spec, d)
+                    if wide_heads(spec):
+                        with w.block("if (N != NR)"):
+                            _op2_wide(w, spec)
+                        with w.block("else"):
+                            _op2_to_e(w, spec, d)
+                    else:
+                        _op2_to_e(w, spec, d)
                 with w.block("else"):
                     _op2_to_et(w, spec)
             else:
@@ -1825,6 +1847,32 @@ def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
                 w.line("   of the next strip's rows at worst, inside the workspace, discarded) */")
                 w.line(f"else {uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
                 w.line("cf_pf_step(&pf, pf_rows);")
+
+
+def _op2_wide(w: Writer, spec: GemmChainSpec) -> None:
+    """op2 of one l block straight into E with a whole value head of N columns (`wide_heads`)
+    in registers: rows m, `wide_mr` at a time within each of Pᵀ's nr-column strips (P's values
+    broadcast, rows NR apart), V's rows read in place. Each element of E sums over l in the
+    order the Eᵀ accumulator's does: bit-identical."""
+    ker = spec.kernel
+    heads = wide_heads(spec)
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int acc = l0 > l_lo;")
+        w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        w.line("const int live = mc - j * NR < NR ? mc - j * NR : NR;")
+        w.line(f"/* (a short block of the last strip reads all {ker.wide_mr} columns of P, which")
+        w.line("   op1 computed: a tail strip's nw is whole vectors; it stores its rows alone) */")
+        with w.block(f"for (int r = 0; r < live; r += {ker.wide_mr})"):
+            w.line(f"const int m = live - r < {ker.wide_mr} ? live - r : {ker.wide_mr};")
+            w.line("float* restrict e = E_b + (j * NR + r) * sEm;")
+            for i, c in enumerate(heads):
+                cond = "" if i == len(heads) - 1 else f"if (N == {c}) "
+                lead = "" if i == 0 else "else "
+                w.line(
+                    f"{lead}{cond}{ker.name}_wide{c}(lc, p + r, NR, D_b + l0 * sDl, sDl, e, sEm,"
+                    " m, acc);"
+                )
+            w.line("cf_pf_step(&pf, pf_rows);")
 
 
 def _store_e(w: Writer, spec: GemmChainSpec) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "avx512_6x64_f32",
     "avx512_12x32_f32",
     "avx512_scores_exp",
+    "avx512_wide",
     "exp2_sixteenths",
 ]
 
@@ -203,6 +204,73 @@ static inline void {name}_exp2_rows(float* restrict p, int rows, const float* re
 """
 
 
+def avx512_wide(kernel: MicroKernel) -> str:
+    """C of ``<name>_wide<w>`` for each ``w`` of ``kernel.wide_cols`` (`MicroKernel.wide`):
+    ``wide_mr`` rows of a whole value head of ``w`` columns (d = 80 or 96: 5 or 6 vectors),
+    ``wide_mr x w/16`` accumulators, ``w/16`` B vectors and the broadcast in the 32 registers.
+
+    Each B vector is pinned to its register by an empty asm: left to itself gcc 12 folds the
+    loads into the FMAs as memory operands, one zmm load an FMA, and the block ran at 82 % of
+    the FMA peak (4 x 80 over 256 keys, L1/L2-resident, 1 thread, Zen 4); pinned, 100 %. In
+    vit-huge-14 and -16 (d = 80; 1 thread, interleaved, unfused PyTorch in the rounds) op2 into
+    E's rows this way took 0.960 and 0.965 of the time of the Eᵀ accumulator and its transposing
+    store (T_N = 40).
+    """
+    name, rows = kernel.name, kernel.wide_mr
+    out = []
+    for width in kernel.wide_cols:
+        vectors = width // 16
+        if width % 16 or rows * vectors + vectors + 1 > 32:
+            raise ValueError(
+                f"{name}: a wide block wants whole zmm vectors a row and its {rows} x {width}/16"
+                f" accumulators, B vectors and broadcast in the 32 registers (width {width})"
+            )
+        acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(rows)]
+        zero = "\n".join(
+            "    __m512 " + ", ".join(f"{c} = _mm512_setzero_ps()" for c in row) + ";"
+            for row in acc
+        )
+        loads = "\n".join(
+            f'        __m512 b{v} = _mm512_loadu_ps(b + {16 * v}); __asm__("" : "+v"(b{v}));'
+            for v in range(vectors)
+        )
+        fmas = "\n".join(
+            f"        {{\n            const __m512 a{r} = _mm512_set1_ps(a[{r}]);\n"
+            + "\n".join(
+                f"            {acc[r][v]} = _mm512_fmadd_ps(a{r}, b{v}, {acc[r][v]});"
+                for v in range(vectors)
+            )
+            + "\n        }"
+            for r in range(rows)
+        )
+        stores = []
+        for r in range(rows):
+            body = "\n".join(
+                f"        _mm512_storeu_ps(C + {r} * ldc + {16 * v}, accumulate ?"
+                f" _mm512_add_ps(_mm512_loadu_ps(C + {r} * ldc + {16 * v}), {acc[r][v]})"
+                f" : {acc[r][v]});"
+                for v in range(vectors)
+            )
+            stores.append(f"    if (rows > {r}) {{\n{body}\n    }}")
+        out.append(f"""
+/* {name}_wide{width}: C[0:rows, 0:{width}] (+)= A . B, A(i, p) = A[i + p*ks] broadcast (all {rows}
+   rows read), B(p, j) = B[p*ldb + j] in place, rows <= {rows} of C stored (ldc apart) */
+static inline void {name}_wide{width}(int kc, const float* restrict A, long ks,
+    const float* restrict B, long ldb, float* restrict C, long ldc, int rows, int accumulate)
+{{
+{zero}
+    for (int p = 0; p < kc; ++p) {{
+        const float* restrict a = A + (long)p * ks;
+        const float* restrict b = B + (long)p * ldb;
+{loads}
+{fmas}
+    }}
+{chr(10).join(stores)}
+}}
+""")
+    return "".join(out)
+
+
 @microkernel(
     name="avx512_6x64_f32",
     isa=frozenset({Isa.AVX512F, Isa.FMA}),
@@ -217,6 +285,9 @@ static inline void {name}_exp2_rows(float* restrict p, int rows, const float* re
     part_rows=4,
     part_cols=16,  # a tail strip of 16, 32 or 48 columns: 1-3 vectors of FMAs, not 4
     scores_exp=avx512_scores_exp,
+    wide=avx512_wide,
+    wide_cols=(80, 96),  # d = 80 or 96: 4 x 5 or 4 x 6 accumulators, 26 or 31 registers
+    wide_mr=4,
 )
 def avx512_6x64_f32(kernel: MicroKernel) -> str:
     return emit_vector_tile(kernel, AVX512)

@@ -126,6 +126,14 @@ class MicroKernel:
     sum)``, the exponentials on whole rows alone. A softmax's exponentials then run beside the
     FMA loop, on the pipes it leaves idle, instead of in a pass of their own
     (``cf_scores_strip`` in `chainfuse.codegen.c`).
+
+    ``wide`` (optional, with ``wide_cols`` and ``wide_mr``) emits ``void <name>_wide<w>(kc, A,
+    ks, B, ldb, C, ldc, rows, accumulate)`` for each ``w`` of ``wide_cols``: ``C[0:rows, 0:w]
+    (+)= A . B`` with ``A(i, p) = A[i + p*ks]`` (broadcast) and ``B(p, j) = B[p*ldb + j]`` read
+    in place, ``C`` rows ``ldc`` apart; all ``wide_mr`` rows of ``A`` are read and computed,
+    the first ``rows`` stored. A softmax's op2 then writes E's rows with a whole value head of
+    ``w`` columns in registers (V's rows in place, any stride), where ``nr`` columns would not
+    cover it (`chainfuse.codegen.c`: ``to_e``).
     """
 
     name: str
@@ -143,6 +151,9 @@ class MicroKernel:
     part_rows: int = 0
     part_cols: int = 0
     scores_exp: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
+    wide: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
+    wide_cols: tuple[int, ...] = ()
+    wide_mr: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
@@ -176,6 +187,17 @@ class MicroKernel:
                 f"micro-kernel {self.name}: part_cols must be 0 or a divisor of nr={self.nr} "
                 f"below it, got {pc!r}"
             )
+        if (self.wide is None) != (not self.wide_cols) or (self.wide is None) != (not self.wide_mr):
+            raise ValueError(f"micro-kernel {self.name}: wide, wide_cols and wide_mr go together")
+        if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.wide_cols):
+            raise ValueError(f"micro-kernel {self.name}: wide_cols must be positive ints")
+        if (
+            isinstance(self.wide_mr, bool)
+            or self.wide_mr < 0
+            or (self.wide_mr and self.nr % self.wide_mr)
+        ):
+            raise ValueError(f"micro-kernel {self.name}: wide_mr must divide nr={self.nr}")
+        object.__setattr__(self, "wide_cols", tuple(self.wide_cols))
 
     @property
     def col_widths(self) -> tuple[int, ...]:
@@ -809,6 +831,9 @@ def microkernel(
     part_rows: int = 0,
     part_cols: int = 0,
     scores_exp: Callable[[MicroKernel], str] | None = None,
+    wide: Callable[[MicroKernel], str] | None = None,
+    wide_cols: tuple[int, ...] = (),
+    wide_mr: int = 0,
     registry: Registry = REGISTRY,
 ) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
     """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
@@ -837,6 +862,9 @@ def microkernel(
             part_rows=part_rows,
             part_cols=part_cols,
             scores_exp=scores_exp,
+            wide=wide,
+            wide_cols=wide_cols,
+            wide_mr=wide_mr,
         )
         return registry.register(kernel)
 

@@ -1148,6 +1148,7 @@ _NARROW_HERE = [k for k in _FP32_HERE if k.col_widths]
 _PART_HERE = [k for k in _FP32_HERE if k.part_rows]
 _TAIL_ROWS_HERE = [k for k in _FP32_HERE if rows_tail(k)]  # (a 4-column kernel: none)
 _SCORES_EXP_HERE = [k for k in _FP32_HERE if k.scores_exp is not None]
+_WIDE_HERE = [k for k in _FP32_HERE if k.wide is not None]
 
 
 def _force(monkeypatch: pytest.MonkeyPatch, kernel: MicroKernel) -> None:
@@ -1254,6 +1255,44 @@ def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
         k(*[inputs[n] for n in names], out=out[..., :nr])
         np.testing.assert_array_equal(out[..., :nr], dense)
         assert np.isnan(out[..., nr:]).all()  # nothing written past the rows' ends
+
+
+@pytest.mark.parametrize("kernel", _WIDE_HERE, ids=lambda k: k.name)
+def test_a_wide_value_head_goes_into_e_bit_for_bit_with_the_transposed_accumulator(
+    kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a value head of a wide block's width (`MicroKernel.wide`): the plan keeps n whole and op2
+    # writes E's rows with the head in registers, V's rows in place; against the Eᵀ
+    # accumulator (an n tile below N) bit for bit, and the reference: over several l tiles
+    # (the rescales act on E's rows), last strips whose last block keeps 1..wide_mr rows,
+    # masks, causal, scores up to 1e4; V as a view of a wider array (rows further apart), and
+    # an out whose rows lie further apart (nothing written past the rows' ends)
+    from chainfuse.codegen.c import ROWS_MAX
+
+    _force(monkeypatch, kernel)
+    nr, rows = kernel.nr, kernel.wide_mr
+    assert rows_tail(kernel) < rows + 1 < nr
+    cases = [(max(ROWS_MAX + 1, nr + rows + 1), 7, False, None), (nr + rows + 2, 130, True, None),
+             (2 * nr + rows + 3, 61, False, "bool"), (nr + 4 * rows, 200, False, "additive")]  # fmt: skip
+    for dv in kernel.wide_cols:
+        for i, (sq, sk, causal, mask) in enumerate(cases):
+            chain = chainfuse.attention_chain(1, 2, sq, sk, 24, dv, causal=causal, mask=mask)
+            k = compile(chain, tiles={"l": 12})
+            assert dv == k.spec.T_N and f"{kernel.name}_wide{dv}(lc, " in k.source
+            inputs = reference.random_inputs(chain, seed=i, scale=[1.0, 100.0, 1e4][i % 3])
+            names = [t.name for t in chain.inputs]
+            dense = k(*[inputs[n] for n in names])
+            reference.assert_close(dense, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+            et = compile(chain, tiles={"l": 12, "n": dv // 2})  # the Eᵀ accumulator
+            np.testing.assert_array_equal(et(*[inputs[n] for n in names]), dense)
+            wide = np.zeros((*inputs["V"].shape[:-1], dv + 3), np.float32)
+            wide[..., :dv] = inputs["V"]
+            strided = k(*[wide[..., :dv] if n == "V" else inputs[n] for n in names])
+            np.testing.assert_array_equal(strided, dense)
+            out = np.full((*dense.shape[:-1], dv + 5), np.nan, np.float32)
+            k(*[inputs[n] for n in names], out=out[..., :dv])
+            np.testing.assert_array_equal(out[..., :dv], dense)
+            assert np.isnan(out[..., dv:]).all()
 
 
 def _guarded(a: np.ndarray) -> tuple[np.ndarray, object]:

@@ -540,6 +540,62 @@ def test_invalid_values_are_rejected() -> None:
         assert wide.scores_exp is not None
         with pytest.raises(ValueError, match=f"scores_exp wants .* \\(mr={mr}, nr={nr}\\)"):
             wide.scores_exp(wide)
+    # wide blocks (a whole value head a row): the emitter, its widths and rows go together;
+    # rows divide nr; every width's accumulators, B vectors and broadcast fit the 32 registers
+    for bad in ({"wide": None}, {"wide_cols": ()}, {"wide_mr": 0}, {"wide_mr": 5},
+                {"wide_cols": (0,)}):  # fmt: skip
+        with pytest.raises(ValueError, match="wide"):
+            dataclasses.replace(avx512_6x64_f32, **bad)
+    assert avx512_6x64_f32.wide is not None
+    with pytest.raises(ValueError, match="32 registers"):
+        avx512_6x64_f32.wide(dataclasses.replace(avx512_6x64_f32, wide_cols=(112,)))
+
+
+_WIDE_KERNELS = [k for k in KERNELS if k.wide is not None]
+
+
+@pytest.mark.parametrize("kernel", _WIDE_KERNELS, ids=_ids)
+def test_wide_blocks_compute_their_rows_of_a_whole_value_head(
+    kernel: MicroKernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`<name>_wide<w>` (`MicroKernel.wide`) against float64: C[0:rows, 0:w] (+)= A . B with A
+    broadcast from rows ks apart, B's rows ldb apart (beyond w: never read into C), C's ldc
+    apart; every rows count 1..wide_mr stores its rows and nothing else, accumulated or not;
+    each B vector held in a register (an empty asm pins it: not folded into the FMAs)."""
+    _runnable(kernel)
+    monkeypatch.setenv(config.ENV_CACHE_DIR, str(tmp_path))
+    assert kernel.wide is not None
+    text = kernel.wide(kernel)
+    name, mr = kernel.name, kernel.wide_mr
+    assert text.count('__asm__("" : "+v"(b') == sum(w // 16 for w in kernel.wide_cols)
+    calls = "\n".join(
+        f"void run{w}(int kc, const float* A, long ks, const float* B, long ldb, float* C,"
+        f" long ldc, int rows, int acc) {{ {name}_wide{w}(kc, A, ks, B, ldb, C, ldc, rows, acc); }}"
+        for w in kernel.wide_cols
+    )
+    lib = load(build(f"#include <immintrin.h>\n{text}\n{calls}\n", f"test_wide_{name}",
+                     kernel.cflags).path)  # fmt: skip
+    ptr = ctypes.c_void_p
+    rng = np.random.default_rng(3)
+    for w in kernel.wide_cols:
+        fn = getattr(lib, f"run{w}")
+        fn.argtypes = [ctypes.c_int, ptr, ctypes.c_long, ptr, ctypes.c_long, ptr, ctypes.c_long,
+                       ctypes.c_int, ctypes.c_int]  # fmt: skip
+        fn.restype = None
+        for kc, rows, acc in ((1, mr, 0), (37, 1, 1), (130, mr - 1, 0), (64, 2, 1)):
+            ks, ldb, ldc = mr + 9, w + 7, w + 5
+            a = rng.standard_normal((kc, ks)).astype(np.float32)
+            b = rng.standard_normal((kc, ldb)).astype(np.float32)
+            c = np.full((mr + 1, ldc), 0.25, np.float32)
+            before = c.copy()
+            fn(kc, _ptr(a), ks, _ptr(b), ldb, _ptr(c), ldc, rows, acc)
+            want = a[:, :rows].T.astype(np.float64) @ b[:, :w].astype(np.float64)
+            if acc:
+                want += before[:rows, :w]
+            np.testing.assert_allclose(c[:rows, :w], want, rtol=1e-5, atol=1e-5 * np.sqrt(kc))
+            assert np.array_equal(c[rows:], before[rows:]) and np.array_equal(
+                c[:, w:], before[:, w:]
+            )
 
 
 _EXP_KERNELS = [k for k in KERNELS if k.scores_exp is not None]

@@ -356,7 +356,8 @@ def test_a_causal_chains_row_blocks_leave_no_short_block_where_that_costs_more()
 
 def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
     # op2 computes Eᵀ with n along the micro-kernel's rows: a tail of 1-3 rows runs its 4-row
-    # block (part_rows), so 80 = 13 x 6 + 2 would run 82 rows; two blocks of 40 run 80
+    # block (part_rows), so 80 = 13 x 6 + 2 would run 82 rows; two blocks of 40 run 80 (where
+    # no wide block holds the whole head of 80: `MicroKernel.wide`)
     from chainfuse.compiler import _row_blocks, _rows_run, compile
     from chainfuse.hardware import resolve
     from chainfuse.model import code_level
@@ -371,13 +372,17 @@ def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
     assert _row_blocks(80, 80, 6, 0) == 80  # no part block: every tail runs mr rows anyway
     for n in range(1, 300):
         assert _rows_run(n, _row_blocks(n, n, 6, 4), 6, 4) <= _rows_run(n, n, 6, 4)
-    kernel = compile(attention_chain(1, 2, 128, 128, 80, 80), threads=1)
-    mk = kernel.spec.kernel
-    planned = kernel.plan.tiles_at(code_level(resolve(None)))
-    assert planned is not None
-    assert _row_blocks(80, planned["n"], mk.mr, mk.part_rows) == kernel.spec.T_N
-    if (mk.mr, mk.part_rows) == (6, 4) and planned["n"] >= 80:
-        assert kernel.spec.T_N == 40
+    for d in (80, 200):
+        kernel = compile(attention_chain(1, 2, 128, 128, d, d), threads=1)
+        mk = kernel.spec.kernel
+        if d in mk.wide_cols:  # a wide block holds the value head: op2 into E's rows, n whole
+            assert kernel.spec.T_N == d
+            continue
+        planned = kernel.plan.tiles_at(code_level(resolve(None)))
+        assert planned is not None
+        assert _row_blocks(d, planned["n"], mk.mr, mk.part_rows) == kernel.spec.T_N
+        if (mk.mr, mk.part_rows) == (6, 4) and planned["n"] >= d:
+            assert kernel.spec.T_N == d // 2
 
 
 def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
