@@ -206,13 +206,14 @@ def _softmax_to_e(spec: GemmChainSpec) -> bool:
 def wide_heads(spec: GemmChainSpec) -> tuple[int, ...]:
     """The value-head widths whose op2 writes E's rows with the whole head in registers
     (`MicroKernel.wide`, decided at run time with `to_e`): a softmax chain's, where E's rows
-    can take it (`_softmax_to_e`) and the micro-kernel has wide blocks; () otherwise. Beside
-    `nr` (the strided block's), these too skip the Eᵀ accumulator and its transposing store,
-    and V's rows are read in place at any stride."""
+    can take it (`_softmax_to_e`) and the micro-kernel has wide blocks; () otherwise. Like a
+    head of `nr` dense columns (the strided block's, read as its packed layout), these skip
+    the Eᵀ accumulator and its transposing store, and V's rows are read in place at any
+    stride (a head of `nr` too, when its rows are not dense: V a view of a fused QKV array)."""
     kernel = spec.kernel
     if not _softmax_to_e(spec) or kernel.wide is None:
         return ()
-    return tuple(c for c in kernel.wide_cols if c != kernel.nr)
+    return kernel.wide_cols
 
 
 def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
@@ -1393,7 +1394,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     # (in place: nc = N = NR, one strip, rows NR apart)
                     d = "D_b + l0 * sDl" if _softmax_to_e(spec) else "Dt + (long)s * lc * NR"
                     if wide_heads(spec):
-                        with w.block("if (N != NR)"):
+                        with w.block("if (N != NR || sDl != NR)"):
                             _op2_wide(w, spec)
                         with w.block("else"):
                             _op2_to_e(w, spec, d)

@@ -206,8 +206,10 @@ static inline void {name}_exp2_rows(float* restrict p, int rows, const float* re
 
 def avx512_wide(kernel: MicroKernel) -> str:
     """C of ``<name>_wide<w>`` for each ``w`` of ``kernel.wide_cols`` (`MicroKernel.wide`):
-    ``wide_mr`` rows of a whole value head of ``w`` columns (d = 80 or 96: 5 or 6 vectors),
+    ``wide_mr`` rows of a whole value head of ``w`` columns (d = 64, 80 or 96: 4-6 vectors),
     ``wide_mr x w/16`` accumulators, ``w/16`` B vectors and the broadcast in the 32 registers.
+    (A head of 64 dense columns takes the 6x64 block, V's rows being its packed layout; one
+    whose rows lie further apart, V a view of a fused QKV array, takes this one.)
 
     Each B vector is pinned to its register by an empty asm: left to itself gcc 12 folds the
     loads into the FMAs as memory operands, one zmm load an FMA, and the block ran at 82 % of
@@ -286,7 +288,7 @@ static inline void {name}_wide{width}(int kc, const float* restrict A, long ks,
     part_cols=16,  # a tail strip of 16, 32 or 48 columns: 1-3 vectors of FMAs, not 4
     scores_exp=avx512_scores_exp,
     wide=avx512_wide,
-    wide_cols=(80, 96),  # d = 80 or 96: 4 x 5 or 4 x 6 accumulators, 26 or 31 registers
+    wide_cols=(64, 80, 96),  # 4 x 4, 5 or 6 accumulators: 21, 26 or 31 registers
     wide_mr=4,
 )
 def avx512_6x64_f32(kernel: MicroKernel) -> str:

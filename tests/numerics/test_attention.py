@@ -1230,9 +1230,10 @@ def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
 ) -> None:
     # a value head of exactly nr dims with dense rows: op2 adds into E's rows directly (`to_e`,
     # also into an `out` whose rows lie further apart); the same V as a view of a wider array
-    # takes the Eᵀ accumulator and its transposing store. Both are the reference's and equal
-    # bit for bit: over several l tiles (the rescales act on E's rows), a tail strip of
-    # queries, masks, causal, scores up to 1e4
+    # takes a wide block where the kernel has one of nr columns (into E's rows too), else the
+    # Eᵀ accumulator and its transposing store, as an n tile below nr does. All are the
+    # reference's and equal bit for bit: over several l tiles (the rescales act on E's rows),
+    # a tail strip of queries, masks, causal, scores up to 1e4
     from chainfuse.codegen.c import ROWS_MAX
 
     _force(monkeypatch, kernel)
@@ -1251,6 +1252,8 @@ def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
         wide[..., :nr] = inputs["V"]
         strided = k(*[wide[..., :nr] if n == "V" else inputs[n] for n in names])
         np.testing.assert_array_equal(dense, strided)
+        et = compile(chain, tiles={"l": 12, "n": nr // 2})  # the Eᵀ accumulator
+        np.testing.assert_array_equal(dense, et(*[inputs[n] for n in names]))
         out = np.full((*dense.shape[:-1], nr + 5), np.nan, np.float32)
         k(*[inputs[n] for n in names], out=out[..., :nr])
         np.testing.assert_array_equal(out[..., :nr], dense)

@@ -376,13 +376,13 @@ def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
         kernel = compile(attention_chain(1, 2, 128, 128, d, d), threads=1)
         mk = kernel.spec.kernel
         if d in mk.wide_cols:  # a wide block holds the value head: op2 into E's rows, n whole
-            assert kernel.spec.T_N == d
+            assert d == kernel.spec.T_N
             continue
         planned = kernel.plan.tiles_at(code_level(resolve(None)))
         assert planned is not None
         assert _row_blocks(d, planned["n"], mk.mr, mk.part_rows) == kernel.spec.T_N
         if (mk.mr, mk.part_rows) == (6, 4) and planned["n"] >= d:
-            assert kernel.spec.T_N == d // 2
+            assert d // 2 == kernel.spec.T_N
 
 
 def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
