@@ -5,7 +5,8 @@ two pipes 3x over):
 
 - nr = 64 is one attention/MLP head (the paper's workloads have N = 64, or 80): the second GEMM of
   a chain (P·V) covers the whole head in one register block, so each row of P is broadcast once
-  and never re-streamed for a second column block;
+  and never re-streamed for a second column block (a head of 80 or 96, or of 64 whose rows are
+  not dense, takes the wide blocks: 4 rows of the whole head, `avx512_wide`);
 - 24 accumulators + 4 B vectors + 1 broadcast = 29 of the 32 zmm: no spills, with room for the
   compiler; per k step 4 B loads + 6 broadcasts feed 24 FMAs, well under two loads per cycle;
 - a 6x64 block, compiled by gcc at run time, already matched PyTorch (MKL) on these batched GEMMs
