@@ -38,6 +38,7 @@ from chainfuse.codegen.c import (
     match_gemm_chain,
     row_path_rows,
     rows_past_strips,
+    wide_multiples,
 )
 from chainfuse.codegen.conv import (
     GEOMETRY,
@@ -655,7 +656,9 @@ def compile(
     chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
     planned = chosen.tiles_at(code_level(hw))
     assert planned is not None
-    wide = ext[n] in kernel.wide_cols and ext[n] != kernel.nr
+    wide = ext[n] != kernel.nr and (
+        ext[n] in kernel.wide_cols or (wide_multiples(kernel) and ext[n] % kernel.nr == 0)
+    )
     if shape.epilogue is Epilogue.SOFTMAX and chain.dtype is DType.FLOAT32 and wide:
         # op2 writes E's rows with the whole value head in registers (`codegen.c.wide_heads`):
         # one n block, V's rows read in place

@@ -1264,8 +1264,9 @@ def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
 def test_a_wide_value_head_goes_into_e_bit_for_bit_with_the_transposed_accumulator(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a value head of a wide block's width (`MicroKernel.wide`): the plan keeps n whole and op2
-    # writes E's rows with the head in registers, V's rows in place; against the Eᵀ
+    # a value head of a wide block's width (`MicroKernel.wide`), or a multiple of nr where nr is
+    # one (nr columns at a time): the plan keeps n whole and op2 writes E's rows with the head
+    # in registers, V's rows in place; against the Eᵀ
     # accumulator (an n tile below N) bit for bit, and the reference: over several l tiles
     # (the rescales act on E's rows), last strips whose last block keeps 1..wide_mr rows,
     # masks, causal, scores up to 1e4; V as a view of a wider array (rows further apart), and
@@ -1277,11 +1278,15 @@ def test_a_wide_value_head_goes_into_e_bit_for_bit_with_the_transposed_accumulat
     assert rows_tail(kernel) < rows + 1 < nr
     cases = [(max(ROWS_MAX + 1, nr + rows + 1), 7, False, None), (nr + rows + 2, 130, True, None),
              (2 * nr + rows + 3, 61, False, "bool"), (nr + 4 * rows, 200, False, "additive")]  # fmt: skip
-    for dv in kernel.wide_cols:
+    from chainfuse.codegen.c import wide_multiples
+
+    heads = [*kernel.wide_cols, *([2 * nr, 3 * nr] if wide_multiples(kernel) else [])]
+    for dv in heads:
         for i, (sq, sk, causal, mask) in enumerate(cases):
             chain = chainfuse.attention_chain(1, 2, sq, sk, 24, dv, causal=causal, mask=mask)
             k = compile(chain, tiles={"l": 12})
-            assert dv == k.spec.T_N and f"{kernel.name}_wide{dv}(lc, " in k.source
+            block = dv if dv in kernel.wide_cols else nr  # (a multiple of nr: nr at a time)
+            assert dv == k.spec.T_N and f"{kernel.name}_wide{block}(lc, " in k.source
             inputs = reference.random_inputs(chain, seed=i, scale=[1.0, 100.0, 1e4][i % 3])
             names = [t.name for t in chain.inputs]
             dense = k(*[inputs[n] for n in names])
