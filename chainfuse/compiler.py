@@ -580,11 +580,12 @@ def _m_blocks(extent: int, tile: int, outer: int, nr: int, keys: int, causal: bo
 
 
 def _row_blocks(extent: int, tile: int, mr: int, part: int) -> int:
-    """A softmax chain's n tile (`tile`, the planner's) as the generated code runs it: op2
-    computes Eᵀ with n along the micro-kernel's mr rows, and a block's tail of at most
-    `part_rows` rows runs the part block (6x64: 4 rows), so 80 = 13 x 6 + 2 runs 82 rows. Where the planner's tile is all of n,
-    two or three even blocks that run fewer rows take its place (80 as 2 x (6 x 6 + 4): 80
-    rows); the model counts flops, not these rows. Measured on Zen 4 (interleaved A/B, the 6x64
+    """A softmax chain's n tile (`tile`, the planner's) as the generated code runs it where no
+    wide block holds the value head (`MicroKernel.wide`): op2 computes Eᵀ with n along the
+    micro-kernel's mr rows, and a block's tail of at most `part_rows` rows runs the part block
+    (6x64: 4 rows), so 80 = 13 x 6 + 2 runs 82 rows. Where the planner's tile is all of n, two
+    or three even blocks that run fewer rows take its place (80 as 2 x (6 x 6 + 4): 80 rows);
+    the model counts flops, not these rows. Measured on Zen 4 (interleaved A/B, the 6x64
     kernel): vit-huge-14 and -16 (d = 80) 0.8-2 % faster, 8 heads of 512 or 256 x 128 0.5-1 %,
     8 x 256 x 200 1.8 %, 8 x 256 x 7 (4 + 3 rows) 5 %."""
     if tile < extent or part == 0:
