@@ -73,6 +73,23 @@ def exp2_sixteenths(degree: int) -> str:
     return ", ".join(f"{x!r}f" for x in single)  # (the float32 values, exact as doubles)
 
 
+def _register_block(what: str, rows: int, width: int, detail: str) -> tuple[list[list[str]], str]:
+    """The accumulators of a `rows` x `width` block (their names, row by row, and the C that
+    zeroes them), whole zmm vectors a row; with a B vector per column of vectors and the
+    broadcast they must fit the 32 registers, else a ValueError names `what` and `detail`."""
+    vectors = width // 16
+    if width % 16 or rows * vectors + vectors + 1 > 32:
+        raise ValueError(
+            f"{what} wants whole zmm vectors a row and its {rows} x {width}/16 accumulators,"
+            f" B vectors and broadcast in the 32 registers ({detail})"
+        )
+    acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(rows)]
+    zero = "\n".join(
+        "    __m512 " + ", ".join(f"{c} = _mm512_setzero_ps()" for c in row) + ";" for row in acc
+    )
+    return acc, zero
+
+
 def avx512_scores_exp(kernel: MicroKernel) -> str:
     """C of ``<name>_scores_exp`` and ``<name>_exp2_rows`` (`MicroKernel.scores_exp`).
 
@@ -97,15 +114,7 @@ def avx512_scores_exp(kernel: MicroKernel) -> str:
     """
     name, mr, nr = kernel.name, kernel.mr, kernel.nr
     vectors = nr // 16
-    if nr % 16 or mr * vectors + vectors + 1 > 32:
-        raise ValueError(
-            f"{name}: scores_exp wants whole zmm vectors a row and its mr x nr/16 accumulators,"
-            f" B vectors and broadcast in the 32 registers (mr={mr}, nr={nr})"
-        )
-    acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(mr)]
-    zero = "\n".join(
-        "    __m512 " + ", ".join(f"{c} = _mm512_setzero_ps()" for c in row) + ";" for row in acc
-    )
+    acc, zero = _register_block(f"{name}: scores_exp", mr, nr, f"mr={mr}, nr={nr}")
     rows = "\n".join(f"    const float* restrict r{r} = A + {r} * rs;" for r in range(mr))
     loads = "\n".join(
         f"        const __m512 b{v} = _mm512_loadu_ps(b + {16 * v});" for v in range(vectors)
@@ -223,16 +232,7 @@ def avx512_wide(kernel: MicroKernel) -> str:
     out = []
     for width in kernel.wide_cols:
         vectors = width // 16
-        if width % 16 or rows * vectors + vectors + 1 > 32:
-            raise ValueError(
-                f"{name}: a wide block wants whole zmm vectors a row and its {rows} x {width}/16"
-                f" accumulators, B vectors and broadcast in the 32 registers (width {width})"
-            )
-        acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(rows)]
-        zero = "\n".join(
-            "    __m512 " + ", ".join(f"{c} = _mm512_setzero_ps()" for c in row) + ";"
-            for row in acc
-        )
+        acc, zero = _register_block(f"{name}: a wide block", rows, width, f"width {width}")
         loads = "\n".join(
             f'        __m512 b{v} = _mm512_loadu_ps(b + {16 * v}); __asm__("" : "+v"(b{v}));'
             for v in range(vectors)

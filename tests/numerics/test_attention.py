@@ -1224,6 +1224,29 @@ def test_a_tail_strips_softmax_runs_on_its_columns_alone_over_several_l_tiles(
                              {"l": kernel.mr + 1}, 1e3)  # fmt: skip
 
 
+def _check_e_rows(chain: chainfuse.Chain, dv: int, seed: int) -> compiler.Kernel:
+    """`chain` (a value head of `dv` dims, l tiles of 12) against the reference on inputs up to
+    [1, 100, 1e4][seed % 3] and, bit for bit, against the Eᵀ accumulator (an n tile below dv),
+    with V as a view of a wider array (rows further apart) and into an `out` whose rows lie
+    further apart (nothing written past the rows' ends). Returns the kernel it compiled."""
+    k = compile(chain, tiles={"l": 12})
+    inputs = reference.random_inputs(chain, seed=seed, scale=[1.0, 100.0, 1e4][seed % 3])
+    names = [t.name for t in chain.inputs]
+    dense = k(*[inputs[n] for n in names])
+    reference.assert_close(dense, reference.run(chain, inputs)["O"], chain, inputs=inputs)
+    et = compile(chain, tiles={"l": 12, "n": dv // 2})  # the Eᵀ accumulator
+    np.testing.assert_array_equal(et(*[inputs[n] for n in names]), dense)
+    wide = np.zeros((*inputs["V"].shape[:-1], dv + 3), np.float32)
+    wide[..., :dv] = inputs["V"]
+    strided = k(*[wide[..., :dv] if n == "V" else inputs[n] for n in names])
+    np.testing.assert_array_equal(strided, dense)
+    out = np.full((*dense.shape[:-1], dv + 5), np.nan, np.float32)
+    k(*[inputs[n] for n in names], out=out[..., :dv])
+    np.testing.assert_array_equal(out[..., :dv], dense)
+    assert np.isnan(out[..., dv:]).all()
+    return k
+
+
 @pytest.mark.parametrize("kernel", _FP32_HERE, ids=lambda k: k.name)
 def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
@@ -1242,22 +1265,8 @@ def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
              (2 * nr + 3, 61, False, "bool"), (nr, 200, False, "additive")]  # fmt: skip
     for i, (sq, sk, causal, mask) in enumerate(cases):
         chain = chainfuse.attention_chain(1, 2, sq, sk, 24, nr, causal=causal, mask=mask)
-        k = compile(chain, tiles={"l": 12})
+        k = _check_e_rows(chain, nr, i)
         assert k.spec.kernel is kernel and k.spec.T_L == 12
-        inputs = reference.random_inputs(chain, seed=i, scale=[1.0, 100.0, 1e4][i % 3])
-        names = [t.name for t in chain.inputs]
-        dense = k(*[inputs[n] for n in names])
-        reference.assert_close(dense, reference.run(chain, inputs)["O"], chain, inputs=inputs)
-        wide = np.zeros((*inputs["V"].shape[:-1], nr + 3), np.float32)
-        wide[..., :nr] = inputs["V"]
-        strided = k(*[wide[..., :nr] if n == "V" else inputs[n] for n in names])
-        np.testing.assert_array_equal(dense, strided)
-        et = compile(chain, tiles={"l": 12, "n": nr // 2})  # the Eᵀ accumulator
-        np.testing.assert_array_equal(dense, et(*[inputs[n] for n in names]))
-        out = np.full((*dense.shape[:-1], nr + 5), np.nan, np.float32)
-        k(*[inputs[n] for n in names], out=out[..., :nr])
-        np.testing.assert_array_equal(out[..., :nr], dense)
-        assert np.isnan(out[..., nr:]).all()  # nothing written past the rows' ends
 
 
 @pytest.mark.parametrize("kernel", _WIDE_HERE, ids=lambda k: k.name)
@@ -1266,41 +1275,23 @@ def test_a_wide_value_head_goes_into_e_bit_for_bit_with_the_transposed_accumulat
 ) -> None:
     # a value head of a wide block's width (`MicroKernel.wide`), or a multiple of nr where nr is
     # one (nr columns at a time): the plan keeps n whole and op2 writes E's rows with the head
-    # in registers, V's rows in place; against the Eᵀ
-    # accumulator (an n tile below N) bit for bit, and the reference: over several l tiles
-    # (the rescales act on E's rows), last strips whose last block keeps 1..wide_mr rows,
-    # masks, causal, scores up to 1e4; V as a view of a wider array (rows further apart), and
-    # an out whose rows lie further apart (nothing written past the rows' ends)
-    from chainfuse.codegen.c import ROWS_MAX
+    # in registers, V's rows in place; against the reference and the Eᵀ accumulator bit for
+    # bit (`_check_e_rows`): over several l tiles (the rescales act on E's rows), last strips
+    # whose last block keeps 1..wide_mr rows, masks, causal, scores up to 1e4, strided V and out
+    from chainfuse.codegen.c import ROWS_MAX, wide_multiples
 
     _force(monkeypatch, kernel)
     nr, rows = kernel.nr, kernel.wide_mr
     assert rows_tail(kernel) < rows + 1 < nr
     cases = [(max(ROWS_MAX + 1, nr + rows + 1), 7, False, None), (nr + rows + 2, 130, True, None),
              (2 * nr + rows + 3, 61, False, "bool"), (nr + 4 * rows, 200, False, "additive")]  # fmt: skip
-    from chainfuse.codegen.c import wide_multiples
-
     heads = [*kernel.wide_cols, *([2 * nr, 3 * nr] if wide_multiples(kernel) else [])]
     for dv in heads:
         for i, (sq, sk, causal, mask) in enumerate(cases):
             chain = chainfuse.attention_chain(1, 2, sq, sk, 24, dv, causal=causal, mask=mask)
-            k = compile(chain, tiles={"l": 12})
+            k = _check_e_rows(chain, dv, i)
             block = dv if dv in kernel.wide_cols else nr  # (a multiple of nr: nr at a time)
             assert dv == k.spec.T_N and f"{kernel.name}_wide{block}(lc, " in k.source
-            inputs = reference.random_inputs(chain, seed=i, scale=[1.0, 100.0, 1e4][i % 3])
-            names = [t.name for t in chain.inputs]
-            dense = k(*[inputs[n] for n in names])
-            reference.assert_close(dense, reference.run(chain, inputs)["O"], chain, inputs=inputs)
-            et = compile(chain, tiles={"l": 12, "n": dv // 2})  # the Eᵀ accumulator
-            np.testing.assert_array_equal(et(*[inputs[n] for n in names]), dense)
-            wide = np.zeros((*inputs["V"].shape[:-1], dv + 3), np.float32)
-            wide[..., :dv] = inputs["V"]
-            strided = k(*[wide[..., :dv] if n == "V" else inputs[n] for n in names])
-            np.testing.assert_array_equal(strided, dense)
-            out = np.full((*dense.shape[:-1], dv + 5), np.nan, np.float32)
-            k(*[inputs[n] for n in names], out=out[..., :dv])
-            np.testing.assert_array_equal(out[..., :dv], dense)
-            assert np.isnan(out[..., dv:]).all()
 
 
 def _guarded(a: np.ndarray) -> tuple[np.ndarray, object]:
