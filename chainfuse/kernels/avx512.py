@@ -225,8 +225,8 @@ def avx512_wide(kernel: MicroKernel) -> str:
     loads into the FMAs as memory operands, one zmm load an FMA, and the block ran at 82 % of
     the FMA peak (4 x 80 over 256 keys, L1/L2-resident, 1 thread, Zen 4); pinned, 100 %. In
     vit-huge-14 and -16 (d = 80; 1 thread, interleaved, unfused PyTorch in the rounds) op2 into
-    E's rows this way took 0.960 and 0.965 of the time of the Eᵀ accumulator and its transposing
-    store (T_N = 40).
+    E's rows this way took 0.960-0.979 and 0.955-0.967 of the time of the Eᵀ accumulator and its
+    transposing store (T_N = 40), over three A/B runs (one without unfused PyTorch).
     """
     name, rows = kernel.name, kernel.wide_mr
     out = []
