@@ -35,10 +35,10 @@ from chainfuse.codegen.c import (
     GemmChainSpec,
     emit_gemm_chain,
     exponentiates_beside_op1,
+    holds_head,
     match_gemm_chain,
     row_path_rows,
     rows_past_strips,
-    wide_multiples,
 )
 from chainfuse.codegen.conv import (
     GEOMETRY,
@@ -657,9 +657,7 @@ def compile(
     chosen = _remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
     planned = chosen.tiles_at(code_level(hw))
     assert planned is not None
-    wide = ext[n] != kernel.nr and (
-        ext[n] in kernel.wide_cols or (wide_multiples(kernel) and ext[n] % kernel.nr == 0)
-    )
+    wide = ext[n] != kernel.nr and holds_head(kernel, ext[n])
     if shape.epilogue is Epilogue.SOFTMAX and chain.dtype is DType.FLOAT32 and wide:
         # op2 writes E's rows with the whole value head in registers (`codegen.c.wide_heads`):
         # one n block, V's rows read in place

@@ -224,6 +224,26 @@ def wide_multiples(kernel: MicroKernel) -> bool:
     return kernel.wide is not None and kernel.nr in kernel.wide_cols
 
 
+def _named_heads(kernel: MicroKernel) -> tuple[int, ...]:
+    """The wide blocks' widths that the generated code tests for by name (`N == w`): all of
+    them, but those `wide_multiples` covers with its `N % NR == 0`."""
+    return tuple(c for c in kernel.wide_cols if not (wide_multiples(kernel) and c % kernel.nr == 0))
+
+
+def holds_head(kernel: MicroKernel, n: int) -> bool:
+    """Whether a wide block of `kernel` holds a value head of `n` dims (the generated code's
+    run-time test, `_wide_test`, in Python: the plan keeps such an n whole)."""
+    return n in _named_heads(kernel) or (wide_multiples(kernel) and n % kernel.nr == 0)
+
+
+def _wide_test(spec: GemmChainSpec) -> str:
+    """The C that `to_e` adds for the heads a wide block holds (`holds_head`), or ""."""
+    if not wide_heads(spec):
+        return ""
+    tests = "".join(f" || N == {c}" for c in _named_heads(spec.kernel))
+    return tests + (" || N % NR == 0" if wide_multiples(spec.kernel) else "")
+
+
 def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
     """`CF_TILES(t)`: the plan's tiles, run-time arguments (one compiled object serves every
     plan of a chain's structure: a new sequence length never waits for the compiler), and the
@@ -1218,14 +1238,9 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line(f"const int direct_b = direct{far_b};")
     if softmax:
         if _softmax_to_e(spec):
-            ker = spec.kernel
-            heads = "".join(f" || N == {c}" for c in wide_heads(spec) if c != ker.nr)
-            if wide_heads(spec) and wide_multiples(ker):
-                heads += " || N % NR == 0"  # (a multiple of nr: nr columns at a time)
-            elif ker.nr in wide_heads(spec):
-                heads += " || N == NR"
             w.line("/* op2 straight into E where D's rows are the packed layout (_softmax_to_e),")
             w.line("   or a wide block holds a whole value head (wide_heads) */")
+            heads = _wide_test(spec)
             w.line(f"const int to_e = ((N == NR && sDl == NR){heads}) && T_N >= N && l_end > l_lo;")
         _reuse_d(w, spec)
     reused = " && !reuse_d" if softmax else ""
@@ -1869,9 +1884,8 @@ def _op2_wide(w: Writer, spec: GemmChainSpec) -> None:
     broadcast, rows NR apart), V's rows read in place. Each element of E sums over l in the
     order the Eᵀ accumulator's does: bit-identical."""
     ker = spec.kernel
-    heads = [c for c in wide_heads(spec) if c != ker.nr or not wide_multiples(ker)]
     calls = [(f"N == {c}", f"{ker.name}_wide{c}(lc, p + r, NR, D_b + l0 * sDl, sDl, e, sEm, m, acc);")
-             for c in heads]  # fmt: skip
+             for c in _named_heads(ker)]  # fmt: skip
     if wide_multiples(ker):  # (to_e: a multiple of NR) NR columns at a time
         calls.append(
             (
