@@ -23,6 +23,7 @@ from chainfuse.kernels.base import (
     pack_a,
     pack_b,
     register,
+    scores_exp_parts,
     select,
     select_weighted,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "reference",
     "reference_4x4_f32",
     "register",
+    "scores_exp_parts",
     "select",
     "select_weighted",
 ]

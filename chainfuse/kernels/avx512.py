@@ -25,7 +25,13 @@ import struct
 from chainfuse.hardware import Isa
 from chainfuse.ir import DType
 from chainfuse.kernels.avx2 import avx2_transpose8
-from chainfuse.kernels.base import MicroKernel, VectorOps, emit_vector_tile, microkernel
+from chainfuse.kernels.base import (
+    MicroKernel,
+    VectorOps,
+    emit_vector_tile,
+    microkernel,
+    scores_exp_parts,
+)
 
 __all__ = [
     "AVX512",
@@ -90,6 +96,79 @@ def _register_block(what: str, rows: int, width: int, detail: str) -> tuple[list
     return acc, zero
 
 
+def _scores_exp_block(name: str, mr: int, rows: int, nr: int) -> str:
+    """C of ``<name>_scores_exp`` (``rows == mr``) or ``<name>_scores_exp_part<rows>`` (fewer,
+    with ``live``: the rows of A that exist, those past them reading its last)."""
+    vectors = nr // 16
+    acc, zero = _register_block(f"{name}: scores_exp", rows, nr, f"mr={mr}, nr={nr}")
+    part = rows < mr
+    fn = f"{name}_scores_exp_part{rows}" if part else f"{name}_scores_exp"
+    row_ptrs = "\n".join(
+        f"    const float* restrict r{r} = A + "
+        + (f"(live > {r} ? {r} : live - 1) * rs;" if part and r > 0 else f"{r} * rs;")
+        for r in range(rows)
+    )
+    loads = "\n".join(
+        f"        const __m512 b{v} = _mm512_loadu_ps(b + {16 * v});" for v in range(vectors)
+    )
+    fmas = "\n".join(
+        f"        const __m512 a{r} = _mm512_set1_ps(*(r{r} + o));\n"
+        + "\n".join(f"        {c} = _mm512_fmadd_ps(a{r}, b{v}, {c});" for v, c in enumerate(row))
+        for r, row in enumerate(acc)
+    )
+    stores = "\n".join(
+        f"    _mm512_storeu_ps(C + {r * nr + 16 * v}, {acc[r][v]});"
+        for r in range(rows)
+        for v in range(vectors)
+    )
+    if part:
+        head = (
+            f"/* {fn}: {name}_scores_exp on a short block: A's first `live` <= {rows} rows"
+            " (the rows\n   past them read its last, and C's rows past `live` repeat that one) */"
+        )
+        live = ", int live"
+    else:
+        head = (
+            f"/* {fn}: C[0:{rows}, 0:{nr}] = A . Bp (rows {nr} apart), and the `rows` rows of"
+            f" {nr} at\n   ep exponentiated on the way (exp2_vec, a vector every second k step) */"
+        )
+        live = ""
+    step = (
+        f"{name}_exp2_vec(ep + 16 * e, shift + 16 * (e % {vectors}u), sum + 16 * (e % {vectors}u));"
+    )
+    return f"""
+{head}
+static inline __attribute__((always_inline)) void {fn}(int kc,
+    const float* restrict A, long rs, long ks, const float* restrict Bp, float* restrict C,
+    float* restrict ep, int rows, const float* restrict shift, float* restrict sum{live})
+{{
+    const unsigned nexp = (unsigned)rows * {vectors}u;
+{zero}
+{row_ptrs}
+    unsigned e = 0;
+    int wait = 2;
+#pragma GCC unroll 4
+    for (int p = 0; p < kc; ++p) {{
+        const long o = (long)p * ks;
+        const float* restrict b = Bp + (long)p * {nr};
+{loads}
+{fmas}
+        if (--wait == 0) {{
+            wait = 2;
+            if (e < nexp) {{
+                {step}
+                ++e;
+            }}
+        }}
+    }}
+    for (; e < nexp; ++e) {{
+        {step}
+    }}
+{stores}
+}}
+"""
+
+
 def avx512_scores_exp(kernel: MicroKernel) -> str:
     """C of ``<name>_scores_exp`` and ``<name>_exp2_rows`` (`MicroKernel.scores_exp`).
 
@@ -114,35 +193,14 @@ def avx512_scores_exp(kernel: MicroKernel) -> str:
     """
     name, mr, nr = kernel.name, kernel.mr, kernel.nr
     vectors = nr // 16
-    acc, zero = _register_block(f"{name}: scores_exp", mr, nr, f"mr={mr}, nr={nr}")
-    rows = "\n".join(f"    const float* restrict r{r} = A + {r} * rs;" for r in range(mr))
-    loads = "\n".join(
-        f"        const __m512 b{v} = _mm512_loadu_ps(b + {16 * v});" for v in range(vectors)
-    )
-    fmas = "\n".join(
-        f"        const __m512 a{r} = _mm512_set1_ps(*(r{r} + o));\n"
-        + "\n".join(f"        {c} = _mm512_fmadd_ps(a{r}, b{v}, {c});" for v, c in enumerate(row))
-        for r, row in enumerate(acc)
-    )
-    stores = "\n".join(
-        f"    _mm512_storeu_ps(C + {r * nr + 16 * v}, {acc[r][v]});"
-        for r in range(mr)
-        for v in range(vectors)
-    )
-    maxima = "\n".join(
-        "    m = _mm512_set1_ps(-INFINITY);\n"
-        + "".join(f"    m = _mm512_max_ps({acc[r][v]}, m);\n" for r in range(mr))
-        + f"    m = _mm512_max_ps(m, _mm512_loadu_ps(run + {16 * v}));\n"
-        + f"    _mm512_storeu_ps(run + {16 * v}, m);\n"
-        + f"    passed |= _mm512_cmp_ps_mask(m, _mm512_loadu_ps(gate + {16 * v}), _CMP_GT_OQ);"
-        for v in range(vectors)
-    )
     tables = "\n".join(
         f"static const float {name}_exp2_a{d}[16] __attribute__((aligned(64))) = {{\n"
         f"    {exp2_sixteenths(d)}}};"
         for d in range(3)
     )
     a = [f"_mm512_permutexvar_ps(j, _mm512_load_ps({name}_exp2_a{d}))" for d in range(3)]
+    rows = (*scores_exp_parts(mr), mr)
+    blocks = "".join(_scores_exp_block(name, mr, r, nr) for r in rows)
     return f"""
 /* {name}_exp2_vec's tables: 2^(j/16) times the quadratic's coefficients (EXP2_SIXTEENTHS) */
 {tables}
@@ -165,44 +223,7 @@ static inline __attribute__((always_inline)) void {name}_exp2_vec(float* restric
     _mm512_storeu_ps(x, e);
     _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), e));
 }}
-
-/* {name}_scores_exp: C[0:{mr}, 0:{nr}] = A . Bp (rows {nr} apart), the `rows` rows of {nr} at
-   ep exponentiated on the way (exp2_vec, a vector every second k step), and the block's column
-   maxima taken into run (NaN passed over); whether any column's passed its gate */
-static inline __attribute__((always_inline)) int {name}_scores_exp(int kc,
-    const float* restrict A, long rs, long ks, const float* restrict Bp, float* restrict C,
-    float* restrict ep, int rows, const float* restrict shift, float* restrict sum,
-    float* restrict run, const float* restrict gate)
-{{
-    const unsigned nexp = (unsigned)rows * {vectors}u;
-{zero}
-{rows}
-    unsigned e = 0;
-    int wait = 2;
-#pragma GCC unroll 4
-    for (int p = 0; p < kc; ++p) {{
-        const long o = (long)p * ks;
-        const float* restrict b = Bp + (long)p * {nr};
-{loads}
-{fmas}
-        if (--wait == 0) {{
-            wait = 2;
-            if (e < nexp) {{
-                {name}_exp2_vec(ep + 16 * e, shift + 16 * (e % {vectors}u), sum + 16 * (e % {vectors}u));
-                ++e;
-            }}
-        }}
-    }}
-    for (; e < nexp; ++e) {{
-        {name}_exp2_vec(ep + 16 * e, shift + 16 * (e % {vectors}u), sum + 16 * (e % {vectors}u));
-    }}
-{stores}
-    __m512 m;
-    __mmask16 passed = 0;
-{maxima}
-    return passed != 0;
-}}
-
+{blocks}
 /* {name}_exp2_rows: whole rows of {nr} scores at p exponentiated, as {name}_scores_exp's */
 static inline void {name}_exp2_rows(float* restrict p, int rows, const float* restrict shift,
                                     float* restrict sum)

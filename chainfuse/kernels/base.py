@@ -58,6 +58,7 @@ __all__ = [
     "pack_a",
     "pack_b",
     "register",
+    "scores_exp_parts",
     "select",
 ]
 
@@ -117,15 +118,16 @@ class MicroKernel:
     columns' FMAs, not ``nr`` columns' (208 queries in strips of 64 leave one of 16), and
     `score` counts columns in steps of it.
 
-    ``scores_exp`` (optional) emits ``int <name>_scores_exp(kc, A, rs, ks, Bp, C, ep, rows,
-    shift, sum, run, gate)``: the whole block of ``<name>_full_s`` stored at ``C`` (rows ``nr``
-    floats apart, not accumulated); on the way, spread over its k loop, the ``rows`` rows of
-    ``nr`` floats at ``ep`` (the block before it) replaced by ``2^(v - shift)`` and added to
-    ``sum`` (both ``nr`` floats, per column); its column maxima taken into ``run`` (NaN passed
-    over), and whether any of those passed ``gate``; and ``<name>_exp2_rows(p, rows, shift,
-    sum)``, the exponentials on whole rows alone. A softmax's exponentials then run beside the
-    FMA loop, on the pipes it leaves idle, instead of in a pass of their own
-    (``cf_scores_strip`` in `chainfuse.codegen.c`).
+    ``scores_exp`` (optional) emits ``void <name>_scores_exp(kc, A, rs, ks, Bp, C, ep, rows,
+    shift, sum)``: the whole block of ``<name>_full_s`` stored at ``C`` (rows ``nr`` floats
+    apart, not accumulated) and, spread over its k loop, the ``rows`` rows of ``nr`` floats at
+    ``ep`` (the block before it) replaced by ``2^(v - shift)`` and added to ``sum`` (both ``nr``
+    floats, per column); and ``<name>_exp2_rows(p, rows, shift, sum)``, the exponentials on
+    whole rows alone. A softmax's exponentials then run beside the FMA loop, on the pipes it
+    leaves idle, instead of in a pass of their own (``cf_scores_strip`` in
+    `chainfuse.codegen.c`). For each ``r`` of `scores_exp_parts` it also emits
+    ``<name>_scores_exp_part<r>(..., live)``, the same on a block of ``r`` rows of which A has
+    ``live`` (the keys past a strip's whole blocks).
 
     ``wide`` (optional, with ``wide_cols`` and ``wide_mr``) emits ``void <name>_wide<w>(kc, A,
     ks, B, ldb, C, ldc, rows, accumulate)`` for each ``w`` of ``wide_cols``: ``C[0:rows, 0:w]
@@ -559,6 +561,14 @@ static inline void {name}_pack_b(int kc, int n, const float* restrict B, long ld
     }}
 }}
 """
+
+
+def scores_exp_parts(mr: int) -> tuple[int, ...]:
+    """Rows of the short `scores_exp` blocks (``<name>_scores_exp_part<r>``) a kernel of `mr`
+    rows emits: about a third and two thirds of them and all but one (6: 2, 4 and 5). The keys
+    past a strip's whole blocks (lc mod mr of them) run the smallest that holds them, its rows
+    past theirs repeating their last: at most a row of FMAs more, not a whole block's."""
+    return tuple(sorted({r for r in (mr // 3, 2 * mr // 3, mr - 1) if 0 < r < mr}))
 
 
 def emit_with_packing(kernel: MicroKernel) -> str:

@@ -1390,16 +1390,16 @@ def test_a_packed_value_head_serves_the_row_blocks_of_its_head_only(
 
 
 @pytest.mark.parametrize("kernel", _SCORES_EXP_HERE, ids=lambda k: k.name)
-def test_scores_exponentiated_beside_op1_move_their_shifts_block_by_block(
+def test_scores_exponentiated_beside_op1_rescale_or_fall_back(
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # whole strips of nr queries take cf_scores_strip (the kernel's scores_exp: each block of mr
-    # keys exponentiated during the next block's FMAs, the shifts set from the blocks' maxima
-    # as they come). Scores rising along the keys by ~0-14 per block (base 2) depending on the
-    # query move a column's shift every block or every few (its rows exponentiated before are
-    # rescaled by 2^(old - new): a missed rescale leaves them 2^8 off), falling scores keep the
-    # first block's; a key ~3e6 along the rise makes some maxima too large for integer shifts,
-    # one ~300 along past whole blocks would overflow the exponentials without its shift.
+    # keys exponentiated during the next block's FMAs against the shifts the first block set,
+    # no maxima after it). Scores rising along the keys by ~0-9 per block (base 2) depending on
+    # the query leave some columns' sums far past 2^SUM_CAP (their rows and sums rescaled at
+    # the end of the strip, which keeps op2's sums of V's rows from overflowing: values ~1e30
+    # here), falling scores keep the first block's shifts; a key ~3e6 along the rise overflows some sums (the strip's own pass
+    # then computes it), as does one ~300 along past whole blocks (up to 2^450 unshifted).
     # One l tile or several (E or Eᵀ rescaled after op2 ran, l tiles of fewer than mr keys on
     # the strip's own pass), 0..mr-1 keys past whole blocks, K read in place or packed (a row
     # block of more than DIRECT_STRIPS strips), E written directly or through Eᵀ
@@ -1422,7 +1422,7 @@ def test_scores_exponentiated_beside_op1_move_their_shifts_block_by_block(
         q[:, 0] = np.linspace(-2.0, 3.0, sq, dtype=np.float32)
         key = (rng.standard_normal((sk, 8)) * 0.05).astype(np.float32)
         key[:, 0] += np.arange(sk, dtype=np.float32)
-        v = rng.standard_normal((sk, dv)).astype(np.float32)
+        v = (rng.standard_normal((sk, dv)) * 1e30).astype(np.float32)
         inputs = {"Q": q[None, None], "K": key[None, None], "V": v[None, None]}
         got = k(inputs["Q"], inputs["K"], inputs["V"])
         reference.assert_close(got, reference.run(chain, inputs)["O"], chain, inputs=inputs)
