@@ -1361,6 +1361,12 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     with w.block("if (k0 + kc >= K)"):
                         _epilogue_strip(w, spec, bool(spec.kernel.part_cols) and in_place)
         w.line("/* op2: Eᵀ[n_o, m_o] (+)= Dᵀ[n_o, l_o] . Pᵀ[l_o, m_o] */")
+        if _softmax_to_e(spec):
+            w.line("/* the last l block straight into E: its rows final there, stored over their")
+            w.line("   sums (inv, the sums' inverses) with no pass of their own after it */")
+            w.line("const int last_l = to_e && l0 + T_L >= l_end;")
+            with w.block("if (last_l)"), w.block("for (int i = 0; i < mc; ++i)"):
+                w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
         with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
             w.line("/* (whole slivers read in place below when direct_d) */")
@@ -1454,15 +1460,15 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         f"/* E[m_o, :] = Eᵀ transposed{written}"
         + (", each row over its softmax sum */" if softmax else " */")
     )
-    if softmax:
+    if _softmax_to_e(spec):
+        w.line("/* (to_e: op2 of the last l block stored E's rows over their sums) */")
+        with w.block("if (!to_e)"):
+            with w.block("for (int i = 0; i < mc; ++i)"):
+                w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
+            w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
+    elif softmax:
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
-    if _softmax_to_e(spec):
-        with w.block("if (to_e)"), w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("cf_elem* restrict e = E_b + i * sEm;")
-            w.line("for (long n = 0; n < N; ++n) e[n] *= col_sum[i];")
-        w.line(f"else {spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
-    elif softmax:
         w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
     else:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")
@@ -1872,9 +1878,12 @@ def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
     nr-column strips, columns n from D's nr-column strips, strip `s` at `strip` (packed by
     `_PACK_STRIPS`, or D itself, `_softmax_to_e`)."""
     uk = spec.kernel.name
+    scaled = _softmax_to_e(spec)  # (last_l: each row over its sum as it is stored)
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int acc = l0 > l_lo;")
         w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        if scaled:
+            w.line("const float* restrict inv = last_l ? col_sum + j * NR : 0;")
         with w.block("for (int s = 0; s * NR < nc; ++s)"):
             w.line("const int n = nc - s * NR < NR ? nc - s * NR : NR;")
             w.line(f"const float* restrict d = {strip};")
@@ -1882,12 +1891,25 @@ def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
                 w.line("int m = NR - r < MR ? NR - r : MR;")
                 w.line("if (mc - j * NR - r < m) m = mc - j * NR - r;")
                 w.line("float* restrict e = E_b + (j * NR + r) * sEm + n0 + s * NR;")
-                w.line(
-                    f"if (m == MR && n == NR) {uk}_strided(lc, p + r, 1, NR, d, e, sEm, NR, acc);"
-                )
+                if scaled:
+                    w.line(
+                        f"if (m == MR && n == NR) {uk}_full_rs(lc, p + r, 1, NR, d, e, sEm, acc,"
+                        " inv ? inv + r : 0);"
+                    )
+                else:
+                    w.line(
+                        f"if (m == MR && n == NR) {uk}_strided(lc, p + r, 1, NR, d, e, sEm, NR,"
+                        " acc);"
+                    )
                 w.line("/* (a short block's tail reads the kernel's mr rows, or its part: rows")
                 w.line("   of the next strip's rows at worst, inside the workspace, discarded) */")
-                w.line(f"else {uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
+                if scaled:
+                    with w.block("else"):
+                        w.line(f"{uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
+                        with w.block("if (inv)"), w.block("for (int i = 0; i < m; ++i)"):
+                            w.line("for (int x = 0; x < n; ++x) e[i * sEm + x] *= inv[r + i];")
+                else:
+                    w.line(f"else {uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
                 w.line("cf_pf_step(&pf, pf_rows);")
 
 
@@ -1897,21 +1919,22 @@ def _op2_wide(w: Writer, spec: GemmChainSpec) -> None:
     broadcast, rows NR apart), V's rows read in place. Each element of E sums over l in the
     order the Eᵀ accumulator's does: bit-identical."""
     ker = spec.kernel
-    calls = [(f"N == {c}", f"{ker.name}_wide{c}(lc, p + r, NR, D_b + l0 * sDl, sDl, e, sEm, m, acc);")
-             for c in _named_heads(ker)]  # fmt: skip
+    calls = [(f"N == {c}", f"{ker.name}_wide{c}(lc, p + r, NR, D_b + l0 * sDl, sDl, e, sEm, m, acc,"
+              " inv ? inv + r : 0);") for c in _named_heads(ker)]  # fmt: skip
     if wide_multiples(ker):  # (to_e: a multiple of NR) NR columns at a time
         calls.append(
             (
                 "1",
                 "for (long c = 0; c < N; c += NR)"
                 f" {ker.name}_wide{ker.nr}(lc, p + r, NR, D_b + l0 * sDl + c, sDl, e + c, sEm, m,"
-                " acc);",
+                " acc, inv ? inv + r : 0);",
             )
         )
     with w.block("for (int j = 0; j * NR < mc; ++j)"):
         w.line("const int acc = l0 > l_lo;")
         w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
         w.line("const int live = mc - j * NR < NR ? mc - j * NR : NR;")
+        w.line("const float* restrict inv = last_l ? col_sum + j * NR : 0;")
         w.line(f"/* (a short block of the last strip reads all {ker.wide_mr} columns of P, which")
         w.line("   op1 computed: a tail strip's nw is whole vectors; it stores its rows alone) */")
         with w.block(f"for (int r = 0; r < live; r += {ker.wide_mr})"):

@@ -270,17 +270,21 @@ def avx512_wide(kernel: MicroKernel) -> str:
         stores = []
         for r in range(rows):
             body = "\n".join(
-                f"        _mm512_storeu_ps(C + {r} * ldc + {16 * v}, accumulate ?"
+                f"        __m512 v{v} = accumulate ?"
                 f" _mm512_add_ps(_mm512_loadu_ps(C + {r} * ldc + {16 * v}), {acc[r][v]})"
-                f" : {acc[r][v]});"
+                f" : {acc[r][v]};\n"
+                f"        if (scale) v{v} = _mm512_mul_ps(v{v}, _mm512_set1_ps(scale[{r}]));\n"
+                f"        _mm512_storeu_ps(C + {r} * ldc + {16 * v}, v{v});"
                 for v in range(vectors)
             )
             stores.append(f"    if (rows > {r}) {{\n{body}\n    }}")
         out.append(f"""
 /* {name}_wide{width}: C[0:rows, 0:{width}] (+)= A . B, A(i, p) = A[i + p*ks] broadcast (all {rows}
-   rows read), B(p, j) = B[p*ldb + j] in place, rows <= {rows} of C stored (ldc apart) */
+   rows read), B(p, j) = B[p*ldb + j] in place, rows <= {rows} of C stored (ldc apart), row i
+   times scale[i] where scale is not NULL */
 static inline void {name}_wide{width}(int kc, const float* restrict A, long ks,
-    const float* restrict B, long ldb, float* restrict C, long ldc, int rows, int accumulate)
+    const float* restrict B, long ldb, float* restrict C, long ldc, int rows, int accumulate,
+    const float* restrict scale)
 {{
 {zero}
     for (int p = 0; p < kc; ++p) {{

@@ -19,8 +19,10 @@ A kernel module supplies only the *full tile*, every accumulator in a register, 
 (a packed sliver is ``rs = 1, ks = mr``) and ``<name>_full_g(kc, ng, gs, A, rs, ks, ...)`` runs
 ``ng`` such groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into one register block
 (and, with ``part_rows``, ``<name>_full_p``: ``_full_s`` on that many rows; with ``part_cols``,
-``<name>_full_c<w>`` / ``_full_gc<w>``: on the first ``w`` columns). `MicroKernel.emit` wraps
-it: a full ``mr x nr`` block goes straight to the fast path; a tail block (``m < mr`` or
+``<name>_full_c<w>`` / ``_full_gc<w>``: on the first ``w`` columns; and ``<name>_full_rs(...,
+accumulate, scale)``, ``_full_s`` with row i times ``scale[i]`` as it is stored, which
+`MicroKernel.emit` supplies as a pass over the block where the tile has none). `MicroKernel.emit`
+wraps it: a full ``mr x nr`` block goes straight to the fast path; a tail block (``m < mr`` or
 ``n < nr``) goes out of line (``<name>_tail``, so that call sites inline the full tile only),
 runs the full tile (or the part tile, for ``m <= part_rows``, or the narrowest column block
 covering ``n``) into an aligned ``C_tile`` on the stack and copies its ``m x n`` corner out (a
@@ -130,12 +132,13 @@ class MicroKernel:
     ``live`` (the keys past a strip's whole blocks).
 
     ``wide`` (optional, with ``wide_cols`` and ``wide_mr``) emits ``void <name>_wide<w>(kc, A,
-    ks, B, ldb, C, ldc, rows, accumulate)`` for each ``w`` of ``wide_cols``: ``C[0:rows, 0:w]
-    (+)= A . B`` with ``A(i, p) = A[i + p*ks]`` (broadcast) and ``B(p, j) = B[p*ldb + j]`` read
-    in place, ``C`` rows ``ldc`` apart; all ``wide_mr`` rows of ``A`` are read and computed,
-    the first ``rows`` stored. A softmax's op2 then writes E's rows with a whole value head of
-    ``w`` columns in registers (V's rows in place, any stride), where ``nr`` columns would not
-    cover it (`chainfuse.codegen.c`: ``to_e``).
+    ks, B, ldb, C, ldc, rows, accumulate, scale)`` for each ``w`` of ``wide_cols``: ``C[0:rows,
+    0:w] (+)= A . B`` with ``A(i, p) = A[i + p*ks]`` (broadcast) and ``B(p, j) = B[p*ldb + j]``
+    read in place, ``C`` rows ``ldc`` apart, row ``i`` times ``scale[i]`` as it is stored unless
+    ``scale`` is NULL (a softmax's division by the sums); all ``wide_mr`` rows of ``A`` are read
+    and computed, the first ``rows`` stored. A softmax's op2 then writes E's rows with a whole
+    value head of ``w`` columns in registers (V's rows in place, any stride), where ``nr``
+    columns would not cover it (`chainfuse.codegen.c`: ``to_e``).
     """
 
     name: str
@@ -426,7 +429,24 @@ static inline void {name}_strided(int kc, const float* restrict A, long rs, long
 #define RELU_AT_STORE 2 /* accumulate's bit: v > 0 ? v : 0 of the block as it is stored */
 #endif
 """
-        return flag + self.full_tile(self).rstrip("\n") + "\n" + wrapper
+        tile = self.full_tile(self).rstrip("\n") + "\n"
+        if f"{name}_full_rs(" not in tile:  # (a tile that scales in registers emits its own)
+            tile += f"""
+/* {name}_full_rs: {name}_full_s, then row i of the block times scale[i] (none where scale
+   is NULL): a softmax's rows over their sums */
+static inline void {name}_full_rs(int kc, const float* restrict A, long rs, long ks,
+    const float* restrict Bp, float* restrict C, long ldc, int accumulate,
+    const float* restrict scale)
+{{
+    {name}_full_s(kc, A, rs, ks, Bp, C, ldc, accumulate);
+    if (scale) {{
+        for (int i = 0; i < {mr}; ++i) {{
+            for (int j = 0; j < {nr}; ++j) C[i * ldc + j] *= scale[i];
+        }}
+    }}
+}}
+"""
+        return flag + tile + wrapper
 
 
 # -- packing --------------------------------------------------------------------------------------
@@ -636,11 +656,12 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         raise ValueError(f"{name}: part_cols={kernel.part_cols} is not a multiple of {ops.lanes}")
 
     def body(
-        rows: int, nv: int = nv, row: str = "a + {i} * rs"
+        rows: int, nv: int = nv, row: str = "a + {i} * rs", scaled: bool = False
     ) -> tuple[list[str], list[str], list[str]]:
         """(zeroed accumulators, one k step, the store) of a block of `rows` rows and `nv`
         vectors of columns (Bp's steps stay nr floats apart); A's element of row i at this
-        step is at `row` (formatted with i)."""
+        step is at `row` (formatted with i). `scaled`: row i times ``scale[i]`` as it is
+        stored, where ``scale`` is not NULL (an FMA with zero: the product, rounded once)."""
         acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(rows)]
         step = [
             f"        const float* restrict b = Bp + (long)p * {nr};",
@@ -669,6 +690,16 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
             for j in range(nv):
                 finish.append(f"        {acc[i][j]} = {ops.relu.format(v=acc[i][j])};")
         finish.append("    }")
+        if scaled:
+            finish.append("    if (scale) {")
+            for i in range(rows):
+                finish.append(
+                    f"        const {ops.type} s{i} = {ops.broadcast.format(ptr=f'scale + {i}')};"
+                )
+                for j in range(nv):
+                    product = ops.fma.format(a=acc[i][j], b=f"s{i}", c=ops.zero)
+                    finish.append(f"        {acc[i][j]} = {product};")
+            finish.append("    }")
         for i in range(rows):
             for j in range(nv):
                 ptr = f"C + {i} * ldc + {j * ops.lanes}"
@@ -680,12 +711,12 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         ]
         return zero, step, finish
 
-    def single(rows: int, suffix: str, what: str, nv: int = nv) -> list[str]:
+    def single(rows: int, suffix: str, what: str, nv: int = nv, scaled: bool = False) -> list[str]:
         # A's rows by pointers set once, each step one offset from them all: a base + index
         # address per broadcast, where a + i * rs took GCC a few integer adds a step (A read in
         # place, rs a row: attention's K). Measured on Zen 3, 1 thread, interleaved, the paper
         # attentions: 0.992, 0.994, then 1.002 of the time (within the noise); GEMM chains 1.000
-        zero, step, finish = body(rows, nv, "r{i} + o")
+        zero, step, finish = body(rows, nv, "r{i} + o", scaled)
         # A read in place down far-apart rows (rs = 1: a weight's rows, each k step a new line,
         # a new page) misses at every step, and the next slivers' calls read the lines after
         # these: ask for the next line along each step's row, so those misses overlap this
@@ -700,7 +731,7 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
             f"accumulators in registers{what} */",
             f"static inline void {name}_{suffix}(int kc, const float* restrict A, long rs, long ks,",
             f"{pad}const float* restrict Bp, float* restrict C, long ldc,",
-            f"{pad}int accumulate)",
+            f"{pad}int accumulate{', const float* restrict scale' if scaled else ''})",
             "{",
             *zero,
             *(f"    const float* restrict r{i} = A + {i} * rs;" for i in range(rows)),
@@ -735,6 +766,8 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         ]
 
     parts = [ops.preamble.rstrip("\n"), "", *single(mr, "full_s", ""), ""]
+    what = ", row i times scale[i] as it is stored (none where scale is NULL)"
+    parts += [*single(mr, "full_rs", what, scaled=True), ""]
     parts += grouped("full_g", "the same")
     if kernel.part_rows:
         parts += ["", *single(kernel.part_rows, "full_p", ": a tail block's rows")]

@@ -560,8 +560,9 @@ def test_wide_blocks_compute_their_rows_of_a_whole_value_head(
 ) -> None:
     """`<name>_wide<w>` (`MicroKernel.wide`) against float64: C[0:rows, 0:w] (+)= A . B with A
     broadcast from rows ks apart, B's rows ldb apart (beyond w: never read into C), C's ldc
-    apart; every rows count 1..wide_mr stores its rows and nothing else, accumulated or not;
-    each B vector held in a register (an empty asm pins it: not folded into the FMAs)."""
+    apart, row i times scale[i] where a scale is given (the accumulated sum's); every rows
+    count 1..wide_mr stores its rows and nothing else, accumulated or not; each B vector held
+    in a register (an empty asm pins it: not folded into the FMAs)."""
     _runnable(kernel)
     monkeypatch.setenv(config.ENV_CACHE_DIR, str(tmp_path))
     assert kernel.wide is not None
@@ -570,7 +571,8 @@ def test_wide_blocks_compute_their_rows_of_a_whole_value_head(
     assert text.count('__asm__("" : "+v"(b') == sum(w // 16 for w in kernel.wide_cols)
     calls = "\n".join(
         f"void run{w}(int kc, const float* A, long ks, const float* B, long ldb, float* C,"
-        f" long ldc, int rows, int acc) {{ {name}_wide{w}(kc, A, ks, B, ldb, C, ldc, rows, acc); }}"
+        f" long ldc, int rows, int acc, const float* scale)"
+        f" {{ {name}_wide{w}(kc, A, ks, B, ldb, C, ldc, rows, acc, scale); }}"
         for w in kernel.wide_cols
     )
     lib = load(build(f"#include <immintrin.h>\n{text}\n{calls}\n", f"test_wide_{name}",
@@ -580,18 +582,33 @@ def test_wide_blocks_compute_their_rows_of_a_whole_value_head(
     for w in kernel.wide_cols:
         fn = getattr(lib, f"run{w}")
         fn.argtypes = [ctypes.c_int, ptr, ctypes.c_long, ptr, ctypes.c_long, ptr, ctypes.c_long,
-                       ctypes.c_int, ctypes.c_int]  # fmt: skip
+                       ctypes.c_int, ctypes.c_int, ptr]  # fmt: skip
         fn.restype = None
-        for kc, rows, acc in ((1, mr, 0), (37, 1, 1), (130, mr - 1, 0), (64, 2, 1)):
+        for kc, rows, acc, scaled in ((1, mr, 0, 0), (37, 1, 1, 1), (130, mr - 1, 0, 1),
+                                      (64, 2, 1, 0)):  # fmt: skip
             ks, ldb, ldc = mr + 9, w + 7, w + 5
             a = rng.standard_normal((kc, ks)).astype(np.float32)
             b = rng.standard_normal((kc, ldb)).astype(np.float32)
             c = np.full((mr + 1, ldc), 0.25, np.float32)
+            scale = rng.uniform(0.5, 2.0, mr).astype(np.float32)
             before = c.copy()
-            fn(kc, _ptr(a), ks, _ptr(b), ldb, _ptr(c), ldc, rows, acc)
+            fn(
+                kc,
+                _ptr(a),
+                ks,
+                _ptr(b),
+                ldb,
+                _ptr(c),
+                ldc,
+                rows,
+                acc,
+                _ptr(scale) if scaled else None,
+            )
             want = a[:, :rows].T.astype(np.float64) @ b[:, :w].astype(np.float64)
             if acc:
                 want += before[:rows, :w]
+            if scaled:
+                want *= scale[:rows, None]
             np.testing.assert_allclose(c[:rows, :w], want, rtol=1e-5, atol=1e-5 * np.sqrt(kc))
             assert np.array_equal(c[rows:], before[rows:]) and np.array_equal(
                 c[:, w:], before[:, w:]
