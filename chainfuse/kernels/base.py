@@ -717,6 +717,10 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         # place, rs a row: attention's K). Measured on Zen 3, 1 thread, interleaved, the paper
         # attentions: 0.992, 0.994, then 1.002 of the time (within the noise); GEMM chains 1.000
         zero, step, finish = body(rows, nv, "r{i} + o", scaled)
+        # (the scaled tile serves one call site, op2's of a softmax's last l block, whose calls
+        # run hundreds of steps each: out of line, it spares the kernel's one big function a
+        # second inlined copy of the register block, which took 0.8 s more to compile)
+        linkage = "__attribute__((noinline))" if scaled else "inline"
         # A read in place down far-apart rows (rs = 1: a weight's rows, each k step a new line,
         # a new page) misses at every step, and the next slivers' calls read the lines after
         # these: ask for the next line along each step's row, so those misses overlap this
@@ -729,7 +733,8 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
         return [
             f"/* {name}_{suffix}: C[0:{rows}, 0:{nv * ops.lanes}] (+)= A . Bp, {rows * nv} "
             f"accumulators in registers{what} */",
-            f"static inline void {name}_{suffix}(int kc, const float* restrict A, long rs, long ks,",
+            f"static {linkage} void {name}_{suffix}(int kc, const float* restrict A, long rs,"
+            " long ks,",
             f"{pad}const float* restrict Bp, float* restrict C, long ldc,",
             f"{pad}int accumulate{', const float* restrict scale' if scaled else ''})",
             "{",
