@@ -1365,8 +1365,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("/* the last l block straight into E: its rows final there, stored over their")
             w.line("   sums (inv, the sums' inverses) with no pass of their own after it */")
             w.line("const int last_l = to_e && l0 + T_L >= l_end;")
-            with w.block("if (last_l)"), w.block("for (int i = 0; i < mc; ++i)"):
-                w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
+            with w.block("if (last_l)"):
+                _invert_sums(w)
         with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
             w.line("/* (whole slivers read in place below when direct_d) */")
@@ -1463,17 +1463,22 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     if _softmax_to_e(spec):
         w.line("/* (to_e: op2 of the last l block stored E's rows over their sums) */")
         with w.block("if (!to_e)"):
-            with w.block("for (int i = 0; i < mc; ++i)"):
-                w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
+            _invert_sums(w)
             w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
     elif softmax:
-        with w.block("for (int i = 0; i < mc; ++i)"):
-            w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
+        _invert_sums(w)
         w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
     else:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")
         cond = "split == 1 && !to_e" if _to_e(spec) else "split == 1"
         w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm, LDE);")
+
+
+def _invert_sums(w: Writer) -> None:
+    """The row block's softmax sums replaced by their inverses (0 for a row with none), what
+    E's rows are multiplied by."""
+    with w.block("for (int i = 0; i < mc; ++i)"):
+        w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
 
 
 def _rows_call(w: Writer, spec: GemmChainSpec) -> None:
@@ -1891,25 +1896,22 @@ def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
                 w.line("int m = NR - r < MR ? NR - r : MR;")
                 w.line("if (mc - j * NR - r < m) m = mc - j * NR - r;")
                 w.line("float* restrict e = E_b + (j * NR + r) * sEm + n0 + s * NR;")
-                if scaled:
-                    w.line(
-                        f"if (m == MR && n == NR) {uk}_full_rs(lc, p + r, 1, NR, d, e, sEm, acc,"
-                        " inv ? inv + r : 0);"
-                    )
-                else:
-                    w.line(
-                        f"if (m == MR && n == NR) {uk}_strided(lc, p + r, 1, NR, d, e, sEm, NR,"
-                        " acc);"
-                    )
+                full = (
+                    f"{uk}_full_rs(lc, p + r, 1, NR, d, e, sEm, acc, inv ? inv + r : 0);"
+                    if scaled
+                    else f"{uk}_strided(lc, p + r, 1, NR, d, e, sEm, NR, acc);"
+                )
+                w.line(f"if (m == MR && n == NR) {full}")
                 w.line("/* (a short block's tail reads the kernel's mr rows, or its part: rows")
                 w.line("   of the next strip's rows at worst, inside the workspace, discarded) */")
+                tail = f"{uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);"
                 if scaled:
                     with w.block("else"):
-                        w.line(f"{uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
+                        w.line(tail)
                         with w.block("if (inv)"), w.block("for (int i = 0; i < m; ++i)"):
                             w.line("for (int x = 0; x < n; ++x) e[i * sEm + x] *= inv[r + i];")
                 else:
-                    w.line(f"else {uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);")
+                    w.line(f"else {tail}")
                 w.line("cf_pf_step(&pf, pf_rows);")
 
 
