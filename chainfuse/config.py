@@ -29,11 +29,15 @@ __all__ = [
     "ENV_DUMP",
     "ENV_NUM_THREADS",
     "ENV_WAIT_POLICY",
+    "VERSION",
     "cache_dir",
     "cc_override",
     "default_num_threads",
     "dump_dir",
 ]
+
+#: chainfuse's version (pyproject.toml's): part of every cache key, so a release builds anew
+VERSION = "0.1.0"
 
 ENV_CACHE_DIR = "CHAINFUSE_CACHE_DIR"
 ENV_DUMP = "CHAINFUSE_DUMP"

@@ -177,9 +177,7 @@ def build_recipe(
 def _generator_fingerprint() -> str:
     """Sizes and modification times of the code generators' files (codegen, kernels) and
     chainfuse's version: what a recipe's source also depends on."""
-    import chainfuse
-
-    root = Path(chainfuse.__file__).parent
+    root = Path(__file__).parent.parent  # the package's folder
     files: list[Path] = []
     for folder in ("codegen", "codegen/templates", "kernels"):
         try:
@@ -193,9 +191,7 @@ def _generator_fingerprint() -> str:
 def files_fingerprint(files: Iterable[Path]) -> str:
     """A digest of chainfuse's version and the names, sizes and modification times of `files`
     (what Python's bytecode cache trusts): a changed file changes it, without reading any."""
-    import chainfuse
-
-    parts = [chainfuse.__version__]
+    parts = [config.VERSION]
     for path in files:
         try:
             st = os.stat(path)
@@ -208,13 +204,11 @@ def files_fingerprint(files: Iterable[Path]) -> str:
 
 def cache_key(source: str, compiler: Compiler, build_flags: Iterable[str]) -> str:
     """Hex sha256 of everything the compiled object depends on."""
-    import chainfuse  # at call time: the package imports the runtime while it initialises
-
     payload = {
         "source": source,
         "compiler": [compiler.path, compiler.family.value, compiler.version],
         "flags": list(build_flags) + list(_LIBS),
-        "chainfuse": chainfuse.__version__,
+        "chainfuse": config.VERSION,
         "host": _host_fingerprint(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
