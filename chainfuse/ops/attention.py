@@ -113,7 +113,7 @@ def attention(
     key = by_keys = None
     if dropout_p.__class__ is float and dropout_p == 0.0:
         done, key, by_keys = known_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa,
-                                              threads)  # fmt: skip
+                                             threads)  # fmt: skip
         if done is not None:
             return done
     # (identity tests first: each check costs a measurable share of a short call)

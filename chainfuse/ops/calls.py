@@ -191,7 +191,7 @@ def bucketed(
     if mask_shape is not None and mask_shape[-1] == seq_k:
         mask_shape = (*mask_shape[:-1], bucket)
     kernel = calls.attention_kernels((*sizes[:3], bucket, *sizes[4:]), causal, mask, scale,
-                               mask_shape, dtype, threads)  # fmt: skip
+                                     mask_shape, dtype, threads)  # fmt: skip
     return kernel, None if bucket == seq_k else seq_k
 
 
@@ -244,10 +244,9 @@ def replay_keys(
     r: Replay, operands: tuple[Any, ...], n: int, threads: int, key: tuple[Any, ...]
 ) -> Any:
     """Run a call `run` ran before with other k, v (and mask) of `n` keys in the same bucket
-    (`bucket_key`): those checked again, q's pointer and the result's strides as they were, and
-    remember it under its `calls.replays` key `key`: a decoder's other layers make the same call at
-    this step. None when the checks fail:
-    the checked path then says what is wrong by the caller's names."""
+    (`bucket_key`): those checked again, q's pointer and the result's strides as they were; and
+    remember it under its `calls.replays` key `key` (a decoder's other layers make the same call
+    at this step). None when the checks fail: the checked path then names what is wrong."""
     kernel = r.kernel
     keys = None if n == kernel.planned_keys else n
     try:
@@ -261,7 +260,7 @@ def replay_keys(
     else:
         a, e = q.data_ptr(), out.data_ptr()
     kernel.launch([a, pointers[0], pointers[1], e, *pointers[2:]], strides, mask_strides,
-                   threads, keys)  # fmt: skip
+                  threads, keys)  # fmt: skip
     calls.replays.remember(key, Replay(kernel, r.at, strides, mask_strides, r.shape, r.like, keys))
     return out
 
