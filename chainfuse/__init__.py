@@ -7,10 +7,9 @@ kernel = chainfuse.compile(chain)            # one fused C kernel for this CPU
 E = kernel(A, B, D)
 """
 
-__version__ = "0.1.0"
-
 from chainfuse import ops
 from chainfuse.compiler import Kernel, compile
+from chainfuse.config import VERSION as __version__
 from chainfuse.hardware import Hardware
 from chainfuse.ir import (
     Chain,

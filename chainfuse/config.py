@@ -11,7 +11,7 @@ variable                 meaning
 ``CHAINFUSE_DUMP``       a directory that receives a copy of every generated source
 ``CC``                   the C compiler (default: the first of cc, gcc, clang on ``PATH``)
 ``OMP_NUM_THREADS``      default thread count of generated kernels (else the CPUs we may run on)
-``OMP_WAIT_POLICY``      set to ``PASSIVE`` by the runtime unless already set (see `runtime.cc`)
+``OMP_WAIT_POLICY``      set to ``PASSIVE`` by the runtime unless already set (`runtime.toolchain`)
 =======================  ========================================================================
 """
 
@@ -29,11 +29,15 @@ __all__ = [
     "ENV_DUMP",
     "ENV_NUM_THREADS",
     "ENV_WAIT_POLICY",
+    "VERSION",
     "cache_dir",
     "cc_override",
     "default_num_threads",
     "dump_dir",
 ]
+
+#: chainfuse's version (pyproject.toml's): part of every cache key, so a release builds anew
+VERSION = "0.1.0"
 
 ENV_CACHE_DIR = "CHAINFUSE_CACHE_DIR"
 ENV_DUMP = "CHAINFUSE_DUMP"
@@ -76,7 +80,7 @@ def default_num_threads() -> int:
     if os.name == "posix" and type(data) is dict:
         # os.environ's own dict (bytes to bytes on POSIX), which every write to os.environ
         # updates: `os.environ.get` of an unset variable raises and catches a KeyError inside,
-        # ~2 us here, and every kernel call asks
+        # and every kernel call asks
         raw = data.get(_NUM_THREADS_KEY)
         return _threads_from(None if raw is None else os.fsdecode(raw))
     return _threads_from(os.environ.get(ENV_NUM_THREADS))

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> None:
         cft.attention(q, *step(n, 0))
     spent = {"chainfuse": 0.0, "sdpa": 0.0}
     for _ in range(3):
-        ops._REPLAY.clear()
+        ops.calls.replays.clear()
         for n in range(first, last):
             operands = [step(n, layer) for layer in range(layers)]
             for who in ("chainfuse", "sdpa") if n % 2 else ("sdpa", "chainfuse"):

@@ -97,12 +97,12 @@ def _parse_threads(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the suites; the thread settings it changes are put back when it returns (the
     process may go on: tests, notebooks)."""
-    from chainfuse.runtime import cc
+    from chainfuse.runtime import threads as cc
 
     # every contender's OpenMP runtime passive (the README's protocol for 2 threads): each reads
     # the policy once, when it is loaded, and PyTorch's is loaded just below
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    before = cc._num_threads
+    before = cc.requested_num_threads()
     torch_before = _torch_threads()
     try:
         return _main(argv)

@@ -14,9 +14,10 @@ from chainfuse.runtime.cache import (
     cache_key,
     entry_path,
     files_fingerprint,
-    write_atomic,
 )
-from chainfuse.runtime.cc import (
+from chainfuse.runtime.files import write_atomic
+from chainfuse.runtime.threads import get_num_threads, requested_num_threads, set_num_threads
+from chainfuse.runtime.toolchain import (
     BASE_FLAGS,
     INSTALL_HINT,
     CompileError,
@@ -25,9 +26,7 @@ from chainfuse.runtime.cc import (
     CompilerNotFoundError,
     find_compiler,
     flags,
-    get_num_threads,
     load,
-    set_num_threads,
 )
 
 __all__ = [
@@ -47,6 +46,7 @@ __all__ = [
     "flags",
     "get_num_threads",
     "load",
+    "requested_num_threads",
     "set_num_threads",
     "write_atomic",
 ]

@@ -16,7 +16,7 @@ flags say ``-march=native``). Layout::
 
 `build_recipe` is `build` for a source that a recipe determines (the generated kernels: a spec's
 name, which spells every field the code depends on, and the source's header): a process that
-finds the recipe's entry loads it without generating the source again (1-2 ms of every warm
+finds the recipe's entry loads it without generating the source again (a cost of every warm
 start) and generates it only to compile. The recipe's digest also covers the generator's own
 files (their sizes and modification times, as Python's bytecode cache does), so a changed
 generator builds again.
@@ -51,7 +51,14 @@ from pathlib import Path
 import filelock
 
 from chainfuse import config
-from chainfuse.runtime.cc import CompileError, Compiler, CompilerFamily, find_compiler, flags
+from chainfuse.runtime.files import write_atomic
+from chainfuse.runtime.toolchain import (
+    CompileError,
+    Compiler,
+    CompilerFamily,
+    find_compiler,
+    flags,
+)
 
 __all__ = [
     "BuildResult",
@@ -60,7 +67,6 @@ __all__ = [
     "cache_key",
     "entry_path",
     "files_fingerprint",
-    "write_atomic",
 ]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
@@ -92,7 +98,7 @@ def build(
     """Compile ``source`` into a shared object named after ``name``, or reuse the cached one.
 
     ``name`` is a C identifier (it becomes part of a file name); ``extra_flags`` are appended to
-    `chainfuse.runtime.cc.flags`. Raises `CompileError` with the compiler's stderr and the path of
+    `chainfuse.runtime.toolchain.flags`. Raises `CompileError` with the compiler's stderr and the path of
     the saved source when the compiler fails, `CompilerNotFoundError` when there is none.
     """
     start = time.perf_counter()
@@ -148,8 +154,8 @@ def build_recipe(
     index = preferred / "recipes" / digest[:2] / f"{digest[:32]}.key"
     if config.dump_dir() is None:
         try:
-            # bytes decoded, not read_text(encoding="ascii"): that imports the ascii codec,
-            # 0.5 ms of the first call in every new process
+            # bytes decoded, not read_text(encoding="ascii"): that imports the ascii codec in
+            # the first call of every new process
             key = index.read_bytes().decode("utf-8", errors="replace").strip()
         except (OSError, ValueError):
             key = ""
@@ -171,9 +177,7 @@ def build_recipe(
 def _generator_fingerprint() -> str:
     """Sizes and modification times of the code generators' files (codegen, kernels) and
     chainfuse's version: what a recipe's source also depends on."""
-    import chainfuse
-
-    root = Path(chainfuse.__file__).parent
+    root = Path(__file__).parent.parent  # the package's folder
     files: list[Path] = []
     for folder in ("codegen", "codegen/templates", "kernels"):
         try:
@@ -187,9 +191,7 @@ def _generator_fingerprint() -> str:
 def files_fingerprint(files: Iterable[Path]) -> str:
     """A digest of chainfuse's version and the names, sizes and modification times of `files`
     (what Python's bytecode cache trusts): a changed file changes it, without reading any."""
-    import chainfuse
-
-    parts = [chainfuse.__version__]
+    parts = [config.VERSION]
     for path in files:
         try:
             st = os.stat(path)
@@ -202,13 +204,11 @@ def files_fingerprint(files: Iterable[Path]) -> str:
 
 def cache_key(source: str, compiler: Compiler, build_flags: Iterable[str]) -> str:
     """Hex sha256 of everything the compiled object depends on."""
-    import chainfuse  # at call time: the package imports the runtime while it initialises
-
     payload = {
         "source": source,
         "compiler": [compiler.path, compiler.family.value, compiler.version],
         "flags": list(build_flags) + list(_LIBS),
-        "chainfuse": chainfuse.__version__,
+        "chainfuse": config.VERSION,
         "host": _host_fingerprint(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -374,19 +374,6 @@ class _SystemHeader:
             lock.release()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a
-    part: a temporary file in the same directory, then `os.replace`."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-
-
 def _writable_root(preferred: Path) -> Path:
     """``preferred`` if we can create files in it, else this process's fallback directory."""
     try:
@@ -415,7 +402,7 @@ def _fallback_root(unwritable: str) -> Path:
 def _host_fingerprint() -> str:
     """What ``-march=native`` resolves against: the CPU model and its feature flags.
 
-    Not `platform.processor()`: on Linux it runs ``uname -p`` in a subprocess (2 ms of every
+    Not `platform.processor()`: on Linux it runs ``uname -p`` in a subprocess (in every
     warm start) and adds nothing /proc/cpuinfo does not say."""
     parts = [platform.machine()]
     try:

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from chainfuse import ops
-from chainfuse.runtime.cc import call_threads, reset_call_threads, threads_for
+from chainfuse.ops.arguments import grad_refused
+from chainfuse.ops.attention import known_attention
+from chainfuse.runtime.threads import call_threads, reset_call_threads, threads_for
 
 __all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
 
@@ -111,10 +113,10 @@ def attention(
         return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
     if dropout_p.__class__ is float and dropout_p == 0.0:
-        # a call like one made before (a decoding step) without the context below: ~1.5 us of
-        # ~14 for a short one (one query, 8 keys; SDPA's whole call takes ~10)
-        done = ops._known_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa,
-                                    threads_for(torch.get_num_threads()))[0]  # fmt: skip
+        # a call like one made before (a decoding step) without the context below, a
+        # measurable share of a short call
+        done = known_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa,
+                               threads_for(torch.get_num_threads()))[0]  # fmt: skip
         if done is not None:
             return done
     return _on_torch_threads(ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
@@ -233,7 +235,7 @@ def _refuse_grad(names: str, *xs: Any) -> None:
     if torch.is_grad_enabled():
         for name, t in zip(names.split(", "), xs, strict=True):
             if t is not None and t.requires_grad:
-                raise RuntimeError(ops._grad_refused(name))
+                raise RuntimeError(grad_refused(name))
 
 
 @torch.library.custom_op("chainfuse::gemm_chain", mutates_args=(), device_types="cpu")

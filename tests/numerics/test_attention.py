@@ -315,12 +315,12 @@ def test_ops_find_their_kernel_by_sizes_without_rebuilding_the_chain(
     for x, y in zip(first, again, strict=True):
         np.testing.assert_array_equal(x, y)
     ops.attention(q, k, v, scale=0.5)  # other arguments: a chain of their own
-    assert built == ["attention_chain"]  # (for 16 keys: 9's bucket, see ops._key_bucket)
+    assert built == ["attention_chain"]  # (for 16 keys: 9's bucket, see `key_bucket`)
 
 
 def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
     # a call with an earlier call's operand kinds, shapes, strides and dtypes (and its other
-    # arguments and thread count) runs from what the earlier checks found (`ops._REPLAY`): new
+    # arguments and thread count) runs from what the earlier checks found (`ops.calls.replays`): new
     # data at new addresses must be read, and whatever the key leaves out must still be refused
     torch = pytest.importorskip("torch")
     from chainfuse import ops
@@ -343,7 +343,7 @@ def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
         for causal in (False, True):
             torch.testing.assert_close(ops.attention(q, k, v, is_causal=causal),
                                        sdpa(q, k, v, is_causal=causal))  # fmt: skip
-    assert len({key for key in ops._REPLAY if key[0] == "attention"}) >= 6
+    assert len({key for key in ops.calls.replays if key[0] == "attention"}) >= 6
     # masks: a bool then a float mask of one shape, then a broadcast one with other strides
     q = new(2, 3, 9, 8)
     for mask in (new(9, 9) > 0, new(9, 9), new(2, 1, 9, 9), new(2, 1, 9, 9)[:, :, :, :]):
@@ -365,7 +365,7 @@ def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
     chainfuse.set_num_threads(1)
     try:
         torch.testing.assert_close(ops.attention(q, k, v), sdpa(q, k, v))
-        assert any(key[4] == 1 for key in ops._REPLAY if key[0] == "attention")
+        assert any(key[4] == 1 for key in ops.calls.replays if key[0] == "attention")
     finally:
         chainfuse.set_num_threads(None)
     # an output array: written in place again, and refused once it is read-only
@@ -383,27 +383,28 @@ def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
     B2 = rng.standard_normal((2, 7, 6), dtype=np.float32)  # new data, same key: read anew
     np.testing.assert_allclose(ops.gemm_chain(A, B2, D, "relu"), np.maximum(A @ B2, 0) @ D,
                                rtol=1e-5, atol=1e-5)  # fmt: skip
-    ops._REPLAY.clear()  # and a cleared memory is only slower
+    ops.calls.clear()  # and a cleared memory is only slower
     np.testing.assert_allclose(ops.gemm_chain(A, B2, D, "relu"), np.maximum(A @ B2, 0) @ D,
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_key_lengths_share_a_kernel_per_bucket_and_stay_right() -> None:
     # a decoder's key length is new every step: ops plans a bucket of lengths once
-    # (`ops._key_bucket`) and runs each length with the bucket's kernel (`_bind`'s keys)
+    # (`key_bucket`) and runs each length with the bucket's kernel (`bind`'s keys)
     torch = pytest.importorskip("torch")
     from chainfuse import ops
+    from chainfuse.ops.calls import bucketed, key_bucket
 
-    assert [ops._key_bucket(n) for n in (1, 8, 9, 17, 64, 65, 600, 640, 641, 1025)] == [
+    assert [key_bucket(n) for n in (1, 8, 9, 17, 64, 65, 600, 640, 641, 1025)] == [
         8, 8, 16, 24, 64, 72, 640, 640, 704, 1152,
     ]  # fmt: skip
-    assert all(ops._key_bucket(ops._key_bucket(n)) == ops._key_bucket(n) for n in range(1, 5000))
-    assert all(n <= ops._key_bucket(n) <= max(n + 7, n * 1.125) for n in range(1, 5000))
+    assert all(key_bucket(key_bucket(n)) == key_bucket(n) for n in range(1, 5000))
+    assert all(n <= key_bucket(n) <= max(n + 7, n * 1.125) for n in range(1, 5000))
     g = torch.Generator().manual_seed(13)
     F = torch.nn.functional
     keys = torch.randn(2, 3, 300, 24, generator=g)
     values = torch.randn(2, 3, 300, 40, generator=g)
-    ops._attention_kernel.cache_clear()
+    ops.calls.clear()
     lengths = (*range(57, 75), 128, 129, 299, 300)  # buckets 64, 72, 80, 128, 144, 304
     for sq in (1, 3, 40):
         q = torch.randn(2, 3, sq, 24, generator=g)
@@ -419,35 +420,28 @@ def test_key_lengths_share_a_kernel_per_bucket_and_stay_right() -> None:
                     got = ops.attention(q, k, v, **kw)  # type: ignore[arg-type]
                     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     # one kernel per (queries, kind, bucket): 3 x 4 x 6, not one per length (3 x 4 x 22)
-    assert ops._attention_kernel.cache_info().currsize == 3 * 4 * 6
+    assert ops.calls.info()["attention_kernels"].size == 3 * 4 * 6
     # the kernel of a bucket still runs its own length, and checks a call's against it
-    kernel, keys_of = ops._bucketed((2, 3, 40, 70, 24, 40), False, None, None, None, "float32", 1)
+    kernel, keys_of = bucketed((2, 3, 40, 70, 24, 40), False, None, None, None, "float32", 1)
     assert kernel.chain.extents["l"] == 72 and keys_of == 70
     q = torch.randn(2, 3, 40, 24, generator=g)
     with pytest.raises(ValueError, match=r"K: expected shape \(2, 3, 70, 24\)"):
-        kernel._bind((q, keys[:, :, :71], values[:, :, :70]), None, 70)
+        kernel.bind((q, keys[:, :, :71], values[:, :, :70]), None, 70)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
-def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(
-    kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(kind: str) -> None:
     # a decoding step has one key more than the last, in views of a cache (strides that stay)
     # or in new tensors (strides that grow): after the first length of a bucket, the others
-    # run from `ops._REPLAY_KEYS`, with k, v and the mask checked and their strides read anew;
-    # each is then remembered whole (`ops._REPLAY`), so that the same step's call in the next
+    # run from `ops.calls.by_keys`, with k, v and the mask checked and their strides read anew;
+    # each is then remembered whole (`ops.calls.replays`), so that the same step's call in the next
     # layer (other data, the same shapes and strides) checks nothing
     torch = pytest.importorskip("torch")
-    from chainfuse import compiler, ops
+    from chainfuse import ops
 
     F = torch.nn.functional
     g = torch.Generator().manual_seed(17)
-    binds, rebinds = [], []
-    real_bind, real_rebind = compiler.Kernel._bind, compiler.Kernel._bind_keys
-    monkeypatch.setattr(compiler.Kernel, "_bind",
-                        lambda self, *a: binds.append(1) or real_bind(self, *a))  # fmt: skip
-    monkeypatch.setattr(compiler.Kernel, "_bind_keys",
-                        lambda self, *a: rebinds.append(1) or real_rebind(self, *a))  # fmt: skip
+    calls = ops.calls
     lift = (lambda t: t.numpy()) if kind == "numpy" else (lambda t: t)
     cache_k = torch.randn(2, 4, 90, 16, generator=g)
     cache_v = torch.randn(2, 4, 90, 24, generator=g)
@@ -457,10 +451,7 @@ def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(
         q = torch.randn(2, 4, sq, 16, generator=g)
         for fresh in (False, True):
             for mask_kind in (None, "additive", "bool", "causal"):
-                ops._REPLAY.clear()
-                ops._REPLAY_KEYS.clear()
-                binds.clear()
-                rebinds.clear()
+                calls.clear()
                 # one bucket (72), then a length of it again on other data (same strides)
                 for n, (ck, cv) in [*((n, (cache_k, cache_v)) for n in range(65, 73)),
                                     (71, (other_k, other_v))]:  # fmt: skip
@@ -485,9 +476,12 @@ def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(
                     torch.testing.assert_close(torch.as_tensor(got).double(), want,
                                                rtol=1e-4, atol=1e-5)  # fmt: skip
                 if not (gqa and mask_kind == "causal"):
-                    assert len(binds) == 1, (sq, gqa, fresh, mask_kind)  # the first length only
-                    assert len(rebinds) == 7  # each new length; not the repeat on new data
-                    assert len(ops._REPLAY) == 8 and len(ops._REPLAY_KEYS) == 1
+                    # checked whole: the first length only (no bucket known); k, v and the mask
+                    # rechecked: each new length, not the repeat on new data (a replay)
+                    by_keys, replays = calls.info()["by_keys"], calls.info()["replays"]
+                    assert by_keys.misses == 1, (sq, gqa, fresh, mask_kind)
+                    assert by_keys.hits == 7 and replays.hits == 1
+                    assert replays.size == 8 and by_keys.size == 1
                     # that length once more, k with other strides: checked again
                     wide = torch.randn(2, heads_kv, 71, 40, generator=g)[..., :16]
                     want = F.scaled_dot_product_attention(q.double(), wide.double(), v.double(),
@@ -495,8 +489,9 @@ def test_a_new_key_length_in_a_known_bucket_skips_all_but_the_key_checks(
                     got = ops.attention(lift(q), lift(wide), lift(v), enable_gqa=gqa, **kw)  # type: ignore[arg-type]
                     torch.testing.assert_close(torch.as_tensor(got).double(), want,
                                                rtol=1e-4, atol=1e-5)  # fmt: skip
-                    assert len(rebinds) == 8 and len(binds) == 1
-                    assert len(ops._REPLAY) == 9 and len(ops._REPLAY_KEYS) == 1
+                    by_keys, replays = calls.info()["by_keys"], calls.info()["replays"]
+                    assert by_keys.hits == 8 and by_keys.misses == 1
+                    assert replays.size == 9 and by_keys.size == 1
     # what the key leaves out is still checked, and refused by the caller's names
     q = lift(torch.randn(2, 4, 1, 16, generator=g))
     ops.attention(q, lift(cache_k[:, :, :70]), lift(cache_v[:, :, :70]))

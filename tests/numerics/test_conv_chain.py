@@ -298,17 +298,17 @@ def test_weights_change_between_calls() -> None:
     inputs = reference.random_inputs(chain, seed=3)
     x, w1, w2 = inputs["X"], inputs["W1"].copy(), inputs["W2"].copy()
     ops.conv_chain(x, w1, w2, padding=(1, 0), between="relu")
-    misses = ops._conv_kernel.cache_info().misses
+    misses = ops.calls.info()["conv_kernels"].misses
     w1 *= -0.5
     w2[:, :3] = 1.0
     y = ops.conv_chain(x, w1, w2, padding=(1, 0), between="relu")
-    assert ops._conv_kernel.cache_info().misses == misses
+    assert ops.calls.info()["conv_kernels"].misses == misses
     reference.assert_close(y, reference.run(chain, {"X": x, "W1": w1, "W2": w2})["Y2"], chain)
 
 
 def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
     """A call with an earlier call's operand kinds, shapes, strides and dtypes runs from what
-    the earlier checks found (`ops._CONV_REPLAY`): new arrays at new addresses are read, a new
+    the earlier checks found (`ops.calls.conv_replays`): new arrays at new addresses are read, a new
     result keeps the input's memory order, and what the key leaves out is still refused."""
     chain = chainfuse.conv_chain_spec(2, 5, 9, 8, 7, 3, 3, 6, 1, 1, stride=(1, 1),
                                       padding=(1, 0), between="relu")  # fmt: skip
@@ -332,7 +332,7 @@ def test_a_repeat_call_rechecks_what_its_key_does_not_fix() -> None:
         for _ in range(2):
             assert ops.conv_chain(inputs["X"], inputs["W1"], inputs["W2"], out=out, **args) is out
             reference.assert_close(out, want, chain)
-    assert any(key[0] == "conv_chain" for key in ops._CONV_REPLAY)
+    assert any(key[0] == "conv_chain" for key in ops.calls.conv_replays)
     out.flags.writeable = False
     with pytest.raises(ValueError, match="out: the output array is read-only"):
         ops.conv_chain(inputs["X"], inputs["W1"], inputs["W2"], out=out, **args)

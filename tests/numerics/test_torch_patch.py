@@ -168,16 +168,16 @@ def test_chainfuse_torch_runs_on_torchs_threads_unless_chainfuse_set_a_count(
     # a model's calls follow torch.set_num_threads as PyTorch's own ops do (a server that runs
     # each worker on one thread is not oversubscribed by the patch); chainfuse's own setting wins
     # (the threads each kernel is launched on: a repeat call skips ops.attention's checks)
-    from chainfuse import compiler
+    from chainfuse import compiled
 
     seen: list[tuple[str, int]] = []
-    real = compiler.Kernel._launch
+    real = compiled.Kernel.launch
 
     def spy(self: Any, pointers: Any, strides: Any, mask: Any, threads: int, *a: Any) -> None:
         seen.append(("attention" if "softmax" in self.spec.name else "gemm_chain", threads))
         real(self, pointers, strides, mask, threads, *a)
 
-    monkeypatch.setattr(compiler.Kernel, "_launch", spy)
+    monkeypatch.setattr(compiled.Kernel, "launch", spy)
     q, w = torch.randn(1, 2, 9, 8), torch.randn(8, 8)
     before = torch.get_num_threads()
     try:

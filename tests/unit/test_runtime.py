@@ -308,7 +308,7 @@ def test_a_warm_kernel_loads_without_generating_its_source(_private_cache: Path)
     chain = chainfuse.gemm_chain(2, 17, 7, 65, 63, "relu")
     cold = chainfuse.compile(chain)
     code = """
-import chainfuse, chainfuse.compiler as c
+import chainfuse, chainfuse.compiled as c
 c.emit_gemm_chain = None  # a call would fail
 k = chainfuse.compile(chainfuse.gemm_chain(2, 17, 7, 65, 63, "relu"))
 print(k.cached, k.path)

@@ -1,20 +1,17 @@
-"""The system C compiler: find it, choose its flags, load what it made, set the thread count.
+"""The system C compiler: find it, choose its flags, load what it made.
 
 Generated kernels are plain C11 with OpenMP *pragmas only* (``#pragma omp parallel for
 num_threads(nt)``; never a call into ``omp.h``), so a kernel links against whichever OpenMP runtime
 the compiler brings (gcc's libgomp or clang's libomp) and builds without OpenMP at all, serially.
-The thread count reaches a kernel as an ordinary argument (see `get_num_threads`).
+The thread count reaches a kernel as an ordinary argument (see `runtime.threads`).
 
 In-process state, kept on purpose and small: the identity of each compiler path and whether it
 supports OpenMP are probed once per process (``functools.cache``); `load` keeps one `ctypes.CDLL`
-per path (a shared object cannot be unloaded safely anyway); `set_num_threads` stores an override;
-whether a kernel may have started the OpenMP runtime's workers, and whether this process was
-forked after that (`get_num_threads`: such a child runs its kernels on one thread).
+per path (a shared object cannot be unloaded safely anyway).
 """
 
 from __future__ import annotations
 
-import contextvars
 import ctypes
 import enum
 import functools
@@ -30,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from chainfuse import config
+from chainfuse.runtime.files import write_atomic
 
 __all__ = [
     "INSTALL_HINT",
@@ -39,9 +37,7 @@ __all__ = [
     "CompilerNotFoundError",
     "find_compiler",
     "flags",
-    "get_num_threads",
     "load",
-    "set_num_threads",
 ]
 
 INSTALL_HINT = (
@@ -142,8 +138,6 @@ def _remembered(key: str, compute: Callable[[], Any]) -> Any:
         return facts[key]
     value = compute()
     facts[key] = value
-    from chainfuse.runtime.cache import write_atomic  # cache imports this module
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(facts).encode())
@@ -253,7 +247,7 @@ def load(path: str | os.PathLike[str]) -> ctypes.CDLL:
     Before the first kernel is opened we default ``OMP_WAIT_POLICY`` to ``PASSIVE``: libgomp and
     libomp read it once, when they initialise, and by default their idle workers spin for a while
     after every parallel region; on a shared machine those spinning threads steal the cores that
-    other libraries (BLAS, PyTorch) and processes are about to use, turning a 1 ms call into 8 ms.
+    other libraries (BLAS, PyTorch) and processes are about to use, slowing them several times over.
     A user's own setting wins, and a runtime already initialised by another library keeps its own.
     """
     return _load(os.path.abspath(os.fspath(path)))
@@ -263,88 +257,3 @@ def load(path: str | os.PathLike[str]) -> ctypes.CDLL:
 def _load(path: str) -> ctypes.CDLL:
     os.environ.setdefault(config.ENV_WAIT_POLICY, "PASSIVE")
     return ctypes.CDLL(path)
-
-
-_num_threads: int | None = None
-# a front end's thread count for the calls it makes (`call_threads`): chainfuse.torch's, torch's
-_call_threads: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "chainfuse_call_threads", default=None
-)
-_threads_ran = False  # a kernel call was given more than one thread (OpenMP workers may exist)
-_forked = False  # ... and this process is a child forked after that (`_after_fork_in_child`)
-_fork_warned = False
-
-
-def _after_fork_in_child() -> None:
-    global _forked, _fork_warned
-    _forked = _forked or _threads_ran
-    _fork_warned = False
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def set_num_threads(n: int | None) -> None:
-    """Threads for kernels launched from now on; ``None`` returns to the default."""
-    global _num_threads
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"number of threads must be a positive int or None, not {n!r}")
-    _num_threads = n
-
-
-def get_num_threads() -> int:
-    """Threads a kernel call should use: the `set_num_threads` value, else the config default.
-
-    Generated kernels take this as an argument and pass it to ``num_threads(nt)`` clauses, so no
-    OpenMP runtime call is needed and two calls may use different counts. Inside a front end's
-    `call_threads` (chainfuse.torch's functions: ``torch.get_num_threads()``) its count comes
-    before the default, after an explicit `set_num_threads`.
-
-    In a process forked after a kernel ran on several threads (a ``fork`` start method's worker,
-    a PyTorch DataLoader's) it is 1, with a RuntimeWarning the first time: GNU OpenMP's workers
-    do not survive a fork, and the child's next parallel region would wait for them forever
-    (PyTorch runs such a child's own ops on one thread too). Start the workers with ``spawn`` or
-    ``forkserver`` to give them threads.
-    """
-    return threads_for(_call_threads.get())
-
-
-def threads_for(call: int | None) -> int:
-    """`get_num_threads` for a call made with a front end's count `call` (None: none), without
-    a `call_threads` context: chainfuse.torch's calls that replay a known one pass
-    ``torch.get_num_threads()`` here, ~0.5 us less than entering and leaving the context."""
-    global _threads_ran
-    n = _num_threads
-    if n is None:
-        n = call or config.default_num_threads()
-    if n > 1:
-        if _forked:
-            _warn_forked(n)
-            return 1
-        _threads_ran = True
-    return n
-
-
-def call_threads(n: int) -> contextvars.Token[int | None]:
-    """Make `get_num_threads` answer `n` (unless `set_num_threads` set a count) in this context
-    until ``reset_call_threads(token)``: a front end's calls follow its library's setting."""
-    return _call_threads.set(n)
-
-
-def reset_call_threads(token: contextvars.Token[int | None]) -> None:
-    """Undo the `call_threads` that returned `token`."""
-    _call_threads.reset(token)
-
-
-def _warn_forked(n: int) -> None:
-    global _fork_warned
-    if not _fork_warned:
-        _fork_warned = True
-        warnings.warn(
-            f"chainfuse: this process was forked after chainfuse's kernels ran on several threads; "
-            f"the OpenMP workers do not survive a fork (GNU OpenMP would hang), so its kernels "
-            f"run on 1 thread, not {n} (start worker processes with 'spawn' or 'forkserver' to "
-            "give them threads)",
-            RuntimeWarning,
-            stacklevel=4,  # (the caller of ops.* or of a kernel)
-        )

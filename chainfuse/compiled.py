@@ -1,0 +1,533 @@
+"""Compiled kernels: `Kernel` (a GEMM chain) and `ConvKernel` (a conv chain), built and loaded.
+
+    E = kernel(A, B, D)            # numpy in, numpy out; torch CPU tensors in, torch out
+    kernel(A, B, D, out=E)         # into a preallocated output
+
+A call is `bind` (check the operands: pointers and strides) then `launch` (run on them); `ops`
+keeps what `bind` found and launches a repeat call with new pointers only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chainfuse.codegen.c import (
+    PACKED,
+    Epilogue,
+    GemmChainShape,
+    GemmChainSpec,
+    emit_gemm_chain,
+    exponentiates_beside_op1,
+    row_path_rows,
+    rows_past_strips,
+)
+from chainfuse.codegen.conv import (
+    GEOMETRY,
+    ConvChainShape,
+    ConvChainSpec,
+    ConvTiles,
+    emit_conv_chain,
+    geometry,
+)
+from chainfuse.ir import Affine, Chain, DType, MaskKind, Softmax
+from chainfuse.operands import (
+    check,
+    dense_in,
+    dense_strides,
+    empty_like_input,
+    is_torch,
+    recheck,
+    torch_empty,
+)
+from chainfuse.planner import Plan
+from chainfuse.runtime import build_recipe, get_num_threads, load
+
+__all__ = ["ALONE_S", "ConvKernel", "Kernel"]
+
+_A, _B, _D, _E = PACKED["A"], PACKED["B"], PACKED["D"], PACKED["E"]
+_STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
+#: below this predicted time a call runs on one thread: waking a passively waiting OpenMP
+#: worker and joining it costs more (docs/tuning.md)
+ALONE_S = 40e-6
+_MASK, _MASK_STRIDES = PACKED["mask"], slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
+_KEYS = PACKED["sizes"] + 5  # L: what a call with another number of keys changes
+
+
+class _Built:
+    """Build (or find in the cache) and load a generated source; what both kernels record.
+
+    The source is generated from the spec and the header (`recipe`) only when the cache does
+    not already hold its object (`build_recipe`), or when `source` is read."""
+
+    compile_seconds: float
+    cached: bool
+    path: Path
+    _source: str | None = None
+    _make_source: Callable[[], str]
+
+    def _build(
+        self, make_source: Callable[[], str], recipe: str, name: str, cflags: tuple[str, ...]
+    ) -> ctypes.CDLL:
+        start = time.perf_counter()
+        self._make_source = make_source
+        result = build_recipe(recipe, name, self._generate, cflags)
+        self.compile_seconds = time.perf_counter() - start
+        self.cached = result.cached
+        self.path = result.path
+        return load(result.path)
+
+    def _generate(self) -> str:
+        if self._source is None:
+            self._source = self._make_source()
+        return self._source
+
+    @property
+    def source(self) -> str:
+        """The generated C source of this kernel (the header names its chain and plan)."""
+        return self._generate()
+
+
+class Kernel(_Built):
+    """A compiled chain: call it with the chain's inputs (in `chain.inputs` order)."""
+
+    def __init__(
+        self,
+        chain: Chain,
+        plan_: Plan,
+        spec: GemmChainSpec,
+        shape: GemmChainShape,
+        header: str,
+        cache_bytes: int,
+        arithmetic: str,
+    ) -> None:
+        self.chain = chain
+        self.shape = shape
+        self.plan = plan_
+        self.spec = spec
+        self.arithmetic = arithmetic  # what it computes in, said plainly
+        lib = self._build(
+            lambda: emit_gemm_chain(spec, header), f"{spec.name}\n{header}", spec.name,
+            spec.kernel.cflags,
+        )  # fmt: skip
+        # one pointer argument: ctypes converts each argument of a call, at a cost apiece
+        self._fn = getattr(lib, f"{spec.name}_packed")
+        self._fn.restype = None
+        self._fn.argtypes = [ctypes.c_void_p]
+        self._workspace_fn = getattr(lib, f"{spec.name}_workspace")
+        self._workspace_fn.restype = ctypes.c_long
+        self._workspace_fn.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        # the plan's tiles: run-time arguments of the object, which every plan shares
+        self._tiles = (spec.T_M, spec.T_L, spec.T_K, spec.T_N)
+        self._local = threading.local()
+        # the last cache level's bytes: how far the row path reaches (`row_path_rows`)
+        self._cache_bytes = cache_bytes
+        soft = [op for op in chain.ops if isinstance(op, Softmax)]
+        self._scale = soft[0].scale if soft else 1.0
+        self._dtype = chain.dtype.value  # of every input and the output (masks: see _prepare)
+        # work the plan predicts shorter than waking a waiting worker runs on the calling thread
+        self._alone = plan_.predicted_time_s < ALONE_S
+        self._prepare()
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.spec.name}, {self.path})"
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Where A, B and D (`spec.tensors`) are among the inputs of a call."""
+        return self._at
+
+    @property
+    def mask_at(self) -> int:
+        """Where the mask is among the inputs of a call (-1: the chain has none)."""
+        return self._mask_at
+
+    @property
+    def planned_keys(self) -> int:
+        """The chain's extent of l (its keys): what a call with `keys=None` runs."""
+        return self._sizes[5]
+
+    def describe(self) -> str:
+        """What the compiled code runs, beside the plan (`plan`'s register block is the model's
+        quantum; the code computes the transposed chain): the micro-kernel and how the chain's
+        loops lie on its block, the code-level tiles, and which rows take the row path (blocks
+        of at most `row_path_rows` rows of m, judged by the chain's own sizes, and a block's last
+        few past whole strips, `rows_past_strips`: dot products and sums, compiled for the
+        kernel's ISA)."""
+        spec, ext = self.spec, self.chain.extents
+        m, l_ = self.chain.contractions[0].output.loops[-2:]
+        n = self.chain.contractions[1].output.loops[-1]
+        uk, M = spec.kernel, ext[m]
+        tiles = f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}"
+        reach = row_path_rows(spec, _bd_bytes(self.chain, self.shape), self._cache_bytes)
+        if reach >= M:  # (all of m)
+            return (
+                f"  code: the row path for all {M} rows of {m} (<= {reach}), no register"
+                f" block (built for {uk.name}'s ISA); {tiles}"
+            )
+        mr, nr = uk.mr, uk.nr
+        text = (
+            f"  code: micro-kernel {uk.name}; op1's blocks {mr} rows of {l_} by {nr} of {m},"
+            f" op2's {mr} of {n} by {nr} of {m} (or {mr} of {m} by {nr} of {n} where it writes"
+            f" {spec.tensors[3]} directly); {tiles}"
+        )
+        if exponentiates_beside_op1(spec):
+            k = ",".join(self.chain.contractions[0].reduction)
+            text += (
+                f"\n  the softmax's exponentials: each block of {mr} rows of {l_} during the next"
+                f" block's FMAs (whole strips of {nr} of {m}, {k} in one block)"
+            )
+        outer = max(self._outer_m, spec.T_M)  # the rows of m a parallel block holds
+        tails = {r % spec.T_M for r in (outer, M % outer or outer)} - {0}
+        short = sorted(t for t in tails if t <= reach)
+        if short:
+            text += (
+                f"\n  a last row block of {' or '.join(map(str, short))} rows of {m}: the row path"
+            )
+        # a block's few rows past whole strips of nr (codegen's ROWS_TAIL): the row path too
+        blocks = {spec.T_M for r in (outer, M % outer or outer) if r >= spec.T_M} | tails
+        few = sorted({rows_past_strips(b, uk) for b in blocks} - {0})
+        if few:
+            split = "" if spec.epilogue is Epilogue.SOFTMAX else " (unless threads split l)"
+            text += (
+                f"\n  a row block's last {' or '.join(map(str, few))}"
+                f" {'row' if few == [1] else 'rows'} of {m} past whole"
+                f" blocks of {nr}: the row path{split}"
+            )
+        return text
+
+    def _workspace(self, threads: int) -> Any:
+        """This thread's argument array for `threads` threads (`codegen.c.PACKED`), its
+        workspace (64-byte aligned), sizes and scale filled in: kept between calls, so a call
+        allocates nothing and writes only what changed."""
+        local = self._local
+        if getattr(local, "threads", None) != threads:
+            local.threads = threads
+            local.buf = np.empty(threads * self._per + 16, dtype=np.float32)
+            address = int(local.buf.ctypes.data)
+            args = (ctypes.c_long * PACKED["end"])()
+            args[PACKED["work"]] = address + 4 * ((-address % 64) // 4)
+            args[PACKED["work_per_thread"]] = self._per
+            args[PACKED["nthreads"]] = threads
+            args[PACKED["outer_m"]] = self._outer_m
+            args[PACKED["cache_bytes"]] = self._cache_bytes
+            at = PACKED["tiles"]
+            args[at : at + 4] = list(self._tiles)
+            args[PACKED["scale_bits"]] = int.from_bytes(struct.pack("<f", self._scale), "little")
+            at = PACKED["sizes"]
+            args[at : at + 6] = list(self._sizes)
+            local.args = args
+            local.address = ctypes.addressof(args)
+            local.strides = None  # what args holds: refilled when a call's strides differ
+        return local
+
+    def _mask(
+        self,
+        mask: Any,
+        shapes: Mapping[str, tuple[int, ...]],
+        replay: bool = False,
+    ) -> tuple[int, list[int]]:
+        """The mask's pointer and its strides along (batch0, batch1, m, l); 0 where it
+        broadcasts; checked by `check`, or by `recheck` on a replay. The kernels read the mask
+        element by element along l, by its stride: any stride there (0: expanded) will do."""
+        assert self._mask_index is not None
+        name, dtype, _ = self._mask_index
+        checked = recheck if replay else check
+        ptr, strides = checked(name, mask, shapes[name], dtype=dtype, inner_contiguous=False)
+        return ptr, [strides[i] if i >= 0 else 0 for i in self._mask_dims]
+
+    def _prepare(self) -> None:
+        """What every call needs and no call changes: names, shapes, sizes, workspace size."""
+        chain = self.chain
+        self._names = [t.name for t in chain.inputs]
+        self._shapes = {t.name: t.shape for t in chain.tensors}
+        self._at = tuple(self._names.index(n) for n in self.spec.tensors[:3])
+        ext = chain.extents
+        first, second = chain.contractions
+        m, l_ = first.output.loops[-2:]
+        K, N = ext[first.reduction[0]], ext[second.output.loops[-1]]
+        self._nb = len(self.spec.batch)
+        sizes = [1] * (2 - self._nb) + [ext[n] for n in self.spec.batch]
+        self._sizes = (*sizes, ext[m], N, K, ext[l_])
+        tiles = (ctypes.c_long * 4)(*self._tiles)
+        self._per = int(self._workspace_fn(K, N, ctypes.addressof(tiles)))
+        # rows of m per parallel block: the plan's outermost m tile, the blocks its model deals
+        # to the cores (a run-time argument, so that one compiled object serves every plan)
+        outer = self.plan.tiles_at(self.plan.levels[-1]) or {}
+        self._outer_m = outer.get(m, ext[m])
+        # per tensor, its dims indexed by l alone: a call with another number of keys
+        # (`bind`'s `keys`) expects those dims that long
+        self._l_dims = {
+            acc.tensor: {d for d, ix in enumerate(acc.index) if ix.terms == ((l_, 1),)}
+            for op in chain.ops
+            for acc in (*op.reads, op.output)
+        }
+        self._shapes_at: dict[int, dict[str, tuple[int, ...]]] = {ext[l_]: self._shapes}
+        self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
+        self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
+        self._mask_at = -1  # the mask's position among the inputs
+        soft = next((op for op in chain.ops if isinstance(op, Softmax)), None)
+        if soft is not None and soft.mask is not None:
+            dtype = "bool" if soft.mask_kind is MaskKind.BOOL else self._dtype
+            self._mask_index = (soft.mask.tensor, dtype, soft.mask.index)
+            self._mask_at = self._names.index(soft.mask.tensor)
+            # per (batch0, batch1, m, l): the mask's dim indexed by that loop (-1: none, it
+            # broadcasts there, stride 0)
+            dims = {ix.loops[0]: d for d, ix in enumerate(soft.mask.index) if ix.loops}
+            self._mask_dims = [dims.get(lp, -1) if lp is not None else -1
+                               for lp in self._mask_loops]  # fmt: skip
+
+    def __call__(self, *inputs: Any, out: Any = None) -> Any:
+        out, pointers, strides, mask_strides = self.bind(inputs, out)
+        self.launch(pointers, strides, mask_strides, get_num_threads())
+        return out
+
+    def _shapes_for(self, keys: int) -> dict[str, tuple[int, ...]]:
+        """The tensors' shapes for a call with `keys` of l (the chain's own for its extent)."""
+        found = self._shapes_at.get(keys)
+        if found is None:
+            if len(self._shapes_at) > 256:
+                self._shapes_at = {self._sizes[5]: self._shapes}
+            found = self._shapes_at[keys] = {
+                name: tuple(keys if d in self._l_dims.get(name, ()) else n
+                            for d, n in enumerate(shape))
+                for name, shape in self._shapes.items()
+            }  # fmt: skip
+        return found
+
+    def bind(
+        self, inputs: tuple[Any, ...], out: Any, keys: int | None = None
+    ) -> tuple[Any, list[int], tuple[int, ...], list[int] | None]:
+        """Check a call's operands (`inputs` in `chain.inputs` order) and its output (a new one
+        when `out` is None): (out, the pointers of A, B, D, E [, the mask], their strides along
+        the batch dims and rows as the kernel takes them, the mask's along (batch0, batch1, m,
+        l) or None). What `launch` takes; the strides depend on the operands' shapes and
+        strides only, so `ops` runs a repeat call from them with new pointers. `keys`: the
+        call's extent of l when it is not the chain's (sizes and tiles are run-time arguments:
+        `ops` runs every key length of a bucket with one kernel, planned for the longest)."""
+        if len(inputs) != len(self._names):
+            names = ", ".join(self._names)
+            raise TypeError(f"{self.chain.name}: expected {len(self._names)} inputs ({names})")
+        dt = self._dtype
+        shapes = self._shapes if keys is None else self._shapes_for(keys)
+        a_name, b_name, d_name, e_name = self.spec.tensors
+        a_at, b_at, d_at = self._at
+        a_ptr, a_st = check(a_name, inputs[a_at], shapes[a_name], dtype=dt)
+        b_ptr, b_st = check(b_name, inputs[b_at], shapes[b_name], dtype=dt)
+        d_ptr, d_st = check(d_name, inputs[d_at], shapes[d_name], dtype=dt)
+        out_shape = shapes[e_name]
+        if out is None:
+            first = inputs[0]
+            out = (
+                torch_empty(first, out_shape, dt)
+                if is_torch(first)
+                else np.empty(out_shape, dtype=first.dtype)
+            )
+        e_ptr, e_st = check("out", out, out_shape, writable=True, dtype=dt)
+        nb = self._nb
+        pad = (0,) * (2 - nb)
+        strides = (
+            *pad, *a_st[: nb + 1], *pad, *b_st[: nb + 1],
+            *pad, *d_st[: nb + 1], *pad, *e_st[: nb + 1],
+        )  # fmt: skip
+        pointers = [a_ptr, b_ptr, d_ptr, e_ptr]
+        mask_strides = None
+        if self._mask_index is not None:
+            mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes)
+            pointers.append(mask_ptr)
+        return out, pointers, strides, mask_strides
+
+    def bind_keys(
+        self, strides: tuple[int, ...], inputs: tuple[Any, ...], keys: int | None
+    ) -> tuple[list[int], tuple[int, ...], list[int] | None]:
+        """`bind` for a call like one bound before (its `strides`) but for B, D and the mask,
+        which it checks again against `keys` of l: their pointers, the strides with theirs in
+        place, and the mask's. A decoder's k, v and padding mask grow by a key every step (and
+        their strides with them when each step's tensors are new): the rest of the call, A's
+        strides and the result's, stays as it was."""
+        dt = self._dtype
+        shapes = self._shapes if keys is None else self._shapes_for(keys)
+        _, b_name, d_name, _ = self.spec.tensors
+        _, b_at, d_at = self._at
+        b_ptr, b_st = recheck(b_name, inputs[b_at], shapes[b_name], dt)
+        d_ptr, d_st = recheck(d_name, inputs[d_at], shapes[d_name], dt)
+        nb = self._nb
+        pad = (0,) * (2 - nb)
+        new = (*strides[:3], *pad, *b_st[: nb + 1], *pad, *d_st[: nb + 1], *strides[9:])
+        pointers = [b_ptr, d_ptr]
+        mask_strides = None
+        if self._mask_index is not None:
+            mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes, replay=True)
+            pointers.append(mask_ptr)
+        return pointers, new, mask_strides
+
+    def launch(
+        self,
+        pointers: Sequence[int],
+        strides: tuple[int, ...],
+        mask_strides: list[int] | None,
+        threads: int,
+        keys: int | None = None,
+    ) -> None:
+        """Run on checked operands (`bind`'s pointers, strides and mask strides; `keys` as
+        `bind` took it)."""
+        local = self._workspace(1 if self._alone else threads)
+        packed = local.args
+        packed[_KEYS] = self._sizes[5] if keys is None else keys
+        if strides != local.strides:
+            packed[_STRIDES] = strides
+            local.strides = strides
+        packed[_A] = pointers[0]
+        packed[_B] = pointers[1]
+        packed[_D] = pointers[2]
+        packed[_E] = pointers[3]
+        if mask_strides is not None:
+            packed[_MASK] = pointers[4]
+            packed[_MASK_STRIDES] = mask_strides
+        self._fn(local.address)
+
+
+class ConvKernel(_Built):
+    """A compiled conv -> [relu] -> conv chain: `kernel(x, w1, w2, b1=None, b2=None, out=None)`.
+
+    `x` [N, C, H, W], `w1` [K1, C, R1, S1], `w2` [K2, K1, R2, S2] (PyTorch's layouts), in NCHW
+    or channels-last memory order (numpy arrays or torch CPU tensors, float32); biases [K1] /
+    [K2] or None. The result has `x`'s kind and memory order. Every argument is passed by
+    pointer and strides, in either order: channels-last `x` is read in place, NCHW `x` a band
+    of rows at a time into a channels-last buffer per thread. `halo` says whether overlapping
+    rows of the intermediate are kept or recomputed, `halo_reason` why, `tiles` the code tiles.
+    """
+
+    def __init__(
+        self,
+        chain: Chain,
+        plan_: Plan,
+        spec: ConvChainSpec,
+        shape: ConvChainShape,
+        tiles: ConvTiles,
+        halo_reason: str,
+        header: str,
+    ) -> None:
+        self.chain = chain
+        self.plan = plan_
+        self.spec = spec
+        self.shape = shape
+        self.tiles = tiles
+        self.halo = spec.halo
+        self.halo_reason = halo_reason
+        self.name = spec.name
+        lib = self._build(
+            lambda: emit_conv_chain(spec, header), f"{spec.name}\n{header}", spec.name,
+            spec.kernel.cflags,
+        )  # fmt: skip
+        self._fn = getattr(lib, spec.name)
+        self._fn.restype = None
+        longs = ctypes.POINTER(ctypes.c_long)
+        self._fn.argtypes = (
+            [ctypes.c_void_p] * 6
+            + [longs]
+            + [ctypes.c_void_p] * 4
+            + [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_long,
+                ctypes.c_int,
+            ]
+        )
+        workspace = getattr(lib, f"{spec.name}_workspace")
+        workspace.restype = ctypes.c_long
+        workspace.argtypes = [longs, longs]
+        self._geometry = (ctypes.c_long * len(GEOMETRY))(*geometry(shape, tiles))
+        per = ctypes.c_long(0)
+        self._shared = int(workspace(self._geometry, ctypes.byref(per)))
+        self._per = int(per.value)
+        s = shape
+        self._shapes = {
+            "x": (s.N, s.C, s.H, s.W),
+            "w1": (s.K1, s.C, s.R1, s.S1),
+            "w2": (s.K2, s.K1, s.R2, s.S2),
+            "out": (s.N, s.K2, s.P2, s.Q2),
+            "b1": (s.K1,),
+            "b2": (s.K2,),
+        }
+        self._local = threading.local()
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The result's shape, [N, K2, P2, Q2]."""
+        return self._shapes["out"]
+
+    def __repr__(self) -> str:
+        return f"ConvKernel({self.name}, halo={self.halo.value}, {self.tiles}, {self.path})"
+
+    def _workspace(self, threads: int) -> tuple[int, Any]:
+        """This thread's (64-byte aligned workspace address, strides array) for `threads`
+        threads: kept between calls, so a call allocates nothing."""
+        local = self._local
+        if getattr(local, "threads", None) != threads:
+            local.buf = np.empty(self._shared + threads * self._per + 32, dtype=np.float32)
+            address = int(local.buf.ctypes.data)
+            local.address = address + 4 * ((-address % 64) // 4)
+            local.strides = (ctypes.c_long * 16)()
+            local.threads = threads
+        return local.address, local.strides
+
+    def __call__(
+        self, x: Any, w1: Any, w2: Any, b1: Any = None, b2: Any = None, out: Any = None
+    ) -> Any:
+        out, pointers, strides, _ = self.bind(x, w1, w2, b1, b2, out)
+        self.launch(pointers, strides, get_num_threads())
+        return out
+
+    def bind(
+        self, x: Any, w1: Any, w2: Any, b1: Any, b2: Any, out: Any
+    ) -> tuple[Any, list[int | None], tuple[int, ...], bool | None]:
+        """Check a call's operands and its output (a new one when `out` is None): (out, the
+        pointers of x, w1, w2, b1, b2 (None: no bias), out, the strides of x, w1, w2, out,
+        whether a new out is channels-last (None: the caller's)). What `launch` takes; the
+        strides depend on the operands' shapes and strides only (`ops` replays them)."""
+        shapes = self._shapes
+        ax = dense_strides("x", x, shapes["x"])
+        a1 = dense_strides("w1", w1, shapes["w1"])
+        a2 = dense_strides("w2", w2, shapes["w2"])
+        bias1 = None if b1 is None else dense_strides("b1", b1, shapes["b1"])[0]
+        bias2 = None if b2 is None else dense_strides("b2", b2, shapes["b2"])[0]
+        channels_last = None
+        if out is None:
+            # channels-last: C innermost (with C = 1 both orders are dense; strides decide)
+            xs = ax[1]
+            channels_last = xs[1] == 1 and dense_in((0, 2, 3, 1), shapes["x"], xs)
+            out = empty_like_input(x, shapes["out"], channels_last)
+        ao = dense_strides("out", out, shapes["out"], writable=True)
+        strides = (*ax[1], *a1[1], *a2[1], *ao[1])
+        return out, [ax[0], a1[0], a2[0], bias1, bias2, ao[0]], strides, channels_last
+
+    def launch(
+        self, pointers: Sequence[int | None], strides: tuple[int, ...], threads: int
+    ) -> None:
+        """Run on checked operands (`bind`'s pointers and strides)."""
+        base, packed = self._workspace(threads)
+        packed[:] = strides
+        at = ctypes.addressof(packed)
+        x, w1, w2, b1, b2, out = pointers
+        self._fn(
+            x, w1, w2, b1, b2, out, self._geometry, at, at + 32, at + 64, at + 96,
+            base, base + 4 * self._shared, self._per, threads,
+        )  # fmt: skip
+
+
+def _bd_bytes(chain: Chain, shape: GemmChainShape) -> float:
+    """Bytes of B and D (attention's K and V) over the whole batch, as the chain declares them:
+    what the generated code weighs against the last cache level (`row_path_rows`)."""
+    tensors = {t.name: t for t in chain.tensors}
+    elem = 4 if chain.dtype is DType.FLOAT32 else 2
+    return float(
+        sum(np.prod(tensors[n].shape, dtype=np.float64) for n in shape.tensors[1:3]) * elem
+    )

@@ -1,0 +1,27 @@
+"""Functional ops: numpy arrays or torch CPU tensors in, the same kind out.
+
+Each op builds the chain for its arguments' shapes, compiles it on first use, and keeps the
+compiled kernel for later calls with the same shapes (`calls`, the one cache of every op).
+Sizes and tiles are run-time arguments of the generated code, so every shape of one chain
+structure shares one compiled object on disk: a new sequence length costs a plan and a load,
+not a compile, and attention's key lengths share a plan per bucket.
+
+    E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
+    y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="relu")
+"""
+
+from chainfuse.ops.attention import attention
+from chainfuse.ops.calls import calls
+from chainfuse.ops.conv_chain import conv_chain
+from chainfuse.ops.gemm_chain import gemm_chain, gemm_chain_shape
+from chainfuse.ops.sdpa import attention_dims, attention_shape
+
+__all__ = [
+    "attention",
+    "attention_dims",
+    "attention_shape",
+    "calls",
+    "conv_chain",
+    "gemm_chain",
+    "gemm_chain_shape",
+]

@@ -1,0 +1,364 @@
+"""What `ops` remembers between calls, in one object: `calls` (a `CallCache`).
+
+A repeat call (same op, arguments, thread count, and operands of the same kinds, shapes,
+strides and dtypes) runs from what its first call's checks found (`calls.replays`); a 4-D
+attention call with another key length in a known bucket rechecks only k, v and the mask
+(`calls.by_keys`). Kernels are kept by the plain sizes of their chains, so a call with known
+sizes builds no chain. `calls.clear()` forgets everything; `calls.info()` says what is held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+
+from chainfuse import ir
+from chainfuse.compiled import ConvKernel, Kernel
+from chainfuse.compiler import compile, compile_conv
+from chainfuse.ir import Activation
+from chainfuse.operands import TORCH_TYPES, empty_like_input, is_torch, pointer
+from chainfuse.ops.arguments import empty_result
+
+__all__ = [
+    "CacheInfo",
+    "CallCache",
+    "ConvReplay",
+    "Memo",
+    "Replay",
+    "bucket_key",
+    "bucketed",
+    "calls",
+    "key_bucket",
+    "replay",
+    "replay_conv",
+    "replay_keys",
+    "run",
+    "signature",
+]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+#: entries a replay memory holds (as many as the kernel caches: an entry keeps its kernel alive)
+REPLAYS_MAX = 256
+#: kernels each cache of compiled kernels holds
+KERNELS_MAX = 256
+
+
+class Memo(dict[K, V]):
+    """A dict of what earlier calls found, with a bound (`limit`) and counts of lookups that
+    found an entry (`hits`) or did not (`misses`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.hits = 0
+        self.misses = 0
+
+    def remember(self, key: K, value: V) -> None:
+        """Keep `value` under `key`; a full memo is emptied first (calls repeat in runs)."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+
+    def reset(self) -> None:
+        """Forget every entry and the counts."""
+        self.clear()
+        self.hits = self.misses = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfo:
+    """One cache of `CallCache`: entries held, its bound, lookups that hit and that missed."""
+
+    size: int
+    limit: int
+    hits: int
+    misses: int
+
+
+class Replay(NamedTuple):
+    """How a call ran, by what decided it (`calls.replays`' key): its kernel, where A, B, D (and
+    the mask) are among the call's operands, the strides and mask strides the kernel's checks
+    found, the result's shape, and whether the result is `empty_like` of the first operand."""
+
+    kernel: Kernel
+    at: tuple[int, ...]
+    strides: tuple[int, ...]
+    mask_strides: list[int] | None
+    shape: tuple[int, ...]
+    like: bool
+    keys: int | None = None
+
+
+class ConvReplay(NamedTuple):
+    """How a conv chain ran (`calls.conv_replays`, by the same rule): its kernel, the strides its
+    checks found, the result's shape, and whether a new result is channels-last (None: the
+    call passed `out`)."""
+
+    kernel: ConvKernel
+    strides: tuple[int, ...]
+    shape: tuple[int, ...]
+    channels_last: bool | None
+
+
+def signature(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The operands' part of a `calls.replays` key (None: operands absent from the call), or None
+    when they are not all numpy arrays or all plain CPU tensors outside autograd."""
+    kind = type(xs[0])
+    key: list[Any] = [kind]
+    if kind is np.ndarray:
+        for x in xs:
+            if x is None:
+                key.append(None)
+            elif type(x) is np.ndarray:
+                key += (x.shape, x.strides, x.dtype, x.flags.writeable)
+            else:
+                return None
+    elif kind in TORCH_TYPES or is_torch(xs[0]):
+        for x in xs:
+            if x is None:
+                key.append(None)
+            elif type(x) is kind and x.is_cpu and not x.requires_grad:
+                key += (x.shape, x.stride(), x.dtype)
+            else:
+                return None
+    else:
+        return None
+    return tuple(key)
+
+
+def bucket_key(key: tuple[Any, ...], mask: Any) -> tuple[tuple[Any, ...], int] | None:
+    """The `calls.by_keys` key of an attention call whose `calls.replays` key is `key`, and its
+    number of keys; None unless q, k and v are 4-D. What decides the call's kernel and path
+    stays: q whole, k's and v's shapes with the keys' bucket for their length, dtypes, and the
+    mask's shape the same way (its last dim is the bucket when it is the keys'). What is left
+    out (k's, v's and the mask's strides, and their lengths in the bucket) `replay_keys`
+    checks."""
+    sig = key[-1]
+    w = 3 if sig[0] is not np.ndarray else 4  # fields an operand has in `signature`
+    k_shape, v_shape = sig[1 + w], sig[1 + 2 * w]
+    if len(k_shape) != 4 or len(v_shape) != 4:
+        return None
+    n = k_shape[2]
+    bucket = key_bucket(n)
+    head = (key[:-1], sig[: 1 + w], bucket, k_shape[0], k_shape[1], k_shape[3], sig[3 + w],
+            v_shape[0], v_shape[1], v_shape[3], sig[3 + 2 * w])  # fmt: skip
+    if mask is None:
+        return head, n
+    m_shape = sig[1 + 3 * w]
+    if not m_shape:
+        return None
+    last = m_shape[-1]
+    return (*head, tuple(m_shape[:-1]), bucket if last == n else last, sig[3 + 3 * w]), n
+
+
+def key_bucket(n: int) -> int:
+    """`n` keys rounded up to a bucket of lengths planned together: steps of an eighth of the
+    power of two below (at least 8), so a plan covers at most 12.5 % more keys than a call has
+    (7 more below 64), and a decoder's 1..4096 keys take 56 plans instead of 4096."""
+    buckets = calls.buckets
+    found = buckets.get(n)
+    if found is None:
+        buckets.misses += 1
+        step = max(8, 1 << max(0, n.bit_length() - 4))
+        found = -(-n // step) * step
+        if len(buckets) < buckets.limit:
+            buckets[n] = found
+    else:
+        buckets.hits += 1
+    return found
+
+
+def bucketed(
+    sizes: tuple[int, int, int, int, int, int],
+    causal: bool,
+    mask: str | None,
+    scale: float | None,
+    mask_shape: tuple[int, ...] | None,
+    dtype: str,
+    threads: int,
+) -> tuple[Kernel, int | None]:
+    """The kernel for a call with `sizes` and the `keys` its calls pass (None: its own): a
+    decoding step's key length is new every step, and planning one costs far more than the
+    step, so the kernel is the one of the bucket's longest length (`key_bucket`), run with the
+    call's (a mask's key dim follows, unless it broadcasts)."""
+    seq_k = sizes[3]
+    bucket = key_bucket(seq_k)
+    if mask_shape is not None and mask_shape[-1] == seq_k:
+        mask_shape = (*mask_shape[:-1], bucket)
+    kernel = calls.attention_kernels((*sizes[:3], bucket, *sizes[4:]), causal, mask, scale,
+                                     mask_shape, dtype, threads)  # fmt: skip
+    return kernel, None if bucket == seq_k else seq_k
+
+
+def run(
+    kernel: Kernel,
+    inputs: tuple[Any, ...],
+    out: Any,
+    threads: int,
+    key: tuple[Any, ...] | None,
+    result: Any,
+    like: bool,
+    keys: int | None = None,
+    by_keys: tuple[Any, ...] | None = None,
+) -> None:
+    """Check and run one kernel call on `inputs` (views of the caller's operands at the same
+    addresses, in the same order) into `out` (a view of `result`), with `keys` of l (None:
+    the kernel's own; see `bucketed`), and remember how under `key`, for `replay`, and
+    under `by_keys` (`bucket_key`: then k, v and the mask are the caller's), for
+    `replay_keys`."""
+    _, pointers, strides, mask_strides = kernel.bind(inputs, out, keys)
+    kernel.launch(pointers, strides, mask_strides, threads, keys)
+    if key is not None or by_keys is not None:
+        at = kernel.positions + ((kernel.mask_at,) if mask_strides is not None else ())
+        shape = tuple(int(s) for s in result.shape)
+        entry = Replay(kernel, at, strides, mask_strides, shape, like, keys)
+        if key is not None:
+            calls.replays.remember(key, entry)
+        if by_keys is not None:
+            calls.by_keys.remember(by_keys, entry)
+
+
+def replay(r: Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
+    """Run a call `run` ran before with operands like these: their pointers, its strides."""
+    if out is None:
+        out = empty_result(operands[0], r.shape, r.like)
+    at = r.at
+    if type(out) is np.ndarray:
+        ptr = pointer
+        pointers = [ptr(operands[at[0]]), ptr(operands[at[1]]), ptr(operands[at[2]]), ptr(out)]
+    else:  # tensors (of one kind: the key says so): their pointers without a helper's call
+        pointers = [operands[at[0]].data_ptr(), operands[at[1]].data_ptr(),
+                    operands[at[2]].data_ptr(), out.data_ptr()]  # fmt: skip
+    if r.mask_strides is not None:
+        pointers.append(pointer(operands[at[3]]))
+    r.kernel.launch(pointers, r.strides, r.mask_strides, threads, r.keys)
+    return out
+
+
+def replay_keys(
+    r: Replay, operands: tuple[Any, ...], n: int, threads: int, key: tuple[Any, ...]
+) -> Any:
+    """Run a call `run` ran before with other k, v (and mask) of `n` keys in the same bucket
+    (`bucket_key`): those checked again, q's pointer and the result's strides as they were; and
+    remember it under its `calls.replays` key `key` (a decoder's other layers make the same call
+    at this step). None when the checks fail: the checked path then names what is wrong."""
+    kernel = r.kernel
+    keys = None if n == kernel.planned_keys else n
+    try:
+        pointers, strides, mask_strides = kernel.bind_keys(r.strides, operands, keys)
+    except (TypeError, ValueError):
+        return None
+    out = empty_result(operands[0], r.shape, r.like)
+    q = operands[r.at[0]]
+    if type(out) is np.ndarray:
+        a, e = pointer(q), pointer(out)
+    else:
+        a, e = q.data_ptr(), out.data_ptr()
+    kernel.launch([a, pointers[0], pointers[1], e, *pointers[2:]], strides, mask_strides,
+                  threads, keys)  # fmt: skip
+    calls.replays.remember(key, Replay(kernel, r.at, strides, mask_strides, r.shape, r.like, keys))
+    return out
+
+
+def replay_conv(r: ConvReplay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
+    """Run a conv chain `conv_chain` ran before with operands like these."""
+    if out is None:
+        assert r.channels_last is not None
+        out = empty_like_input(operands[0], r.shape, r.channels_last)
+    ptr = pointer
+    pointers = [None if x is None else ptr(x) for x in operands]
+    pointers.append(ptr(out))
+    r.kernel.launch(pointers, r.strides, threads)
+    return out
+
+
+def _compile_gemm(
+    sizes: tuple[int, int, int, int, int],
+    between: Activation | str | None,
+    dtype: str,
+    threads: int,
+) -> Kernel:
+    return compile(ir.gemm_chain(*sizes, between, dtype), threads=threads)
+
+
+def _compile_attention(
+    sizes: tuple[int, int, int, int, int, int],
+    causal: bool,
+    mask: str | None,
+    scale: float | None,
+    mask_shape: tuple[int, ...] | None,
+    dtype: str,
+    threads: int,
+) -> Kernel:
+    chain = ir.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
+                               mask_shape=mask_shape, dtype=dtype)  # fmt: skip
+    return compile(chain, threads=threads)
+
+
+def _compile_conv(sizes: tuple[int, ...], between: str | None, after: str | None) -> ConvKernel:
+    """The compiled kernel of one conv chain, by its plain sizes."""
+    N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
+    try:
+        chain = ir.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
+                                   padding=(pad1, pad2), between=between)  # fmt: skip
+    except ValueError as err:
+        if "never hits" not in str(err):
+            raise
+        raise ValueError(
+            f"padding: every window of the second convolution along a dim reads only its "
+            f"padding ({err}); not supported"
+        ) from None
+    return compile_conv(chain, after=after)
+
+
+class CallCache:
+    """Every cache `ops` keeps between calls: replays of known calls and compiled kernels by
+    their chains' sizes. `clear()` empties them all; `info()` reports each (`CacheInfo`)."""
+
+    def __init__(self) -> None:
+        #: calls made before, by everything that decides how they run (op, arguments, thread
+        #: count, each operand's kind, shape, strides and dtype) -> how they ran (`Replay`)
+        self.replays: Memo[tuple[Any, ...], Replay] = Memo(REPLAYS_MAX)
+        #: 4-D attention calls by the same less k's, v's and the mask's strides and lengths,
+        #: their key length's bucket instead (`bucket_key`) -> how one of them ran
+        self.by_keys: Memo[tuple[Any, ...], Replay] = Memo(REPLAYS_MAX)
+        #: conv chains called before, as `replays`
+        self.conv_replays: Memo[tuple[Any, ...], ConvReplay] = Memo(REPLAYS_MAX)
+        #: `key_bucket`'s answers
+        self.buckets: Memo[int, int] = Memo(65536)
+        #: compiled kernels by the plain arguments of their chains' builders and the thread
+        #: count (the plan is made for it): building and verifying a chain costs more than a
+        #: short call
+        self.gemm_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_gemm)
+        self.attention_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_attention)
+        self.conv_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_conv)
+
+    def clear(self) -> None:
+        """Forget every remembered call, bucket and kernel (calls are then only slower)."""
+        for memo in (self.replays, self.by_keys, self.conv_replays, self.buckets):
+            memo.reset()
+        for kernels in (self.gemm_kernels, self.attention_kernels, self.conv_kernels):
+            kernels.cache_clear()
+
+    def info(self) -> dict[str, CacheInfo]:
+        """Each cache by name: its size, bound, hits and misses since the last `clear()`."""
+        found = {
+            name: CacheInfo(len(memo), memo.limit, memo.hits, memo.misses)
+            for name, memo in (("replays", self.replays), ("by_keys", self.by_keys),
+                               ("conv_replays", self.conv_replays), ("buckets", self.buckets))
+        }  # fmt: skip
+        for name, kernels in (("gemm_kernels", self.gemm_kernels),
+                              ("attention_kernels", self.attention_kernels),
+                              ("conv_kernels", self.conv_kernels)):  # fmt: skip
+            held = kernels.cache_info()
+            found[name] = CacheInfo(held.currsize, held.maxsize or 0, held.hits, held.misses)
+        return found
+
+
+#: the one call cache of `ops`
+calls = CallCache()

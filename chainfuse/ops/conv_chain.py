@@ -1,0 +1,136 @@
+"""`conv_chain`: conv2d -> [relu] -> conv2d (-> [relu]) in one kernel, PyTorch's layouts.
+
+y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="relu")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chainfuse import ir
+from chainfuse.ops.arguments import inference_only, no_work, shape_of
+from chainfuse.ops.calls import ConvReplay, calls, replay_conv, signature
+from chainfuse.runtime import get_num_threads
+
+__all__ = ["conv_chain"]
+
+
+def conv_chain(
+    x: Any,
+    w1: Any,
+    w2: Any,
+    b1: Any = None,
+    b2: Any = None,
+    stride: int | tuple[int, int] = (1, 1),
+    padding: int | tuple[int, int] = (0, 0),
+    between: str | None = None,
+    after: str | None = None,
+    out: Any = None,
+) -> Any:
+    """`conv2d(between(conv2d(x, w1, b1, stride[0], padding[0])), w2, b2, stride[1], padding[1])`,
+    fused into one kernel, then `after` ("relu" or None) on the result.
+
+    `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
+    float32 numpy arrays or torch CPU tensors, in NCHW or channels-last memory order, read
+    through their strides (no copy of a whole tensor): channels-last input in place (the
+    micro-kernel reads slivers of pixels where they are, all rows of taps in one call; only
+    windows touching the padding are packed), NCHW input row band by row band through a
+    channels-last buffer per thread. The result has `x`'s kind and memory order (numpy: NCHW),
+    or is written into `out` (channels-last: in place; NCHW: a band of rows at a time through a
+    channels-last buffer per thread). An unbatched `x` [C, H, W] gives [K2, P, Q], as PyTorch's
+    conv2d does.
+    """
+    if len(getattr(x, "shape", ())) == 3:  # unbatched: one image, as conv2d takes it
+        one = conv_chain(x[None], w1, w2, b1, b2, stride, padding, between, after,
+                         None if out is None else out[None])  # fmt: skip
+        return one[0] if out is None else out
+    threads = get_num_threads()
+    key = None
+    if (
+        _plain_pair(stride)
+        and _plain_pair(padding)
+        and (between is None or between.__class__ is str)
+        and (after is None or after.__class__ is str)
+    ):
+        sig = signature((x, w1, w2, b1, b2, out))
+        if sig is not None:
+            key = ("conv_chain", stride, padding, between, after, threads, sig)
+            replays = calls.conv_replays
+            hit = replays.get(key)
+            if hit is not None:
+                replays.hits += 1
+                return replay_conv(hit, (x, w1, w2, b1, b2), out, threads)
+            replays.misses += 1
+    N, C, H, W = _conv_operand("x", x, 4, batch=True)
+    inference_only("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
+    K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
+    K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
+    if C1 != C:
+        raise ValueError(f"w1: expected {C} input channels (x's C), got shape {(K1, C1, R1, S1)}")
+    if C2 != K1:
+        raise ValueError(
+            f"w2: expected {K1} input channels (w1's output channels), got shape {(K2, C2, R2, S2)}"
+        )
+    for name, bias, k in (("b1", b1, K1), ("b2", b2, K2)):
+        if bias is not None and _conv_operand(name, bias, 1) != (k,):
+            raise ValueError(f"{name}: expected shape ({k},), got {tuple(bias.shape)}")
+    st1, st2 = _pair("stride", stride, 1)
+    pad1, pad2 = _pair("padding", padding, 0)
+    if between not in (None, "relu"):
+        raise ValueError(f"between: expected None or 'relu', got {between!r}")
+    if after not in (None, "relu"):
+        raise ValueError(f"after: expected None or 'relu', got {after!r}")
+    if H + 2 * pad1 < R1 or W + 2 * pad1 < S1:
+        raise ValueError(
+            f"w1: kernel {R1}x{S1} is larger than the padded input {H + 2 * pad1}x{W + 2 * pad1}"
+        )
+    P1, Q1 = ir.conv_out_size(H, R1, st1, pad1), ir.conv_out_size(W, S1, st1, pad1)
+    if P1 + 2 * pad2 < R2 or Q1 + 2 * pad2 < S2:
+        raise ValueError(
+            f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
+            f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
+        )
+    if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
+        P2, Q2 = ir.conv_out_size(P1, R2, st2, pad2), ir.conv_out_size(Q1, S2, st2, pad2)
+        return no_work("x", x, (0, K2, P2, Q2), 0, out)
+    sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
+    kernel = calls.conv_kernels(sizes, between, after)
+    out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
+    kernel.launch(pointers, strides, threads)
+    if key is not None:
+        calls.conv_replays.remember(
+            key, ConvReplay(kernel, strides, kernel.out_shape, channels_last)
+        )
+    return out
+
+
+def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:
+    """Shape of a conv operand after the checks that need no sizes: kind, dtype, device, rank;
+    sizes positive (a batch of zero images allowed where `batch`)."""
+    shape = shape_of(name, x)
+    device = getattr(x, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got device {device}")
+    if len(shape) != ndim:
+        also = " [N, C, H, W] (or 3, [C, H, W]: one image)" if batch else ""
+        raise ValueError(f"{name}: expected {ndim} dims{also}, got shape {shape}")
+    if any(s <= 0 for s in shape[int(batch) :]) or shape[0] < 0:
+        what = "sizes after the batch" if batch else "sizes"
+        raise ValueError(f"{name}: {what} must be positive, got shape {shape}")
+    return shape
+
+
+def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
+        raise ValueError(f"{name}: expected two integers (first conv, second conv), got {value!r}")
+    if any(v < least for v in pair):
+        raise ValueError(f"{name}: expected integers >= {least}, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _plain_pair(value: Any) -> bool:
+    """An int or a tuple of two ints (no bools): a stride or padding a key may hold as given."""
+    if value.__class__ is int:
+        return True
+    return value.__class__ is tuple and len(value) == 2 and all(v.__class__ is int for v in value)

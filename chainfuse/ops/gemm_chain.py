@@ -1,0 +1,171 @@
+"""`gemm_chain`: `between(A @ B) @ D` in one kernel, batch dims broadcast as numpy's matmul's.
+
+E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from chainfuse import ir
+from chainfuse.ir import Activation
+from chainfuse.operands import is_torch
+from chainfuse.ops.arguments import (
+    batch_dims,
+    inference_only,
+    new_result,
+    no_work,
+    on_cpu,
+    operands_of,
+)
+from chainfuse.ops.calls import calls, replay, run, signature
+from chainfuse.ops.views import lead_merged, stretched
+from chainfuse.runtime import get_num_threads
+
+__all__ = ["gemm_chain", "gemm_chain_shape"]
+
+
+def gemm_chain(
+    A: Any, B: Any, D: Any, between: Activation | str | None = None, out: Any = None
+) -> Any:
+    """`between(A @ B) @ D` for A [b, M, K] (or [M, K]), B [b, K, L], D [b, L, N].
+
+    float32, or bfloat16 or float16 in and out (fp32 arithmetic inside; `Kernel.arithmetic`
+    says so).
+    `between` is None, "relu", "gelu" or "softmax" (over L). Returns [b, M, N] ([M, N] for 2-D
+    inputs) of the inputs' kind; `out=` writes into a preallocated result. Zero-size
+    dimensions give what numpy's matmul gives (an empty result, or zeros for K = 0 or L = 0;
+    the mean of D's rows for K = 0 with softmax, whose scores are then all equal).
+
+    Other ranks broadcast as numpy's matmul broadcasts them: A [..., M, K], B [..., K, L],
+    D [..., L, N], the batch dims aligned from the right, each equal or 1 (`gemm_chain_shape`).
+    An MLP's x [batch, tokens, dim] with 2-D weights is one call over batch x tokens rows (the
+    weights read once), where x's rows lie evenly in memory (see `_gemm_chain_broadcast`).
+    """
+    threads = get_num_threads()
+    key = None
+    if between is None or between.__class__ is str or isinstance(between, Activation):
+        sig = signature((A, B, D, out))
+        if sig is not None:
+            key = ("gemm_chain", between, threads, sig)
+            replays = calls.replays
+            hit = replays.get(key)
+            if hit is not None:
+                replays.hits += 1
+                return replay(hit, (A, B, D), out, threads)
+            replays.misses += 1
+    dtype, (sa, sb, sd) = operands_of("A, B, D", A, B, D)
+    if (
+        not len(sa) == len(sb) == len(sd)
+        or len(sa) not in (2, 3)
+        or not sa[:-2] == sb[:-2] == sd[:-2]
+    ):
+        return _gemm_chain_broadcast(A, B, D, between, out, (sa, sb, sd))
+    inference_only("A, B, D", A, B, D)
+    on_cpu("A, B, D, out", A, B, D, out)
+    flat = len(sa) == 2
+    user_out, first = out, A
+    if flat:
+        A, B, D = A[None], B[None], D[None]
+        sa, sb, sd = (1, *sa), (1, *sb), (1, *sd)
+        if out is not None:
+            out = out[None]
+    operands = (A, B, D)
+    batch, M, K = sa
+    if sb[1] != K:
+        raise ValueError(f"B: expected {K} rows (A's K), got shape {sb[1:]}")
+    L = sb[2]
+    if sd[1] != L:
+        raise ValueError(f"D: expected {L} rows (B's L), got shape {sd[1:]}")
+    N = sd[2]
+    if between is not None and not isinstance(between, (str, Activation)):
+        raise TypeError(f"between: expected None or an activation name, got {between!r}")
+    if 0 in (batch, M, N, K, L):
+        ir.gemm_chain(1, 1, 1, 1, 1, between, dtype)  # the errors a call with work would raise
+        value: Any = 0
+        if K == 0 and L > 0 and between == "softmax":  # equal scores: every row weighs 1/L
+            if is_torch(D):
+                value = D.float().mean(-2, keepdim=True)
+            else:
+                value = np.asarray(D, np.float32).mean(-2, keepdims=True)
+        if flat:
+            return no_work(
+                "A", A[0], (M, N), value if isinstance(value, int) else value[0], user_out
+            )
+        return no_work("A", A, (batch, M, N), value, out)
+    kernel = calls.gemm_kernels((batch, M, N, K, L), between, dtype, threads)
+    like = False
+    if user_out is None:
+        user_out, like = new_result(first, (M, N) if flat else (batch, M, N))
+        out = user_out[None] if flat else user_out
+    run(kernel, operands, out, threads, key, user_out, like)
+    return user_out
+
+
+def gemm_chain_shape(sa: Sequence[Any], sb: Sequence[Any], sd: Sequence[Any]) -> tuple[Any, ...]:
+    """The shape of `gemm_chain`'s result for A, B, D of shapes `sa`, `sb`, `sd` (2-D and up,
+    batch dims broadcast as numpy's matmul broadcasts them; sizes may be symbolic), after the
+    checks `gemm_chain` makes of them, raising the same errors."""
+    if min(len(sa), len(sb), len(sd)) < 2:
+        raise ValueError(
+            f"A, B, D: expected [..., rows, cols] each, got shapes {tuple(sa)}, {tuple(sb)}, "
+            f"{tuple(sd)}"
+        )
+    if sb[-2] != sa[-1]:
+        raise ValueError(f"B: expected {sa[-1]} rows (A's K), got shape {tuple(sb[-2:])}")
+    if sd[-2] != sb[-1]:
+        raise ValueError(f"D: expected {sb[-1]} rows (B's L), got shape {tuple(sd[-2:])}")
+    n = max(len(sa), len(sb), len(sd)) - 2
+    pa, pb, pd = ((1,) * (n + 2 - len(s)) + tuple(s) for s in (sa, sb, sd))
+    return (*batch_dims(pa, pb, pd, n, "A, B, D"), sa[-2], sd[-1])
+
+
+def _gemm_chain_broadcast(
+    A: Any, B: Any, D: Any, between: Any, out: Any, shapes: tuple[tuple[int, ...], ...]
+) -> Any:
+    """`gemm_chain` on operands of other ranks than all 2-D or all 3-D, or 3-D ones of different
+    batch sizes: the batch dims broadcast (`gemm_chain_shape`). Where B and D have no batch of
+    their own (2-D weights, an MLP's) and A's batch and rows lie evenly in memory (a contiguous
+    A does), A is seen as [batch x M, K]: one 2-D call, the weights read once. Else every
+    operand is stretched to the batch shape (stride 0, no copy) and the batch dims merged into
+    one where their strides allow (one 3-D call), or one 3-D call per index of all but the
+    last. `out` (the result's shape) is written in place where it is contiguous."""
+    sa, sb, sd = shapes
+    shape = gemm_chain_shape(sa, sb, sd)
+    n = len(shape) - 2
+    lead = shape[:n]
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+    pa, pb, pd = ((1,) * (n + 2 - len(s)) + s for s in shapes)
+    A, B, D = A.reshape(pa), B.reshape(pb), D.reshape(pd)  # (views: leading dims of 1)
+    whole = out is not None and (out.is_contiguous() if is_torch(out) else out.flags.c_contiguous)
+    if 0 in shape:  # an empty result (a sum over no k or l has rows: the calls below)
+        return no_work("A", A, shape, 0, out)
+    if pb[:n] == pd[:n] == (1,) * n and pa[:n] == lead:
+        rows = lead_merged(A, n + 1)  # [batch x M, K]
+        if rows is not None:
+            flat = out.reshape(-1, shape[-1]) if whole else None
+            part = gemm_chain(rows, B.reshape(pb[n:]), D.reshape(pd[n:]), between, out=flat)
+            return out if flat is not None else _written(part.reshape(shape), out)
+    operands = [stretched(x, (*lead, *x.shape[n:])) for x in (A, B, D)]
+    merged = [lead_merged(x, n) for x in operands]
+    if all(x is not None for x in merged):
+        flat = out.reshape(-1, *shape[n:]) if whole else None
+        part = gemm_chain(merged[0], merged[1], merged[2], between, out=flat)
+        return out if flat is not None else _written(part.reshape(shape), out)
+    result = out if out is not None else new_result(A, shape)[0]
+    for at in np.ndindex(*lead[:-1]):
+        result[at] = gemm_chain(operands[0][at], operands[1][at], operands[2][at], between)
+    return result
+
+
+def _written(result: Any, out: Any) -> Any:
+    """`result`, or `out` with `result` copied into it (an `out=` the kernel could not write in
+    place: not contiguous)."""
+    if out is None:
+        return result
+    out[...] = result
+    return out
