@@ -167,7 +167,9 @@ def test_softmax_chains_pay_for_their_l_tiles(monkeypatch: pytest.MonkeyPatch) -
     # a GEMM chain's plan does not depend on the constant at all
     relu = gemm_chain(12, 512, 64, 64, 512, "relu")
     before = plan(relu, hw, threads=1).tiles
-    monkeypatch.setattr(model, "RESCALE_STEPS", 0.0)
+    from chainfuse.model import softmax
+
+    monkeypatch.setattr(softmax, "RESCALE_STEPS", 0.0)
     assert plan(relu, hw, threads=1).tiles == before
 
 
