@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from chainfuse import ir
+from chainfuse import builders as ir
 from chainfuse.compiler import (
     _TORCH_TYPES,
     ConvKernel,

@@ -31,8 +31,9 @@ from chainfuse.bench import workloads
 from chainfuse.bench.gemm_chain import model_facts, predicted_ms, set_threads
 from chainfuse.bench.results import HALF_SUFFIX, Result, geomean, suite_name
 from chainfuse.bench.timing import interleave
+from chainfuse.builders import attention_chain
 from chainfuse.compiler import compile
-from chainfuse.ir import Chain, attention_chain
+from chainfuse.ir import Chain
 from chainfuse.model import causal_softmax, computed_share
 
 __all__ = [

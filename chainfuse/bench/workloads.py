@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chainfuse.ir import Chain, conv_chain_spec, gemm_chain
+from chainfuse.builders import conv_chain_spec, gemm_chain
+from chainfuse.ir import Chain
 
 __all__ = ["ALL", "CONV", "GEMM", "ConvWorkload", "GemmWorkload", "chain_of", "find", "names"]
 
