@@ -1,4 +1,4 @@
-"""The paper's workloads (DESIGN.md, from Chimera's benchmark configs) as data, and their chains."""
+"""The paper's workloads (docs/design.md, from Chimera's benchmark configs) as data, and their chains."""
 
 from __future__ import annotations
 

@@ -298,7 +298,7 @@ def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) 
     assert math.isclose(attention.useful_gflop(chain) * 1e9, expect)
 
 
-def test_attention_issue_figures_keep_the_extra_cases_out_of_the_paper_set() -> None:
+def test_attention_headline_figures_keep_the_extra_cases_out_of_the_paper_set() -> None:
     from chainfuse.bench import attention
 
     def case(name: str, chainfuse_ms: float, sdpa_ms: float) -> Result:
