@@ -4,7 +4,7 @@ Pure functions of (Chain, schedule, tiles, Hardware): `nest` (order, compute-at,
 `traffic` (bytes per level), `softmax` (online and causal softmax terms), `time` (`estimate`).
 """
 
-from chainfuse.model.nest import LoopKind, Nest
+from chainfuse.model.nest import LoopKind, Nest, OpNest
 from chainfuse.model.softmax import (
     RESCALE_STEPS,
     causal_share,
@@ -14,11 +14,12 @@ from chainfuse.model.softmax import (
     rescale_factors,
     rescaled,
 )
-from chainfuse.model.time import Cost, code_level, estimate, example_dv
+from chainfuse.model.time import Cost, code_level, estimate
 from chainfuse.model.traffic import (
     LevelCost,
     compulsory_bytes,
     deal,
+    example_dv,
     least_flops,
     level_cost,
     moved_bytes,
@@ -31,6 +32,7 @@ __all__ = [
     "LevelCost",
     "LoopKind",
     "Nest",
+    "OpNest",
     "causal_share",
     "causal_softmax",
     "code_level",

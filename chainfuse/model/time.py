@@ -15,18 +15,13 @@ from chainfuse.model.traffic import deal, level_cost, moved_bytes, splits
 if TYPE_CHECKING:
     from chainfuse.hardware import Hardware
 
-__all__ = ["Cost", "code_level", "estimate", "example_dv"]
+__all__ = ["Cost", "code_level", "estimate"]
 
 
 def code_level(hardware: Hardware) -> str:
     """The level whose tiles the generated loop nest uses: the largest per-core cache."""
     private = [lv.name for lv in hardware.levels[:-1] if not lv.shared]
     return private[-1] if private else hardware.levels[0].name
-
-
-def example_dv(M: int, N: int, K: int, L: int, T_M: int, T_L: int, itemsize: int = 4) -> float:
-    """The closed form (docs/design.md) for order m > l > {k | n}: `M L (K+N) (1/T_L + 1/T_M)` elements."""
-    return M * L * (K + N) * (1 / T_L + 1 / T_M) * itemsize
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ __all__ = [
     "compulsory_bytes",
     "deal",
     "evaluator",
+    "example_dv",
     "least_flops",
     "level_cost",
     "moved_bytes",
@@ -566,6 +567,11 @@ def _live_intermediates(nest: Nest) -> list[list[str]]:
         for i in range(first, last + 1):
             out[i].append(name)
     return out
+
+
+def example_dv(M: int, N: int, K: int, L: int, T_M: int, T_L: int, itemsize: int = 4) -> float:
+    """The closed form (docs/design.md) for order m > l > {k | n}: `M L (K+N) (1/T_L + 1/T_M)` elements."""
+    return M * L * (K + N) * (1 / T_L + 1 / T_M) * itemsize
 
 
 def compulsory_bytes(chain: Chain) -> int:
