@@ -1,7 +1,12 @@
 """A chain's block loop nest: a block order, a compute-at depth, and whether the order is legal.
 
 `order[:depth]` is the *prefix* every op of the fused chain shares; each op then runs its own
-(*private*) loops in `order`'s order. Derivation in docs/design.md.
+(*private*) loops in `order`'s order; a producer's output loop outside the prefix is *derived*
+from what its consumer reads (docs/design.md)::
+
+    order m l k n, depth 2:      for m_o: for l_o:
+                                      for k_o: C_t += A[m_o,k_o] B[k_o,l_o]
+                                      for n_o: E[m_o,n_o] += C_t D[l_o,n_o]
 """
 
 from __future__ import annotations
@@ -48,9 +53,8 @@ class Layout(NamedTuple):
     reason: str | None  # why the prefix is illegal, or None
     kinds: list[dict[str, LoopKind]]  # per op: how each of its loops runs
     plain: bool  # every read index is one loop with stride 1 (or a constant)
-    derived: dict[
-        tuple[int, str], tuple[tuple[int, Affine], ...]
-    ]  # (op, loop) -> consumers' indices
+    # (op, derived loop) -> (consumer op, its index of that output dim) pairs
+    derived: dict[tuple[int, str], tuple[tuple[int, Affine], ...]]
     static: dict[tuple[object, ...], Any]  # tile-independent facts, computed on demand
 
 
