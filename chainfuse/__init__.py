@@ -8,17 +8,11 @@ E = kernel(A, B, D)
 """
 
 from chainfuse import ops
+from chainfuse.builders import attention_chain, conv_chain_spec, from_einsum, gemm_chain, mlp_chain
 from chainfuse.compiler import Kernel, compile
 from chainfuse.config import VERSION as __version__
 from chainfuse.hardware import Hardware
-from chainfuse.ir import (
-    Chain,
-    attention_chain,
-    conv_chain_spec,
-    from_einsum,
-    gemm_chain,
-    mlp_chain,
-)
+from chainfuse.ir import Chain
 from chainfuse.planner import Plan, PlanningError, plan
 from chainfuse.runtime import get_num_threads, set_num_threads
 from chainfuse.simulate import simulate

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Sequence
 
 from chainfuse.bench import workloads
+from chainfuse.builders import conv_chain_spec, gemm_chain
 from chainfuse.hardware import presets, resolve
-from chainfuse.ir import Chain, conv_chain_spec, gemm_chain
+from chainfuse.ir import Chain
 from chainfuse.planner import PlanningError, timed_plan
 from chainfuse.simulate import simulate
 

@@ -1,30 +1,17 @@
 """The planner: enumerate block orders and compute-at depths, choose tiles per level, rank by time.
 
-No autotuning: every candidate is costed by `chainfuse.model` in microseconds, and the search is
-small because most orders are equivalent. What it does, for a chain on a `Hardware`:
+No autotuning: every candidate is costed by `chainfuse.model`, and the search is small because
+most orders are equivalent (docs/design.md):
 
-1. *Structures.* Batch-like loops (they index every tensor that moves) go outermost with tile 1;
-   window taps of a convolution stay innermost and whole. Every ordered subset of the other
-   legal loops is a candidate prefix (the loops all ops share, outermost first); the remaining
-   loops follow in every order when there are at most three of them. Orders whose `Nest`
-   signature is equal cost the same for every tile choice and are costed once (`considered`
-   counts the distinct ones).
-2. *Tiles.* For each cache level, outermost first, a coordinate search over multiples of the
-   micro-kernel's register block, starting from a uniform tile grown until the level is full
-   (the closed form `T = sqrt(a^2 + MC) - a` of DESIGN.md's example is that start for a GEMM
-   chain) and keeping inner tiles no larger than outer ones. The objective at a level is the
-   predicted time of the bytes it moves plus the recompute it causes; the working set must fit
-   `USABLE` of the level (per core; a shared level is split among the cores). At the outermost
-   level the tiles also decide how many blocks the parallel loops deal to the cores (the
-   generated kernels deal these blocks), so there the objective counts only the busy cores and
-   the imbalance, as `estimate` does.
-3. *Rank.* Every structure gets tiles at every level from the quick search (the grow step) and
-   is ranked by `estimate(...).time_s`, the cost the final choice uses; then the structures are
-   refined (the coordinate rounds): all of them for a plain chain, the best `SCREENED` for a
-   convolution. A structure whose least flops on as many cores as its parallel loops can fill
-   already take as long as the best plan so far is skipped: no tiles can make it win. The
-   unfused execution is costed the same way, and the chain is fused only where that is
-   predicted faster.
+1. *Structures.* Batch-like loops go outermost with tile 1, convolution taps innermost and whole;
+   every ordered subset of the other legal loops is a candidate prefix, the rest in every order
+   (at most three). Orders with equal `Nest` signatures are costed once (`considered`).
+2. *Tiles.* Per cache level, outermost first: grow a uniform tile (multiples of the register
+   block) until the level's `USABLE` share is full, then coordinate rounds; inner tiles never
+   exceed outer ones. At the outermost level the objective counts the cores' deal, as `estimate`.
+3. *Rank.* Every structure is ranked by `estimate(...).time_s`, then refined (all of them for a
+   plain chain, the best `SCREENED` for a convolution); one whose least flops cannot beat the
+   best so far is skipped. Unfused execution is costed too; the chain is fused where faster.
 """
 
 from __future__ import annotations
@@ -60,10 +47,7 @@ from chainfuse.model import (
 __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
 
 # fraction of a level the working set may fill: caches are not ideal (conflicts, code, the
-# lines the hardware prefetchers bring). 0.75 filled the AVX-512 host's 2 MiB L2 closer than it
-# delivers: interleaved against 0.6 (1 thread, plans of each), mixer-l-32-c ran 1.21-1.24x
-# faster, squeezenet's conv chain 1.08x, the 32 other cases within noise (0.98-1.06, plans it
-# left unchanged included), geomean 1.02 (GEMM chains and attention) and 1.014 (conv)
+# lines the hardware prefetchers bring) (docs/tuning.md)
 USABLE = 0.6
 SCREENED = 3  # structures refined when costing is slow (affine indices); plain chains: all
 MAX_PREFIX = 4  # longest shared prefix enumerated (beyond it the orders are equivalent in practice)
@@ -241,11 +225,8 @@ def register_block(chain: Chain, hardware: Hardware) -> tuple[int, int]:
 def _roles(chain: Chain) -> tuple[list[str], list[str]]:
     """Batch-like loops (index every tensor that moves, reduce nothing) and convolution taps.
 
-    A softmax's mask does not count: one broadcast over the heads (a padding mask [b, 1, 1,
-    l]) would make the heads a loop to tile for its reuse, and a block of several heads takes
-    room the code's tiles need (two heads in the L2 block of BERT-base with a boolean mask
-    [1, 1, 512, 512] left it k in blocks of 22 and l of 174: 1.15x the time of the unmasked
-    chain's tiles, Zen 3, 1 thread). Its re-reads per head are still counted."""
+    A softmax's mask does not count: one broadcast over the heads would make the heads a loop
+    to tile for its reuse, taking room the code's tiles need. Its re-reads are still counted."""
     moving = [
         acc for op in chain.ops for acc in (*op.reads, op.output)
         if chain.tensor(acc.tensor).role is not Role.INTERMEDIATE
@@ -280,26 +261,16 @@ def _quanta(chain: Chain, mr: int, nr: int) -> dict[str, int]:
     return q
 
 
-#: Share of the innermost cache a fused GEMM chain's first micro-kernel panel may take (`_panel_caps`).
+#: Share of the innermost cache a fused GEMM chain's first micro-kernel panel may take.
 PANEL_SHARE = 0.5
 #: A reduction up to this many times the panel's steps is left whole (`_panel_caps`).
 WHOLE_REDUCTION = 2.5
 
 
 def _panel_caps(chain: Chain, hw: Hardware, nr: int) -> dict[str, int]:
-    """The largest code-level tile of the first GEMM's reduction loop in a fused GEMM chain: the
-    generated kernel's micro-kernel keeps a packed panel of nr columns by that many steps in the
-    innermost cache across a tile's slivers, so the panel takes at most `PANEL_SHARE` of it (the
-    rest: the slivers streamed past it, the accumulator block). The levels' tiles model bytes
-    between levels, not this reuse inside one. Measured on an AVX-512 core (48 KiB L1, nr = 64):
-    Mixer-C MLPs planned with 384 steps (a 96 KiB panel, re-read from L2 for every sliver) ran
-    at 40 % of the peak, with 64 or 128 at 62 % (1.66x).
-
-    A reduction of at most `WHOLE_REDUCTION` times that is not capped: cut into k blocks, every
-    block after the first reloads and stores the whole score tile it adds to, and the last one
-    runs short micro-kernel calls. Attention heads of 80, 96, 128 and 160 dims on a 32 KiB L1
-    (a 64-step cap) ran 0.5-1.4 % faster with k whole (Zen 4, interleaved A/B, two rounds).
-    {} when the code level is the innermost cache, or the chain has no such GEMM."""
+    """The largest code-level tile of the first GEMM's reduction in a fused GEMM chain: its packed
+    panel of nr columns takes at most `PANEL_SHARE` of the innermost cache; a reduction of at most
+    `WHOLE_REDUCTION` times that stays whole (docs/tuning.md). {} where nothing is capped."""
     if len(chain.contractions) < 2 or code_level(hw) == hw.levels[0].name:
         return {}
     first = chain.contractions[0]
@@ -370,11 +341,9 @@ class _Search:
     def level_objective(
         self, nest: Nest, level: int, tiles: Mapping[str, int], parallel: tuple[str, ...]
     ) -> float | None:
-        """Predicted seconds of the bytes this level's tiles move and the flops they execute
-        (recompute included); None when the working set does not fit. At the outermost cache
-        level the tiles also decide how many blocks of the `parallel` loops the cores share,
-        so there the time is per busy core and stretched by the imbalance, as in `estimate`;
-        inner levels assume every core busy."""
+        """Predicted seconds of the bytes this level's tiles move and the flops they execute;
+        None when the working set does not fit. The outermost level counts the busy cores and the
+        imbalance of their deal (as `estimate`); inner levels assume every core busy."""
         tkey = tuple([tiles[n] for n in nest.order])
         outermost = level == len(self.levels) - 1
         # (not id(nest): ids get reused)
@@ -468,7 +437,7 @@ class _Search:
             return None
         # grow every free tile together while the level still holds the working set
         step = 1
-        while step < max(map(len, cands.values()), default=0):  # (was `while True`: could hang)
+        while step < max(map(len, cands.values()), default=0):
             trial = tied({**tiles, **{n: cands[n][min(step, len(cands[n]) - 1)] for n in free}})
             if trial == tiles:
                 break
@@ -509,16 +478,13 @@ class _Search:
         cands: Mapping[str, list[int]],
         tied: Callable[[dict[str, int]], dict[str, int]],
     ) -> tuple[dict[str, int], float]:
-        """A larger tile of the l loop an online softmax runs over (fewer rescalings of the
-        GEMM it feeds: `model.rescale_factors`) for a smaller tile of a shared loop. From a block
-        that fills the level, each of the two moves alone overflows it or moves more bytes, so
-        the coordinate search cannot take them: for each larger tile of l, the largest smaller
-        tile of each such loop that makes room."""
+        """Trade a smaller tile of a shared loop for a larger tile of the l an online softmax runs
+        over (fewer rescalings: `model.rescale_factors`): from a full block, neither move alone
+        fits or wins, so the coordinate search cannot take them."""
         ext = self.ext
         reductions = {op.axis for op in self.chain.ops if isinstance(op, Softmax)}
         # room is made by the shared loops' other tiles (attention's rows), never by another
         # reduction's or a private loop's, whose smaller tiles cost what the model does not see
-        # (a k in blocks repacks A and accumulates; an n in blocks runs the softmax again)
         contracted = {r for op in self.chain.ops for r in op.reduction}
         room = [b for b in free if b in nest.prefix and b not in contracted]
         for a in free:
@@ -545,10 +511,8 @@ class _Search:
     ) -> dict[str, dict[str, int]] | None:
         """Tiles for every cache level, outermost first, each within the one outside it.
 
-        The outermost tiles are costed with the split of idle cores (`split`) before the inner
-        levels are known; where the inner tiles then do not allow it (a block of several
-        code-level blocks), the search runs again without it, so that a plan never counts on
-        cores its kernel leaves idle."""
+        Where the inner tiles do not allow the split of idle cores the outermost tiles were costed
+        with, the search runs again without it: a plan never counts on cores left idle."""
         tiles = self._all_levels(nest, parallel, rounds)
         if self.split is None or tiles is None or not nest.fused:
             return tiles
@@ -645,14 +609,10 @@ def plan(
 ) -> Plan:
     """Choose the block order, compute-at depth, tiles per level and parallel split of `chain`.
 
-    `hardware` is a `Hardware`, a preset name, or None for this machine; `threads` defaults to
-    its core count; `fuse` forces the fused (True) or unfused (False) execution instead of
-    letting the model decide. `structures` restricts the fused (order, depth) candidates to
-    those a backend implements; the model still chooses tiles and parallel split for them.
-    `quanta` overrides the tile multiple of some loops (a backend that puts m on the
-    micro-kernel's columns wants m in multiples of nr). `split` ((loop, quantum)) is a loop
-    the backend's kernel splits among the cores its deal of the parallel loops leaves idle, in
-    shares of whole quanta (`model.deal`); the fused plans are costed with it.
+    `hardware`: a `Hardware`, a preset name, or None for this machine; `fuse` forces fused (True)
+    or unfused (False); `structures` restricts the fused (order, depth) candidates to a backend's;
+    `quanta` overrides some loops' tile multiples; `split` ((loop, quantum)) is a loop the kernel
+    splits among the cores its deal leaves idle (`model.deal`).
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
@@ -673,9 +633,7 @@ def plan(
     if len(hw.levels) < 2:
         raise PlanningError(f"hardware {hw.name!r} needs at least one cache level and memory")
 
-    # every distinct structure gets tiles at every level from the quick search and is ranked by
-    # the cost the final choice uses (parallel split included); the best few are then refined.
-    # A structure whose least compute time already reaches the best time so far cannot win.
+    # every distinct structure: quick tiles at every level, ranked by the final cost
     seen: set[object] = set()
     scored: list[_Choice] = []
     best: _Choice | None = None
@@ -702,9 +660,8 @@ def plan(
                 best = scored[-1]
     scored.sort(key=lambda c: c[0].time_s)  # stable: ties keep the enumeration order
 
-    # refining every structure keeps a larger cache from ever losing the optimum in practice
-    # (the quick search can rank a structure last that refining makes best); a plain chain
-    # costs ~10 us per evaluation and affords it, a convolution costs several times more
+    # refining every structure keeps a larger cache from losing the optimum (the quick search
+    # can rank last what refining makes best); convolutions cost too much per evaluation
     plain = all(nest.plain for _, nest, _, _ in scored)
     refined: set[Nest] = set()
     for _, nest, _, parallel in scored if plain else scored[:SCREENED]:

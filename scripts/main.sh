@@ -5,7 +5,7 @@
 # plots and results.json.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-python -m chainfuse.demo "$@"
+python -m chainfuse.bench.demo "$@"
 echo
 echo "==== chainfuse bench all --quick --out bench-out ===="
 python -m chainfuse bench all --quick --out bench-out

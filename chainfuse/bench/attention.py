@@ -20,7 +20,6 @@ one built once, as models keep it). A causal case's GFLOP/s count the scores it 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,11 +27,12 @@ import numpy as np
 
 from chainfuse import ops, reference
 from chainfuse.bench import workloads
-from chainfuse.bench.gemm_chain import model_facts, predicted_ms, set_threads
+from chainfuse.bench.harness import model_facts, predicted_ms, set_threads
 from chainfuse.bench.results import HALF_SUFFIX, Result, geomean, suite_name
 from chainfuse.bench.timing import interleave
+from chainfuse.builders import attention_chain
 from chainfuse.compiler import compile
-from chainfuse.ir import Chain, attention_chain
+from chainfuse.ir import Chain
 from chainfuse.model import causal_softmax, computed_share
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "MASKED",
     "cases",
     "chain_of",
-    "main",
     "run",
     "summarise",
     "useful_gflop",
@@ -198,7 +197,8 @@ def run(
 
 
 def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
-    """The figures issue 4's acceptance lines are stated in, per thread count."""
+    """The headline figures per thread count: the paper workloads against SDPA (geomean, min,
+    how many reach 80 % of the peak) and the extra cases' minimum speedups."""
     out: dict[str, Any] = {}
     for n in sorted({r.threads for r in results}):
         mine = [r for r in results if r.threads == n and "sdpa" in r.ms]
@@ -223,14 +223,3 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
             "masked_min_vs_sdpa": min((r.speedup("sdpa") for r in masked), default=math.nan),
         }
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`chainfuse bench attention ...`: the shared runner with this suite."""
-    from chainfuse.bench import runner
-
-    return runner.main(["attention", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -11,13 +11,12 @@ faster of the two PyTorch formats.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from chainfuse import reference
 from chainfuse.bench import workloads
-from chainfuse.bench.gemm_chain import predicted_ms, set_threads
+from chainfuse.bench.harness import predicted_ms, set_threads
 from chainfuse.bench.results import Result
 from chainfuse.bench.timing import interleave
 from chainfuse.compiler import ConvKernel, compile_conv
@@ -25,7 +24,7 @@ from chainfuse.hardware import resolve
 from chainfuse.planner import timed_plan
 from chainfuse.simulate import simulate
 
-__all__ = ["BASELINES", "SUITE", "main", "run", "torch_baselines"]
+__all__ = ["BASELINES", "SUITE", "run", "torch_baselines"]
 
 SUITE = "conv-chain"
 BASELINES = ("torch_channels_last", "torch_nchw")
@@ -132,14 +131,3 @@ def run(
                     compile_s=kernel.compile_seconds,
                 ))  # fmt: skip
     return results
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`chainfuse bench conv-chain ...`: the shared runner with this suite."""
-    from chainfuse.bench import runner
-
-    return runner.main(["conv-chain", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

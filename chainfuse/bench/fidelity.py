@@ -5,11 +5,8 @@ the same block order with other code-level tiles (multiples of the micro-kernel'
 the chosen ones, each costed by `model.estimate` over every level, capacity respected). The
 top `k` by predicted time are compiled and timed interleaved on one thread; each plan's measured
 time is the chosen plan's median times the median of its per-round ratios to the chosen plan
-(`timing.paired_ms`). By their medians alone the least of ten close plans is mostly the one that
-caught the quiet rounds: on a shared Zen 3, bert-base attention's chosen plan came out 7.2 and
-9.3 % behind the best of its ten (two quick bench runs, 9 rounds), where 16 paired rounds
-against that plan put the chosen one 2.7 % ahead; paired, the gap was 0.1 and 1.3 %. Two figures
-come out:
+(`timing.paired_ms`): by their medians alone the least of ten close plans is mostly the one that
+caught the quiet rounds (docs/performance.md). Two figures come out:
 
 - Spearman's rank correlation between the model's ranking and the measured times (1: the model
   orders the plans exactly as the machine does; near 0: its ordering among these is noise).

@@ -21,23 +21,15 @@ import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench import workloads
+from chainfuse.bench.harness import model_facts, predicted_ms, set_threads
 from chainfuse.bench.results import HALF_SUFFIX, Result, geomean, suite_name
 from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
-from chainfuse.hardware import Hardware, resolve
-from chainfuse.model import Nest, estimate
-from chainfuse.planner import timed_plan
-from chainfuse.runtime import set_num_threads
-from chainfuse.simulate import simulate
 
 __all__ = [
     "compile_times",
-    "main",
-    "model_facts",
     "numpy_baseline",
-    "predicted_ms",
     "run",
-    "set_threads",
     "summarise",
     "torch_baselines",
 ]
@@ -104,27 +96,6 @@ def _call(kernel: Any, args: Sequence[Any], out: Any) -> Callable[[], object]:
     return lambda: kernel(*args, out=out)
 
 
-def set_threads(n: int) -> None:
-    """The same thread count for everyone: chainfuse, PyTorch and numpy's BLAS.
-
-    numpy's BLAS would otherwise use every core in a "1 thread" row, and its idle workers spin
-    between calls, taking a core from whatever is timed next.
-    """
-    set_num_threads(n)
-    try:
-        import torch
-
-        torch.set_num_threads(n)
-    except ImportError:
-        pass
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        print("note: threadpoolctl is not installed; numpy's BLAS uses its default threads")
-        return
-    threadpool_limits(limits=n, user_api="blas")
-
-
 def compile_times() -> dict[str, float]:
     """Cold compile (empty cache) and warm first call (cached, in a new process), seconds; and
     the same process's second call, so that chainfuse's part of the first call (planning looked
@@ -161,31 +132,6 @@ def compile_times() -> dict[str, float]:
         "warm_was_cached": float(warm[2] == "True"),
         "warm_second_call_s": float(warm[3]),
     }
-
-
-def model_facts(chain: Any, kernel: Any, hw: Hardware | None = None) -> dict[str, Any]:
-    """What the model said about a compiled kernel, for `Result`: bytes per level, the
-    simulator's bytes for the same plan, and the time a full planning run takes."""
-    hw = hw or resolve(None)
-    _, seconds = timed_plan(chain, hw, threads=kernel.plan.threads)
-    try:
-        simulated = simulate(chain, kernel.plan, hw)
-    except ValueError:  # too many blocks to walk
-        simulated = {}
-    return {
-        "predicted_bytes": dict(kernel.plan.bytes_per_level),
-        "simulated_bytes": simulated,
-        "planning_ms": seconds * 1e3,
-        "compile_s": kernel.compile_seconds,
-    }
-
-
-def predicted_ms(chain: Any, plan: Any, threads: int, hw: Hardware | None = None) -> float:
-    """The model's time for `plan` run on `threads` cores (plans are made for all cores)."""
-    hw = hw or resolve(None)
-    nest = Nest(chain, plan.order, plan.depth, fused=plan.fused)
-    tiles = {level: dict(t) for level, t in plan.tiles}
-    return estimate(nest, tiles, hw, plan.parallel, threads, plan.split).time_s * 1e3
 
 
 def tiles_text(kernel: Any) -> str:
@@ -251,7 +197,8 @@ def run(
 
 
 def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
-    """The figures issue 3's acceptance lines are stated in, per thread count."""
+    """The headline figures per thread count: the attention-shaped workloads against PyTorch
+    (geomean, min, how many reach 85 % of the peak) and the MLPs' minimum speedup."""
     out: dict[str, Any] = {}
     for n in sorted({r.threads for r in results}):
         sel = [r for r in results if r.threads == n and "torch_prealloc" in r.ms]
@@ -275,14 +222,3 @@ def summarise(results: Sequence[Result], peak: float) -> dict[str, Any]:
             ),
         }
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`chainfuse bench gemm-chain ...`: the shared runner with this suite."""
-    from chainfuse.bench import runner
-
-    return runner.main(["gemm-chain", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

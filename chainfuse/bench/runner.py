@@ -24,6 +24,7 @@ from typing import Any
 
 from chainfuse.bench import attention, fidelity, gemm_chain, report, workloads
 from chainfuse.bench.fidelity import Fidelity
+from chainfuse.bench.harness import set_threads
 from chainfuse.bench.probe import fp32_peak_gflops, measure_machine
 from chainfuse.bench.results import HALF_SUFFIX, Result
 
@@ -165,7 +166,7 @@ def _main(argv: Sequence[str] | None) -> int:
         total += len(fid_gemm) * ("gemm-chain" in suites) + len(fid_att) * ("attention" in suites)
         total += len(fid_conv) * ("conv-chain" in suites)
 
-    gemm_chain.set_threads(1)
+    set_threads(1)
     machine = measure_machine()
     print(f"{machine.hardware.name}: FP32 FMA peak measured {machine.peak_gflops:.1f} GFLOP/s "
           f"per core (nominal {machine.nominal_peak_gflops:.1f}); load {machine.load_average:.2f}")  # fmt: skip
@@ -192,16 +193,15 @@ def _main(argv: Sequence[str] | None) -> int:
     }
     for suite in suites:
         results += runs[suite]()
-    # the peak is what the core can do: a busy moment lowers one probe (one read 70.6 GFLOP/s
-    # against 92-95 in the runs around it, and put 9 of the 12 attention workloads at >= 80 %
-    # of it), so the report's is the better of the probes before and after the timings
+    # the peak is what the core can do and a busy moment lowers one probe: the report's is the
+    # better of the probes before and after the timings
     again = fp32_peak_gflops()
     extra["fp32_probe_gflops"] = {"before": machine.peak_gflops, "after": again}
     print(f"FP32 FMA peak measured again: {again:.1f} GFLOP/s per core")
     if again > machine.peak_gflops:
         machine = dataclasses.replace(machine, peak_gflops=again)
     peak = machine.peak_gflops
-    # the figures each issue's acceptance lines are stated in, per suite that has them
+    # each suite's headline figures (its targets are stated in them), where it has them
     summaries = {"gemm-chain": gemm_chain.summarise, "attention": attention.summarise}
     for suite in dict.fromkeys(r.suite for r in results):
         base = suite
@@ -209,12 +209,12 @@ def _main(argv: Sequence[str] | None) -> int:
             base = base.removesuffix(suffix)
         summarise = summaries.get(base)
         if summarise is not None:
-            key = suite.replace("-", "_") + "_issue_figures"
+            key = suite.replace("-", "_") + "_headline_figures"
             extra[key] = summarise([r for r in results if r.suite == suite], peak)
 
     fids: list[Fidelity] = []
     if args.top > 0:
-        gemm_chain.set_threads(1)
+        set_threads(1)
         if "gemm-chain" in suites:
             for name in fid_gemm:
                 chain = workloads.chain_of(name, FIDELITY_VARIANT)

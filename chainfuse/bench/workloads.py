@@ -1,10 +1,11 @@
-"""The paper's workloads (DESIGN.md, from Chimera's benchmark configs) as data, and their chains."""
+"""The paper's workloads (docs/design.md, from Chimera's benchmark configs) as data, and their chains."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chainfuse.ir import Chain, conv_chain_spec, gemm_chain
+from chainfuse.builders import conv_chain_spec, gemm_chain
+from chainfuse.ir import Chain
 
 __all__ = ["ALL", "CONV", "GEMM", "ConvWorkload", "GemmWorkload", "chain_of", "find", "names"]
 

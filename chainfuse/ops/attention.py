@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from chainfuse import ir
+from chainfuse import builders
 from chainfuse.operands import is_torch
 from chainfuse.ops.arguments import (
     batch_dims,
@@ -195,7 +195,7 @@ def attention(
             attn_mask = attn_mask[:, None]
             mask_shape = (mask_shape[0], 1, *mask_shape[1:])
         full = (batch, heads, seq_q, seq_k)  # (q's heads: with GQA, k's are fewer)
-        if not ir.broadcasts(mask_shape, full):
+        if not builders.broadcasts(mask_shape, full):
             raise ValueError(f"attn_mask: shape {mask_shape} does not broadcast to {full}")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -248,7 +248,7 @@ def _attention_nd(
     if mask is not None:  # (its last 3 dims: checked by the 4-D calls)
         m = tuple(mask.shape)
         inner = (1,) * (3 - len(m)) + m[-3:]
-        if not ir.broadcasts(m[:-3], lead):
+        if not builders.broadcasts(m[:-3], lead):
             full = (*lead, q.shape[-3], q.shape[-2], k.shape[-2])
             raise ValueError(f"attn_mask: shape {m} does not broadcast to {full}")
         operands.append(stretched(mask.reshape(inner) if len(m) < 3 else mask, (*lead, *inner)))

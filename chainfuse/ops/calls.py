@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from chainfuse import ir
+from chainfuse import builders
 from chainfuse.compiled import ConvKernel, Kernel
 from chainfuse.compiler import compile, compile_conv
 from chainfuse.ir import Activation
@@ -283,7 +283,7 @@ def _compile_gemm(
     dtype: str,
     threads: int,
 ) -> Kernel:
-    return compile(ir.gemm_chain(*sizes, between, dtype), threads=threads)
+    return compile(builders.gemm_chain(*sizes, between, dtype), threads=threads)
 
 
 def _compile_attention(
@@ -295,7 +295,7 @@ def _compile_attention(
     dtype: str,
     threads: int,
 ) -> Kernel:
-    chain = ir.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
+    chain = builders.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
                                mask_shape=mask_shape, dtype=dtype)  # fmt: skip
     return compile(chain, threads=threads)
 
@@ -304,7 +304,7 @@ def _compile_conv(sizes: tuple[int, ...], between: str | None, after: str | None
     """The compiled kernel of one conv chain, by its plain sizes."""
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
     try:
-        chain = ir.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
+        chain = builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
                                    padding=(pad1, pad2), between=between)  # fmt: skip
     except ValueError as err:
         if "never hits" not in str(err):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chainfuse import ir
+from chainfuse import builders
 from chainfuse.ops.arguments import inference_only, no_work, shape_of
 from chainfuse.ops.calls import ConvReplay, calls, replay_conv, signature
 from chainfuse.runtime import get_num_threads
@@ -84,14 +84,14 @@ def conv_chain(
         raise ValueError(
             f"w1: kernel {R1}x{S1} is larger than the padded input {H + 2 * pad1}x{W + 2 * pad1}"
         )
-    P1, Q1 = ir.conv_out_size(H, R1, st1, pad1), ir.conv_out_size(W, S1, st1, pad1)
+    P1, Q1 = builders.conv_out_size(H, R1, st1, pad1), builders.conv_out_size(W, S1, st1, pad1)
     if P1 + 2 * pad2 < R2 or Q1 + 2 * pad2 < S2:
         raise ValueError(
             f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
             f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
         )
     if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
-        P2, Q2 = ir.conv_out_size(P1, R2, st2, pad2), ir.conv_out_size(Q1, S2, st2, pad2)
+        P2, Q2 = builders.conv_out_size(P1, R2, st2, pad2), builders.conv_out_size(Q1, S2, st2, pad2)
         return no_work("x", x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
     kernel = calls.conv_kernels(sizes, between, after)

@@ -54,4 +54,4 @@ def test_bench_half_precision_attention_is_its_own_suite(tmp_path: Path) -> None
     data = json.loads((out / "results.json").read_text())
     assert {r["suite"] for r in data["results"]} == {"attention-fp16"}
     assert all(r["dtype"] == "float16" for r in data["results"])
-    assert "attention_fp16_issue_figures" in data
+    assert "attention_fp16_headline_figures" in data

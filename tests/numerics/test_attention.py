@@ -298,7 +298,7 @@ def test_ops_find_their_kernel_by_sizes_without_rebuilding_the_chain(
 ) -> None:
     # building and verifying a chain costs more than a short call's kernel: a second call with
     # the same sizes must not pay it (and must still compute the right thing)
-    from chainfuse import ir, ops
+    from chainfuse import builders, ops
 
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, 2, 9, 8), dtype=np.float32) for _ in range(3))
@@ -306,9 +306,9 @@ def test_ops_find_their_kernel_by_sizes_without_rebuilding_the_chain(
     first = ops.attention(q, k, v, scale=0.25), ops.gemm_chain(A, B, D, "relu")
     built: list[str] = []
     for name in ("attention_chain", "gemm_chain"):
-        real = getattr(ir, name)
+        real = getattr(builders, name)
         monkeypatch.setattr(
-            ir, name, lambda *a, _r=real, _n=name, **kw: built.append(_n) or _r(*a, **kw)
+            builders, name, lambda *a, _r=real, _n=name, **kw: built.append(_n) or _r(*a, **kw)
         )
     again = ops.attention(q, k, v, scale=0.25), ops.gemm_chain(A, B, D, "relu")
     assert built == []

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 import chainfuse
 from chainfuse import ops, reference
 from chainfuse.bench import workloads
+from chainfuse.builders import conv_out_size
 from chainfuse.codegen.conv import Halo
 from chainfuse.compiler import compile_conv
-from chainfuse.ir import conv_out_size
 
 KINDS = ("numpy", "torch_nchw", "torch_channels_last")
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from chainfuse import reference
+from chainfuse.builders import attention_chain, conv_chain_spec, from_einsum, gemm_chain
 from chainfuse.ir import (
     Access,
     Activation,
@@ -31,10 +32,6 @@ from chainfuse.ir import (
     Role,
     Softmax,
     Tensor,
-    attention_chain,
-    conv_chain_spec,
-    from_einsum,
-    gemm_chain,
 )
 
 F64 = NDArray[np.float64]

@@ -253,9 +253,9 @@ def test_runner_makes_every_openmp_runtime_passive_before_loading_torch(
 
 
 def test_fidelity_candidates_start_with_the_planners_choice() -> None:
+    from chainfuse.builders import gemm_chain
     from chainfuse.compiler import compile
     from chainfuse.hardware import resolve
-    from chainfuse.ir import gemm_chain
 
     chain = gemm_chain(2, 96, 32, 32, 120, "relu")
     kernel = compile(chain)
@@ -278,7 +278,7 @@ def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) 
 
     from chainfuse import reference
     from chainfuse.bench import attention
-    from chainfuse.ir import attention_chain
+    from chainfuse.builders import attention_chain
 
     _, _, _, causal, kind, shape = attention.MASKED[name]
     small = None if shape is None else tuple(9 if s > 1 else 1 for s in shape)
@@ -298,7 +298,7 @@ def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) 
     assert math.isclose(attention.useful_gflop(chain) * 1e9, expect)
 
 
-def test_attention_issue_figures_keep_the_extra_cases_out_of_the_paper_set() -> None:
+def test_attention_headline_figures_keep_the_extra_cases_out_of_the_paper_set() -> None:
     from chainfuse.bench import attention
 
     def case(name: str, chainfuse_ms: float, sdpa_ms: float) -> Result:

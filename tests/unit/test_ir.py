@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from chainfuse.builders import attention_chain, conv_chain_spec, from_einsum, gemm_chain, mlp_chain
 from chainfuse.ir import (
     Access,
     Activation,
@@ -20,11 +21,6 @@ from chainfuse.ir import (
     Role,
     Softmax,
     Tensor,
-    attention_chain,
-    conv_chain_spec,
-    from_einsum,
-    gemm_chain,
-    mlp_chain,
 )
 
 F32 = DType.FLOAT32

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chainfuse.builders import attention_chain, conv_chain_spec, gemm_chain
 from chainfuse.hardware import Hardware
-from chainfuse.ir import attention_chain, conv_chain_spec, gemm_chain
 from chainfuse.model import (
     Nest,
     compulsory_bytes,

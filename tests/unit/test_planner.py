@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from chainfuse.bench.workloads import CONV, GEMM
+from chainfuse.builders import attention_chain, gemm_chain
 from chainfuse.hardware import Hardware
-from chainfuse.ir import Chain, attention_chain, gemm_chain
+from chainfuse.ir import Chain
 from chainfuse.model import Nest, compulsory_bytes, estimate, level_cost
 from chainfuse.planner import USABLE, Plan, PlanningError, plan
 
@@ -167,7 +168,9 @@ def test_softmax_chains_pay_for_their_l_tiles(monkeypatch: pytest.MonkeyPatch) -
     # a GEMM chain's plan does not depend on the constant at all
     relu = gemm_chain(12, 512, 64, 64, 512, "relu")
     before = plan(relu, hw, threads=1).tiles
-    monkeypatch.setattr(model, "RESCALE_STEPS", 0.0)
+    from chainfuse.model import softmax
+
+    monkeypatch.setattr(softmax, "RESCALE_STEPS", 0.0)
     assert plan(relu, hw, threads=1).tiles == before
 
 
@@ -388,7 +391,7 @@ def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
 def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     # a fused GEMM chain's micro-kernel keeps op1's packed panel (nr columns by the k tile) in
     # L1 across a tile's slivers: the code-level k tile is capped at half of L1's floats / nr
-    from chainfuse.ir import conv_chain_spec
+    from chainfuse.builders import conv_chain_spec
     from chainfuse.model import code_level
     from chainfuse.planner import PANEL_SHARE, _panel_caps, register_block
 

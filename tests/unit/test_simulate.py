@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from chainfuse.ir import Chain, attention_chain, conv_chain_spec, gemm_chain
+from chainfuse.builders import attention_chain, conv_chain_spec, gemm_chain
+from chainfuse.ir import Chain
 from chainfuse.model import Nest, compulsory_bytes, least_flops, level_cost
 from chainfuse.simulate import simulate_level
 

@@ -1,50 +1,24 @@
-"""The analytical data-movement model: what a block loop nest moves, holds and computes.
+"""The byte evaluator: what a nest moves into a level, holds there and computes, for given tiles.
 
-Pure functions of (Chain, schedule, tiles, Hardware). A *schedule* is a block order (a permutation
-of the chain's loops) and a compute-at depth: `order[:depth]` is the *prefix* shared by every op of
-the fused chain; each op then runs its remaining loops (its *private* loops) in `order`'s order::
-
-    order m l k n, depth 2 (the DESIGN.md example):      for m_o: for l_o:
-                                                              for k_o: C_t += A[m_o,k_o] B[k_o,l_o]
-                                                              for n_o: E[m_o,n_o] += C_t D[l_o,n_o]
-
-The data moved into a level by access X of op p (DESIGN.md's rule): walk the loops enclosing p's
-block from the inside out; l* is the innermost one that changes X's tile. X is reloaded on every
-iteration of l* and of every loop outside it, and reused across the loops inside l*::
+The data moved into a level by access X of op p: walk the loops enclosing p's block from the inside
+out; l* is the innermost one that changes X's tile. X is reloaded on every iteration of l* and of
+every loop outside it, and reused across the loops inside l* (docs/design.md)::
 
     DM(X) = sum over the iterations of the loops indexing X of |X tile|
             * prod over non-indexing loops at or outside l* of ceil(N / T)
 
-With tiles that divide the extents this is `footprint(X) * prod ceil(N/T)`; with tails the sum
-counts each clipped edge tile at its real size, and a convolution's footprint comes from the
-bounds of its affine indices, so the input halo `(T_P - 1) * stride + R` appears by itself.
-Where clipping or a sum of loops maps consecutive blocks to the same region (a halo clipped to
-the same rows at a border, `p + r` with the tap `r` tiled), the buffer still holds it and
-nothing is reloaded: those blocks are subtracted (`_Compiled._repeats`), so the model stays equal
-to the simulator for every tiling, not just the planner's.
-
-A producer's output loop that is not in the prefix is *derived*: the producer computes exactly the
-region its consumer reads during one prefix iteration (a 3x3 consumer needs a halo, so the
-producer recomputes the overlap; a loop of the consumer that is in the prefix but not in the
-producer makes the producer recompute its whole tile each iteration). Intermediates move nothing
-but occupy memory for the whole prefix iteration.
-
-Planning evaluates this thousands of times, so a nest is compiled once (`_Shape`, `_Compiled`):
-each access' regions become `chainfuse.footprint` expressions, and an evaluation is integer
-arithmetic plus memo lookups of the expressions' values by the tiles they read.
+A nest is compiled once (`_Shape`, `Evaluator`): each access' regions become `chainfuse.footprint`
+expressions, and an evaluation is integer arithmetic plus memo lookups by the tiles they read.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
-import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 from chainfuse.footprint import (
     Dim,
@@ -58,232 +32,26 @@ from chainfuse.footprint import (
     point_span,
     repeat_sum,
 )
-from chainfuse.ir import Access, Affine, Chain, Contraction, Op, Role, Softmax
-
-if TYPE_CHECKING:
-    from chainfuse.hardware import Hardware
+from chainfuse.ir import Access, Affine, Chain, Contraction, Role
+from chainfuse.model.nest import LoopKind, Nest
+from chainfuse.model.softmax import causal_share, causal_softmax, keys_share
 
 __all__ = [
-    "RESCALE_STEPS",
-    "Cost",
+    "AccessCharge",
+    "AccessSum",
+    "Evaluator",
     "LevelCost",
-    "LoopKind",
-    "Nest",
-    "causal_share",
-    "causal_softmax",
-    "code_level",
+    "Point",
+    "Recipe",
     "compulsory_bytes",
-    "computed_share",
-    "estimate",
+    "deal",
+    "evaluator",
     "example_dv",
-    "keys_share",
     "least_flops",
     "level_cost",
     "moved_bytes",
-    "rescale_factors",
-    "rescaled",
+    "splits",
 ]
-
-
-class LoopKind(enum.Enum):
-    """How a loop runs around one op's block in a nest."""
-
-    PREFIX = "prefix"  # shared block loop, outside every op
-    PRIVATE = "private"  # the op's own block loop, inside the prefix
-    DERIVED = "derived"  # an output loop of a producer, sized by what its consumer reads
-
-
-class OpNest:
-    """One op's view of a nest: which loops enclose its block and how each of its loops runs."""
-
-    def __init__(self, index: int, enclosing: tuple[str, ...], kinds: dict[str, LoopKind]) -> None:
-        self.index = index
-        self.enclosing = enclosing  # block loops around the op, outermost first
-        self.kinds = kinds
-
-    def kind(self, loop: str) -> LoopKind:
-        return self.kinds[loop]
-
-    def kind_or_none(self, loop: str) -> LoopKind | None:
-        return self.kinds.get(loop)
-
-    def __repr__(self) -> str:
-        return f"OpNest({self.index}, {self.enclosing}, {self.kinds})"
-
-
-class Nest:
-    """A chain with a block order and a compute-at depth, checked for legality.
-
-    `fused=False` runs every op on its own (depth 0) and intermediates go through memory.
-    """
-
-    def __init__(
-        self,
-        chain: Chain,
-        order: Sequence[str],
-        depth: int,
-        fused: bool = True,
-        memo: dict[tuple[object, ...], Any] | None = None,
-    ) -> None:
-        names = [lp.name for lp in chain.loops]
-        if sorted(order) != sorted(names):
-            raise ValueError(f"order {tuple(order)} must be a permutation of the loops {names}")
-        if not 0 <= depth <= len(order):
-            raise ValueError(f"depth {depth} out of range 0..{len(order)}")
-        if not fused and depth != 0:
-            raise ValueError("an unfused nest has depth 0")
-        self.chain = chain
-        self.order = tuple(order)
-        self.depth = depth
-        self.fused = fused
-        self.prefix = self.order[:depth]
-        self.extents = chain.extents
-        self.intermediate = (
-            {t.name for t in chain.intermediates} if fused else set[str]()
-        )  # tensors that never leave the fuse level
-        # region sums and footprints by (structure, tiles they read): keys name everything the
-        # value depends on, so every nest of a chain may share one memo (the planner does)
-        self.memo: dict[tuple[object, ...], Any] = {} if memo is None else memo
-        # what depends on the prefix only as a set is worked out once per memo
-        key = ("layout", frozenset(self.prefix), fused)
-        if key not in self.memo:
-            self.memo[key] = self._layout()
-        reason, kinds, plain, self._derived, self._static = self.memo[key]
-        if reason:
-            raise ValueError(f"order {self.order} depth {depth}: {reason}")
-        self.plain: bool = plain
-        self.ops = tuple(
-            OpNest(i, self.prefix + tuple(n for n in self.order[depth:]
-                                          if k.get(n) is LoopKind.PRIVATE), k)
-            for i, k in enumerate(kinds)
-        )  # fmt: skip
-
-    def _layout(self) -> tuple[str | None, list[dict[str, LoopKind]], bool, Any, Any]:
-        """Legality, each op's loop kinds, the derived loops' consumer indices: all depend on
-        which loops the prefix holds, not on their order."""
-        chain = self.chain
-        reason = self._illegal()
-        if reason:
-            return reason, [], False, {}, {}
-        kinds = [self._kinds(op) for op in chain.ops]
-        # for each derived (op, loop): the consumers' indices of that output dim
-        derived: dict[tuple[int, str], tuple[tuple[int, Affine], ...]] = {}
-        for i, op in enumerate(chain.ops):
-            for d, ix in enumerate(op.output.index):
-                if kinds[i].get(ix.loops[0]) is not LoopKind.DERIVED:
-                    continue
-                derived[(i, ix.loops[0])] = tuple(
-                    (chain.ops.index(c), _access_of(c, op.output.tensor).index[d])
-                    for c in chain.consumers(op.output.tensor)
-                )
-        plain = all(
-            _is_plain(ix) or not ix.terms
-            for op in chain.ops
-            for acc in op.reads
-            for ix in acc.index
-        )
-        static: dict[tuple[object, ...], Any] = {}  # tile-independent facts, computed on demand
-        return None, kinds, plain, derived, static
-
-    def _illegal(self) -> str | None:
-        """Why this prefix cannot be shared by all ops, or None."""
-        for op in self.chain.ops:
-            if op.output.tensor not in self.intermediate:
-                continue
-            for loop in op.reduction:
-                if loop in self.prefix:
-                    return f"{loop!r} reduces {op.output.tensor!r}, which a later op consumes"
-            for consumer in self.chain.consumers(op.output.tensor):
-                acc = _access_of(consumer, op.output.tensor)
-                for d, ix in enumerate(op.output.index):
-                    loop = ix.loops[0]
-                    if loop in self.prefix and acc.index[d] != ix:
-                        return (
-                            f"{loop!r} indexes {op.output.tensor!r} through {acc.index[d]} in its "
-                            "consumer and cannot be a shared loop"
-                        )
-        return None
-
-    def _kinds(self, op: Op) -> dict[str, LoopKind]:
-        kinds: dict[str, LoopKind] = {}
-        derived = set()
-        if op.output.tensor in self.intermediate:
-            derived = {ix.loops[0] for ix in op.output.index}
-        for loop in op.loops:
-            if loop in self.prefix:
-                kinds[loop] = LoopKind.PREFIX
-            elif loop in derived:
-                kinds[loop] = LoopKind.DERIVED
-            else:
-                kinds[loop] = LoopKind.PRIVATE
-        return kinds
-
-    @cached_property
-    def _compiled(self) -> _Compiled:
-        return _Compiled(self)
-
-    @cached_property
-    def parallel_candidates(self) -> tuple[str, ...]:
-        """Leading prefix loops whose iterations write disjoint outputs (safe to split)."""
-        out: list[str] = []
-        for loop in self.prefix:
-            if any(loop in op.reduction for op in self.chain.ops):
-                break
-            out.append(loop)
-        return tuple(out)
-
-    def signature(self) -> tuple[object, ...]:
-        """Equal signatures cost the same for every tile choice: used to prune orders."""
-        sig: list[object] = []
-        for opn, op in zip(self.ops, self.chain.ops, strict=True):
-            for acc in (*op.reads, op.output):
-                if acc.tensor in self.intermediate:
-                    continue
-                infl = self._influencing(opn, acc)
-                star = max((i for i, n in enumerate(opn.enclosing) if n in infl), default=-1)
-                outside = frozenset(n for n in opn.enclosing[: star + 1] if n not in infl)
-                sig.append((opn.index, acc.tensor, outside))
-            sig.append(frozenset(n for n in self.prefix if n not in op.loops))
-        return (tuple(sig), frozenset(self.prefix), self.parallel_candidates)
-
-    def _influencing(self, opn: OpNest, acc: Access) -> frozenset[str]:
-        """Block loops whose iteration changes the region of `acc` touched by op `opn`."""
-        key = ("infl", opn.index, acc.tensor)
-        if key not in self._static:
-            out: set[str] = set()
-            for ix in acc.index:
-                for loop in ix.loops:
-                    out |= self._sources(opn.index, loop)
-            self._static[key] = frozenset(out)
-        found: frozenset[str] = self._static[key]
-        return found
-
-    def _sources(self, op_index: int, loop: str) -> frozenset[str]:
-        key = ("src", op_index, loop)
-        if key not in self._static:
-            self._static[key] = self._find_sources(op_index, loop)
-        found: frozenset[str] = self._static[key]
-        return found
-
-    def _find_sources(self, op_index: int, loop: str) -> frozenset[str]:
-        if (op_index, loop) not in self._derived:
-            return frozenset((loop,))
-        out: set[str] = set()
-        for ci, ix in self._derived[(op_index, loop)]:
-            for cl in ix.loops:
-                ckind = self.ops[ci].kind(cl)
-                if ckind is LoopKind.PREFIX:
-                    out.add(cl)
-                elif ckind is LoopKind.DERIVED:
-                    out |= self._sources(ci, cl)
-        return frozenset(out)
-
-
-def _access_of(op: Op, tensor: str) -> Access:
-    for acc in op.reads:
-        if acc.tensor == tensor:
-            return acc
-    raise KeyError(tensor)
 
 
 @dataclass(frozen=True)
@@ -307,10 +75,6 @@ class LevelCost:
         for _, name, b in self.moved:
             out[name] = out.get(name, 0) + b
         return out
-
-
-def _trips(n: int, t: int) -> int:
-    return -(-n // max(1, min(t, n)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -387,10 +151,6 @@ def splits(
     return ext[loop], quantum
 
 
-def _is_plain(ix: Affine) -> bool:
-    return len(ix.terms) == 1 and ix.terms[0][1] == 1 and ix.offset == 0
-
-
 def _expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr:
     """The interval of `loop` in op `op_index`'s block as a `footprint` expression.
 
@@ -400,9 +160,9 @@ def _expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr:
     prefix holds, not their order: nests sharing that share the expression, built once.)
     """
     key = ("expr", op_index, loop, prefix_only)
-    found: Expr | None = nest._static.get(key)
+    found: Expr | None = nest.static.get(key)
     if found is None:
-        found = nest._static[key] = _build_expr(nest, op_index, loop, prefix_only)
+        found = nest.static[key] = _build_expr(nest, op_index, loop, prefix_only)
     return found
 
 
@@ -412,7 +172,7 @@ def _build_expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr
     if kind is LoopKind.DERIVED:
         uses = tuple(
             (ix.offset, tuple((c, _expr(nest, ci, cl, True)) for cl, c in ix.terms))
-            for ci, ix in nest._derived[(op_index, loop)]
+            for ci, ix in nest.derived[(op_index, loop)]
         )
         return ("d", n, uses)
     if prefix_only and kind is not LoopKind.PREFIX:
@@ -422,9 +182,9 @@ def _build_expr(nest: Nest, op_index: int, loop: str, prefix_only: bool) -> Expr
 
 def _dims(nest: Nest, op_index: int, acc: Access, prefix_only: bool) -> tuple[Dim, ...]:
     key = ("dims", op_index, acc, prefix_only)
-    found: tuple[Dim, ...] | None = nest._static.get(key)
+    found: tuple[Dim, ...] | None = nest.static.get(key)
     if found is None:
-        found = nest._static[key] = _build_dims(nest, op_index, acc, prefix_only)
+        found = nest.static[key] = _build_dims(nest, op_index, acc, prefix_only)
     return found
 
 
@@ -437,10 +197,45 @@ def _build_dims(nest: Nest, op_index: int, acc: Access, prefix_only: bool) -> tu
     )  # fmt: skip
 
 
-# A memoised quantity: (id, getter of the tiles it reads, dims, summed over all blocks or one)
-_Recipe = tuple[int, Callable[[Mapping[str, int]], object], tuple[Dim, ...], bool]
-# A block footprint: itemsize x constant, plain tiled dims (loop, cap), index of a recipe or -1
-_Point = tuple[int, tuple[tuple[str, int], ...], int]
+class Recipe(NamedTuple):
+    """A memoised quantity: a sum of spans over all blocks (`grid`) or one block's span."""
+
+    rid: int  # its id in the memo, shared by nests with the same structure
+    get: Callable[[Mapping[str, int]], object]  # the tiles it reads, as the memo key
+    dims: tuple[Dim, ...]
+    grid: bool
+
+
+class Point(NamedTuple):
+    """A block footprint: `size` times the plain tiled dims times a recipe's value."""
+
+    size: int  # itemsize x the constant dims
+    simple: tuple[tuple[str, int], ...]  # plain tiled dims: (loop, cap)
+    recipe: int  # index of the recipe of the other dims, or -1
+
+
+class AccessSum(NamedTuple):
+    """An access's region summed over the blocks, split into a constant times recipes."""
+
+    op: int
+    tensor: str
+    itemsize: int
+    influencing: frozenset[str]  # the block loops that move its region
+    const: int
+    recipes: tuple[int, ...]
+    plain: frozenset[str]  # the loops of its plain dims
+
+
+class AccessCharge(NamedTuple):
+    """An `AccessSum` placed in one nest: what an evaluation multiplies out."""
+
+    op: int
+    tensor: str
+    itemsize: int
+    moving: tuple[tuple[str, tuple[str, ...]], ...]  # see `_moving`
+    const: int
+    recipes: tuple[int, ...]
+    repeat: tuple[tuple[str, ...], frozenset[str], frozenset[str]] | None  # `_repeats`' facts
 
 
 class _Shape:
@@ -456,29 +251,25 @@ class _Shape:
         chain = nest.chain
         ext = nest.extents
         self.memo = nest.memo
-        self.recipes: list[_Recipe] = []
+        self.recipes: list[Recipe] = []
         self.recipe_loops: list[tuple[str, ...]] = []
         self._index: dict[tuple[bool, tuple[Dim, ...]], int] = {}
-        # per access: (op, tensor, itemsize, influencing loops, constant, recipe indices, the
-        # loops of its plain dims)
-        self.accesses: list[
-            tuple[int, str, int, frozenset[str], int, tuple[int, ...], frozenset[str]]
-        ] = []
-        self.held: list[list[_Point]] = []
+        self.accesses: list[AccessSum] = []
+        self.held: list[list[Point]] = []
         self.flops: list[tuple[int, tuple[str, ...], tuple[int, ...]]] = []
         self.least_flops = 0  # no tiles execute fewer
         live = _live_intermediates(nest)
         for opn, op in zip(nest.ops, chain.ops, strict=True):
-            held: list[_Point] = []
+            held: list[Point] = []
             for acc in (*op.reads, op.output):
                 if acc.tensor in nest.intermediate:
                     continue
                 t = chain.tensor(acc.tensor)
                 dims = _dims(nest, opn.index, acc, prefix_only=False)
                 const, recipes, plain = self._sums(dims)
-                infl = nest._influencing(opn, acc)
+                infl = nest.influencing(opn, acc)
                 self.accesses.append(
-                    (opn.index, t.name, t.dtype.itemsize, infl, const, recipes, plain)
+                    AccessSum(opn.index, t.name, t.dtype.itemsize, infl, const, recipes, plain)
                 )
                 held.append(self._point(t.dtype.itemsize, dims))
             for name in live[opn.index]:
@@ -491,7 +282,7 @@ class _Shape:
             own = op.loops
             recompute = tuple(
                 n for n in nest.prefix
-                if n not in own and not any(n in nest._sources(opn.index, m) for m in own)
+                if n not in own and not any(n in nest.sources(opn.index, m) for m in own)
             )  # fmt: skip
             loops = tuple((ext[lp], (0, ((1, _expr(nest, opn.index, lp, True)),))) for lp in own)
             const, recipes, _ = self._sums(loops)
@@ -501,7 +292,7 @@ class _Shape:
     def _least(self, recipe: int) -> int:
         """A lower bound of a loop's iteration counts summed over the blocks: a derived loop
         runs at least over the values its consumers read. 0 (no bound) for a group of loops."""
-        dims = self.recipes[recipe][2]
+        dims = self.recipes[recipe].dims
         if len(dims) != 1:
             return 0
         values = distinct(dims[0][1][1][0][1])
@@ -512,7 +303,7 @@ class _Shape:
             rid = self.memo.setdefault(("recipe", grid, dims), len(self.memo))
             names = sorted(leaves(sub for _, (_, terms) in dims for _, sub in terms))
             self._index[(grid, dims)] = len(self.recipes)
-            self.recipes.append((rid, operator.itemgetter(*names), dims, grid))
+            self.recipes.append(Recipe(rid, operator.itemgetter(*names), dims, grid))
             self.recipe_loops.append(tuple(names))
         return self._index[(grid, dims)]
 
@@ -526,12 +317,12 @@ class _Shape:
         const, groups, plain = self.memo[key]
         return const, tuple(self._recipe(g, grid=True) for g in groups), plain
 
-    def _point(self, itemsize: int, dims: tuple[Dim, ...]) -> _Point:
+    def _point(self, itemsize: int, dims: tuple[Dim, ...]) -> Point:
         key = ("point", dims)
         if key not in self.memo:
             self.memo[key] = _split_point(dims)
         const, simple, rest = self.memo[key]
-        return itemsize * const, simple, self._recipe(rest, grid=False) if rest else -1
+        return Point(itemsize * const, simple, self._recipe(rest, grid=False) if rest else -1)
 
 
 def _split_sums(
@@ -589,7 +380,7 @@ def _moving(
     )
 
 
-class _Compiled:
+class Evaluator:
     """`level_cost` of one nest with every tile-independent fact worked out once (`_Shape`,
     shared by the nests whose prefixes hold the same loops, plus the loops enclosing each op):
     an evaluation is plain-int arithmetic and one memo lookup per distinct recipe."""
@@ -605,8 +396,8 @@ class _Compiled:
         # per access, the loops enclosing its op that move its region, innermost first, each
         # with the loops outside it that do not move the region
         self.accesses = [
-            (op, name, item, _moving(nest.ops[op].enclosing, infl),
-             const, recipes, (nest.ops[op].enclosing, infl, plain) if recipes else None)
+            AccessCharge(op, name, item, _moving(nest.ops[op].enclosing, infl),
+                         const, recipes, (nest.ops[op].enclosing, infl, plain) if recipes else None)
             for op, name, item, infl, const, recipes, plain in shape.accesses
         ]  # fmt: skip
         self.recipe_loops = shape.recipe_loops
@@ -742,17 +533,26 @@ class _Compiled:
         return total
 
 
+def evaluator(nest: Nest) -> Evaluator:
+    """The nest's `Evaluator`, built once per memo (its order, depth and fusion decide it)."""
+    key = ("evaluator", nest.order, nest.depth, nest.fused)
+    found: Evaluator | None = nest.memo.get(key)
+    if found is None:
+        found = nest.memo[key] = Evaluator(nest)
+    return found
+
+
 def level_cost(nest: Nest, tiles: Mapping[str, int]) -> LevelCost:
     """Bytes moved into a level whose tiles are `tiles`, bytes it must hold, flops executed.
 
     A loop missing from `tiles` is one whole tile.
     """
-    return nest._compiled(tiles)
+    return evaluator(nest)(tiles)
 
 
 def least_flops(nest: Nest) -> int:
     """A lower bound of the flops `nest` executes whatever its tiles (recompute can only add)."""
-    return nest._compiled.least_flops
+    return evaluator(nest).least_flops
 
 
 def _live_intermediates(nest: Nest) -> list[list[str]]:
@@ -767,6 +567,11 @@ def _live_intermediates(nest: Nest) -> list[list[str]]:
         for i in range(first, last + 1):
             out[i].append(name)
     return out
+
+
+def example_dv(M: int, N: int, K: int, L: int, T_M: int, T_L: int, itemsize: int = 4) -> float:
+    """The closed form (docs/design.md) for order m > l > {k | n}: `M L (K+N) (1/T_L + 1/T_M)` elements."""
+    return M * L * (K + N) * (1 / T_L + 1 / T_M) * itemsize
 
 
 def compulsory_bytes(chain: Chain) -> int:
@@ -809,76 +614,6 @@ def _index_values(ix: Affine, values: Mapping[str, Iterable[int]], size: int) ->
     return {v for v in sums if 0 <= v < size}
 
 
-#: An online softmax over l, in tiles of l, rescales the accumulators of the GEMM it feeds once
-#: per tile (and that GEMM's micro-kernel calls run over one tile of l each, their accumulators
-#: loaded and stored every time); the GEMM that makes its scores, when its k runs in tiles,
-#: loads and stores the score tile once per tile of k before the softmax may start. Each costs
-#: about this many of the GEMM's k steps per call. Measured on the attention workloads
-#: (interleaved, 1 thread): one or two tiles of l instead of two to four, 1.1-4.8 % faster on
-#: eight of the nine plans it changed (level on the ninth), which bytes and flops alone do not
-#: see. (GEMM chains without a softmax show no such gain:
-#: there fewer, longer calls lose to the bytes they move, so their GEMMs are not stretched.)
-RESCALE_STEPS = 3.0
-
-
-def code_level(hardware: Hardware) -> str:
-    """The level whose tiles the generated loop nest uses: the largest per-core cache."""
-    private = [lv.name for lv in hardware.levels[:-1] if not lv.shared]
-    return private[-1] if private else hardware.levels[0].name
-
-
-def rescaled(chain: Chain) -> dict[int, str]:
-    """In a chain with an online softmax, its GEMMs (op index -> the loop each reduces: the
-    scores' k, the softmax's l); no GEMM of a chain without one."""
-    if not any(isinstance(op, Softmax) for op in chain.ops):
-        return {}
-    return {
-        i: op.reduction[0]
-        for i, op in enumerate(chain.ops)
-        if isinstance(op, Contraction) and len(op.reduction) == 1
-    }
-
-
-def rescale_factors(
-    chain: Chain, tiles: Mapping[str, int], fed: Mapping[int, str] | None = None
-) -> tuple[float, ...]:
-    """Per op of a fused nest: what its compute time is stretched by around an online softmax,
-    `tiles` being the code level's (`code_level`): 1 + RESCALE_STEPS / (the tile of its
-    reduction) for the GEMMs of a softmax chain (`rescaled`, or `fed` when the caller has it),
-    1 for every other op; and, with a causal softmax, every op times the share of the scores
-    its row blocks compute (`causal_share`)."""
-    ext = chain.extents
-    fed = rescaled(chain) if fed is None else fed
-    share = computed_share(chain, tiles)
-    return tuple(
-        share
-        * (
-            1.0 + RESCALE_STEPS / min(tiles.get(fed[i], ext[fed[i]]), ext[fed[i]])
-            if i in fed
-            else 1.0
-        )
-        for i in range(len(chain.ops))
-    )
-
-
-def causal_softmax(chain: Chain) -> Softmax | None:
-    """The chain's causal softmax (one with a row loop), if it has one."""
-    return next(
-        (op for op in chain.ops if isinstance(op, Softmax) and op.causal and op.row is not None),
-        None,
-    )
-
-
-def computed_share(chain: Chain, tiles: Mapping[str, int]) -> float:
-    """The share of a fused nest's flops its code computes with the code level's `tiles`: 1,
-    or with a causal softmax `causal_share` of its rows' tile (tiles of 1: the scores kept)."""
-    op = causal_softmax(chain)
-    if op is None or op.row is None:
-        return 1.0
-    ext = chain.extents
-    return causal_share(ext[op.row], ext[op.axis], tiles.get(op.row, ext[op.row]))
-
-
 def moved_bytes(
     nest: Nest, cost: LevelCost, tiles: Mapping[str, int]
 ) -> tuple[tuple[int, str, int], ...]:
@@ -908,118 +643,3 @@ def moved_bytes(
             b = round(b * share(rows, keys, tile))
         out.append((i, name, b))
     return tuple(out)
-
-
-@functools.lru_cache(maxsize=4096)
-def keys_share(rows: int, keys: int, tile: int) -> float:
-    """The share of the keys a causal softmax's blocks of `tile` rows (of `rows`) read on
-    average: each block's up to its last row's (top-left aligned)."""
-    tile = max(1, min(tile, rows))
-    blocks = range(0, rows, tile)
-    return sum(min(keys, min(start + tile, rows)) for start in blocks) / (len(blocks) * keys)
-
-
-@functools.lru_cache(maxsize=4096)
-def causal_share(rows: int, keys: int, tile: int) -> float:
-    """The share of a causal softmax's `rows` x `keys` scores (row i keeps keys 0..i, top-left
-    aligned) that a fused kernel computes when it runs the rows in blocks of `tile`: a block
-    computes every key up to its last row's (the rows before it mask some), and skips the rest.
-    A tile of 1 gives the share kept: the least any tiles compute. Measured on Zen 3 (12 heads
-    x 1024 x 64, 1 thread): row blocks of 352 (this share 0.67; the plan before the model knew
-    it) took 1.33-1.38x the time of blocks of 16-64 (0.51-0.53)."""
-    tile = max(1, min(tile, rows))
-    computed = 0
-    for start in range(0, rows, tile):
-        block = min(tile, rows - start)
-        computed += block * min(keys, start + block)
-    return computed / (rows * keys)
-
-
-def example_dv(M: int, N: int, K: int, L: int, T_M: int, T_L: int, itemsize: int = 4) -> float:
-    """DESIGN.md's closed form for order m > l > {k | n}: `M L (K+N) (1/T_L + 1/T_M)` elements."""
-    return M * L * (K + N) * (1 / T_L + 1 / T_M) * itemsize
-
-
-@dataclass(frozen=True)
-class Cost:
-    """The model's verdict on a whole plan: bytes per level, time per part, the bound."""
-
-    bytes_per_level: tuple[tuple[str, int], ...]  # bytes read from each level, innermost first
-    used_per_level: tuple[tuple[str, int], ...]  # bytes each cache level must hold
-    flops: int  # executed, recompute included
-    compute_s: float
-    memory_s: tuple[tuple[str, float], ...]
-    imbalance: float
-    time_s: float
-
-    @property
-    def bound(self) -> str:
-        worst = max(self.memory_s, key=lambda kv: kv[1], default=("compute", 0.0))
-        return "compute" if self.compute_s >= worst[1] else worst[0]
-
-
-def estimate(
-    nest: Nest,
-    tiles: Mapping[str, Mapping[str, int]],
-    hardware: Hardware,
-    parallel: Sequence[str] = (),
-    threads: int | None = None,
-    split: tuple[str, int] | None = None,
-) -> Cost:
-    """Predicted time of running `nest` with per-level `tiles` on `hardware`.
-
-    `tiles[level]` are the tiles of the blocks held in `level`; the bytes read *from* the next
-    level out are those `level_cost` gives for them, so `tiles["L2"]` decides the traffic between
-    L3 and L2, which is charged at L3's bandwidth. A fused nest overlaps everything:
-    `max(compute, max over levels of bytes / bandwidth)`; unfused ops run one after another, so
-    their times add up. The parallel loops' blocks at the outermost level are dealt to the cores
-    (`threads`, default all), as the generated kernels deal them (`deal`), and the imbalance of
-    that deal stretches every term. `split` ((loop, quantum)): cores a deal leaves idle split
-    that loop of each block (`deal`), where every block of the parallel loops is one block of
-    the next level in (`splits`).
-    """
-    cores = threads or hardware.cores
-    outer_tiles = tiles[list(tiles)[-1]] if tiles else {}
-    ext = nest.extents
-    dims = tuple((ext[n], outer_tiles.get(n, ext[n])) for n in parallel)
-    workers, imbalance = deal(dims, cores, splits(nest, tiles, parallel, split))
-    peak = hardware.peak(nest.chain.dtype) * workers
-    levels = list(hardware.levels)
-    n_ops = len(nest.chain.ops)
-    op_time = [[0.0] for _ in range(n_ops)]  # per op: compute, then each level's memory time
-    moved: list[tuple[str, int]] = []
-    used: list[tuple[str, int]] = []
-    mem: list[tuple[str, float]] = []
-    op_flops: tuple[int, ...] = ()
-    for inner, outer in itertools.pairwise(levels):
-        if inner.name not in tiles:
-            continue
-        cost = level_cost(nest, tiles[inner.name])
-        op_flops = cost.op_flops
-        bw = outer.aggregate_bandwidth(workers) if outer.shared else outer.bandwidth * workers
-        per_op = [0] * n_ops
-        for i, _, b in moved_bytes(nest, cost, tiles[inner.name]):
-            per_op[i] += b
-        total = sum(per_op)
-        moved.append((outer.name, total))
-        used.append((inner.name, cost.used))
-        mem.append((outer.name, total / bw * imbalance))
-        for i in range(n_ops):
-            op_time[i].append(per_op[i] / bw * imbalance)
-    if not op_flops:
-        op_flops = level_cost(nest, {}).op_flops
-    # (an online softmax only where it is fused: unfused, the softmax runs over whole rows,
-    # and a causal one computes every score)
-    code_tiles = tiles.get(code_level(hardware), {})
-    factors = rescale_factors(nest.chain, code_tiles) if nest.fused else (1.0,) * n_ops
-    for i, f in enumerate(op_flops):
-        op_time[i][0] = f / peak * imbalance * factors[i]
-    compute = sum(parts[0] for parts in op_time)
-    if nest.fused:
-        time = max([compute, *(t for _, t in mem)])
-    else:
-        time = sum(max(parts) for parts in op_time)
-    executed = sum(op_flops)
-    if nest.fused:
-        executed = round(executed * computed_share(nest.chain, code_tiles))
-    return Cost(tuple(moved), tuple(used), executed, compute, tuple(mem), imbalance, time)

@@ -1,6 +1,6 @@
 """A decoding loop against SDPA: one query, a new key length every step, 1 thread.
 
-    python scripts/decode_loop.py HEADS DIM FIRST LAST [view|cat] [mask] [layers=N]
+    python -m chainfuse.bench.decode_loop HEADS DIM FIRST LAST [view|cat] [mask] [layers=N]
 
 Keys FIRST..LAST-1 of a cache: `view` slices it (strides stay), `cat` copies each step's keys
 into new tensors (as a cache grown by concatenation does: strides grow too); `mask` adds a
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -22,8 +23,15 @@ import chainfuse
 import chainfuse.ops as ops
 import chainfuse.torch as cft
 
+__all__ = ["main"]
 
-def main(argv: list[str]) -> None:
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Time the decoding loop `argv` describes (the module docstring) and print the speedup."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 4:
+        print(__doc__, file=sys.stderr)
+        return 2
     heads, dim, first, last = (int(a) for a in argv[:4])
     words = argv[4:]
     layers = 1
@@ -68,7 +76,8 @@ def main(argv: list[str]) -> None:
         f"{heads} heads x {dim}, keys {first}..{last - 1}, {mode}, {layers} layer(s): "
         f"chainfuse {ours:.1f} us/call, sdpa {theirs:.1f}, speedup {theirs / ours:.3f}"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The main job: plan, compile and run a paper workload on this CPU, check it, time it.
 
-    python -m chainfuse.demo [WORKLOAD] [--between none,relu,softmax] [--repeat 20]
+    python -m chainfuse.bench.demo [WORKLOAD] [--between none,relu,softmax] [--repeat 20]
 
 For each `between`, it prints the plan, checks the fused kernel against the float64 reference,
 then times it against PyTorch (two `bmm`s into preallocated outputs, the activation in place)
@@ -19,7 +19,8 @@ import numpy as np
 
 from chainfuse import reference
 from chainfuse.bench import workloads
-from chainfuse.bench.gemm_chain import numpy_baseline, set_threads, torch_baselines
+from chainfuse.bench.gemm_chain import numpy_baseline, torch_baselines
+from chainfuse.bench.harness import set_threads
 from chainfuse.bench.probe import fp32_peak_gflops
 from chainfuse.bench.timing import interleave
 from chainfuse.compiler import compile
@@ -69,7 +70,7 @@ def run_one(chain: Chain, between: str | None, repeat: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m chainfuse.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m chainfuse.bench.demo", description=__doc__)
     parser.add_argument("workload", nargs="?", default="bert-base",
                         choices=[w.name for w in workloads.GEMM])  # fmt: skip
     parser.add_argument("--between", default="none,relu,softmax")

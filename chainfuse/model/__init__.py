@@ -1,0 +1,51 @@
+"""The analytical data-movement model: what a block loop nest moves, holds and computes.
+
+Pure functions of (Chain, schedule, tiles, Hardware): `nest` (order, compute-at, legality),
+`traffic` (bytes per level), `softmax` (online and causal softmax terms), `time` (`estimate`).
+"""
+
+from chainfuse.model.nest import LoopKind, Nest, OpNest
+from chainfuse.model.softmax import (
+    RESCALE_STEPS,
+    causal_share,
+    causal_softmax,
+    computed_share,
+    keys_share,
+    rescale_factors,
+    rescaled,
+)
+from chainfuse.model.time import Cost, code_level, estimate
+from chainfuse.model.traffic import (
+    LevelCost,
+    compulsory_bytes,
+    deal,
+    example_dv,
+    least_flops,
+    level_cost,
+    moved_bytes,
+    splits,
+)
+
+__all__ = [
+    "RESCALE_STEPS",
+    "Cost",
+    "LevelCost",
+    "LoopKind",
+    "Nest",
+    "OpNest",
+    "causal_share",
+    "causal_softmax",
+    "code_level",
+    "compulsory_bytes",
+    "computed_share",
+    "deal",
+    "estimate",
+    "example_dv",
+    "keys_share",
+    "least_flops",
+    "level_cost",
+    "moved_bytes",
+    "rescale_factors",
+    "rescaled",
+    "splits",
+]

@@ -1,0 +1,109 @@
+"""Predicted time of a plan: the bytes each level moves at its bandwidth against the flops at
+the cores' peak, stretched by the imbalance of the cores' deal and the softmax terms."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from chainfuse.model.nest import Nest
+from chainfuse.model.softmax import computed_share, rescale_factors
+from chainfuse.model.traffic import deal, level_cost, moved_bytes, splits
+
+if TYPE_CHECKING:
+    from chainfuse.hardware import Hardware
+
+__all__ = ["Cost", "code_level", "estimate"]
+
+
+def code_level(hardware: Hardware) -> str:
+    """The level whose tiles the generated loop nest uses: the largest per-core cache."""
+    private = [lv.name for lv in hardware.levels[:-1] if not lv.shared]
+    return private[-1] if private else hardware.levels[0].name
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The model's verdict on a whole plan: bytes per level, time per part, the bound."""
+
+    bytes_per_level: tuple[tuple[str, int], ...]  # bytes read from each level, innermost first
+    used_per_level: tuple[tuple[str, int], ...]  # bytes each cache level must hold
+    flops: int  # executed, recompute included
+    compute_s: float
+    memory_s: tuple[tuple[str, float], ...]
+    imbalance: float
+    time_s: float
+
+    @property
+    def bound(self) -> str:
+        worst = max(self.memory_s, key=lambda kv: kv[1], default=("compute", 0.0))
+        return "compute" if self.compute_s >= worst[1] else worst[0]
+
+
+def estimate(
+    nest: Nest,
+    tiles: Mapping[str, Mapping[str, int]],
+    hardware: Hardware,
+    parallel: Sequence[str] = (),
+    threads: int | None = None,
+    split: tuple[str, int] | None = None,
+) -> Cost:
+    """Predicted time of running `nest` with per-level `tiles` on `hardware`.
+
+    `tiles[level]` are the tiles of the blocks held in `level`; the bytes read *from* the next
+    level out are those `level_cost` gives for them, so `tiles["L2"]` decides the traffic between
+    L3 and L2, which is charged at L3's bandwidth. A fused nest overlaps everything:
+    `max(compute, max over levels of bytes / bandwidth)`; unfused ops run one after another, so
+    their times add up. The parallel loops' blocks at the outermost level are dealt to the cores
+    (`threads`, default all), as the generated kernels deal them (`deal`), and the imbalance of
+    that deal stretches every term. `split` ((loop, quantum)): cores a deal leaves idle split
+    that loop of each block (`deal`), where every block of the parallel loops is one block of
+    the next level in (`splits`).
+    """
+    cores = threads or hardware.cores
+    outer_tiles = tiles[list(tiles)[-1]] if tiles else {}
+    ext = nest.extents
+    dims = tuple((ext[n], outer_tiles.get(n, ext[n])) for n in parallel)
+    workers, imbalance = deal(dims, cores, splits(nest, tiles, parallel, split))
+    peak = hardware.peak(nest.chain.dtype) * workers
+    levels = list(hardware.levels)
+    n_ops = len(nest.chain.ops)
+    op_time = [[0.0] for _ in range(n_ops)]  # per op: compute, then each level's memory time
+    moved: list[tuple[str, int]] = []
+    used: list[tuple[str, int]] = []
+    mem: list[tuple[str, float]] = []
+    op_flops: tuple[int, ...] = ()
+    for inner, outer in itertools.pairwise(levels):
+        if inner.name not in tiles:
+            continue
+        cost = level_cost(nest, tiles[inner.name])
+        op_flops = cost.op_flops
+        bw = outer.aggregate_bandwidth(workers) if outer.shared else outer.bandwidth * workers
+        per_op = [0] * n_ops
+        for i, _, b in moved_bytes(nest, cost, tiles[inner.name]):
+            per_op[i] += b
+        total = sum(per_op)
+        moved.append((outer.name, total))
+        used.append((inner.name, cost.used))
+        mem.append((outer.name, total / bw * imbalance))
+        for i in range(n_ops):
+            op_time[i].append(per_op[i] / bw * imbalance)
+    if not op_flops:
+        op_flops = level_cost(nest, {}).op_flops
+    # (an online softmax only where it is fused: unfused, the softmax runs over whole rows,
+    # and a causal one computes every score)
+    code_tiles = tiles.get(code_level(hardware), {})
+    factors = rescale_factors(nest.chain, code_tiles) if nest.fused else (1.0,) * n_ops
+    for i, f in enumerate(op_flops):
+        op_time[i][0] = f / peak * imbalance * factors[i]
+    compute = sum(parts[0] for parts in op_time)
+    if nest.fused:
+        time = max([compute, *(t for _, t in mem)])
+    else:
+        time = sum(max(parts) for parts in op_time)
+    executed = sum(op_flops)
+    if nest.fused:
+        executed = round(executed * computed_share(nest.chain, code_tiles))
+    return Cost(tuple(moved), tuple(used), executed, compute, tuple(mem), imbalance, time)
