@@ -25,8 +25,8 @@ The code computes the chain transposed (Pᵀ = Bᵀ . Aᵀ: m along the micro-ke
 that op1's output tile is already op2's packed operand. op2 then either accumulates Eᵀ, stored
 transposed into E at the end of the row block (a softmax's rescaled rows, bf16 output, threads
 that split l), or, for float32 chains whose n tiles are whole nr-column strips, adds into E
-directly with m along the rows (`_PACK_STRIPS`). Row blocks are claimed by the threads from a
-shared counter (`_CLAIM`).
+directly with m along the rows (`pack_strips.c`). Row blocks are claimed by the threads from a
+shared counter (`claim.c`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import hashlib
 import struct
 from dataclasses import dataclass, replace
 
+from chainfuse.codegen.common import c_source
 from chainfuse.codegen.writer import Writer
 from chainfuse.hardware import Isa
 from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
@@ -128,70 +129,8 @@ LAZY_SHIFT = 8
 SUM_CAP = 16
 
 
-# Every MR-wide sliver of a kc x width panel given row-major, packed row by row: a panel's rows
-# lie a whole row of the tensor apart, so packing sliver by sliver would walk down each column
-# of pages once per sliver (a 16 KiB stride touches a new page per element read); row by row
-# reads every row once, contiguously, and writes MR floats to each sliver.
-_PACK_PANEL = """\
-/* Ap[(s/MR)*SLIVER(kc) + p*MR + i] = At[p*ldat + s + i] for every whole sliver (column s, a
-   multiple of MR) when `whole`, and the tail sliver zero-padded: in the same pass over the rows
-   when `whole` (each row is in L1 then; a pass of its own down the tail's columns was 1.8 % of
-   an attention over 208 keys), else by PACK_AT, unless it has PART_MR rows (read in place) */
-#define PANEL_AHEAD 8 /* rows prefetched ahead */
-static void cf_pack_at_panel(int kc, int width, const cf_elem* restrict At, long ldat,
-                             float* restrict Ap, int whole)
-{
-    const int full = width / MR * MR, rest = width - full;
-    float* restrict tail = Ap + (long)(full / MR) * SLIVER(kc);
-    if (whole) {
-        for (int p = 0; p < kc; ++p) {
-            const cf_elem* restrict row = At + p * ldat;
-            /* a row is a few cache lines of a page the hardware prefetcher has not seen:
-               ask for the rows ahead, so that several rows' misses overlap */
-            for (int c = 0; c < width; c += 64 / (int)sizeof(cf_elem))
-                __builtin_prefetch(row + PANEL_AHEAD * ldat + c);
-            float* restrict dst = Ap + (long)p * MR; /* row p of sliver 0, then of the next */
-            for (int s = 0; s < full; s += MR, dst += SLIVER(kc))
-                for (int i = 0; i < MR; ++i) dst[i] = CF_LOAD(row[s + i]);
-            if (rest)
-                for (int i = 0; i < MR; ++i) tail[(long)p * MR + i] = i < rest ? CF_LOAD(row[full + i]) : 0.0f;
-        }
-    } else if (rest && rest != PART_MR) { /* (a tail of PART_MR rows is read in place) */
-        PACK_AT(kc, rest, At + full, ldat, tail);
-    }
-}
-"""
-
-
-# op2 straight into E (float32 chains without a softmax, whose threads do not split l): the
-# micro-kernel's rows are m, read in place from Pᵀ's nr-column strips (A(i, p) = strip[p*nr +
-# i]: each strip splits into mr-row blocks and a short one), its columns n from D packed in
-# nr-column strips, and it adds into E's rows directly. No Eᵀ accumulator and no transposing
-# pass over it. Each output element still sums over l in the same order: bit-identical.
-_PACK_STRIPS = """\
-/* Dp[(s*kc + p)*NR + j] = D[p*ldd + s*NR + j] for the nr-column strips s of a kc x width
-   panel, row by row (each row of D read once, contiguously), the tail strip zero-padded */
-static void cf_pack_b_panel(int kc, int width, const float* restrict D, long ldd,
-                            float* restrict Dp)
-{
-    for (int p = 0; p < kc; ++p) {
-        const float* restrict row = D + p * ldd;
-        for (int s = 0; s * NR < width; ++s) {
-            float* restrict dst = Dp + ((long)s * kc + p) * NR;
-            const int n = width - s * NR < NR ? width - s * NR : NR;
-            if (n == NR) {
-                for (int j = 0; j < NR; ++j) dst[j] = row[s * NR + j];
-            } else {
-                for (int j = 0; j < NR; ++j) dst[j] = j < n ? row[s * NR + j] : 0.0f;
-            }
-        }
-    }
-}
-"""
-
-
 def _to_e(spec: GemmChainSpec) -> bool:
-    """Whether op2 may write E directly (`_PACK_STRIPS`): float32 E (accumulated in place) and no
+    """Whether op2 may write E directly (`pack_strips.c`): float32 E (accumulated in place) and no
     softmax (which packs nothing for it: `_softmax_to_e`). The code then also asks, at run time,
     for n blocks of whole nr-column strips (the planner sizes T_N in mr rows: Mixer-C's 258 =
     43 x 6 would pad 14 columns of 272, measured 4 % slower)."""
@@ -274,80 +213,6 @@ def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
     w.line("#define CF_TILES(t) \\")
     for i, text in enumerate(lines):
         w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
-
-
-# The parallel blocks are claimed from a shared counter as threads come free, not dealt out in
-# equal shares: on a shared host a thread whose core another process holds runs at a fraction of
-# the speed, and a static share makes every other thread wait for it.
-_CLAIM = """\
-/* the next block index from a counter the threads share: blocks are claimed in order as threads
-   come free, not dealt out in fixed shares, so a thread slowed by another process on its core
-   runs fewer and the others do not wait for it (an OpenMP pragma, no omp.h) */
-static inline long cf_claim(long* next)
-{
-    long v;
-    #pragma omp atomic capture
-    v = (*next)++;
-    return v;
-}
-"""
-
-# The panels of B and D a GEMM chain packs lie far apart in memory (an MLP's weights: rows whole
-# rows of the weight apart, several MiB that come from DRAM on every call), and packing one waits
-# on its loads. A cursor over the rows of the panel packed next lets every micro-kernel call of
-# the current panel ask for a few of them, so the loads overlap the FMAs and the packing finds the
-# panel in L2 (measured on Mixer-C, 1 thread: 3-5 % less time). The last D panel of a row block
-# asks for the next row block's A and first B panel (another head's: from L3 or DRAM, where the
-# packing of Aᵀ and B waited on them; measured on Zen 1, 1 thread, interleaved: vit-base-16
-# 0.945-0.996, vit-huge-16 0.97, bert-base 0.98 of the time without).
-_PREFETCH = """\
-typedef struct {
-    const char* base; /* first byte of the panel's first row */
-    long ld;          /* bytes from one row to the next */
-    int rows, lines, row;
-    const char* base2; /* a second panel after the first (rows2 = 0: none) */
-    long ld2;
-    int rows2, lines2;
-} cf_pf;
-
-/* the next panel: `rows` rows of `width` elements, `ld` elements apart */
-static inline void cf_pf_set(cf_pf* c, const cf_elem* base, long ld, int rows, long width)
-{
-    c->base = (const char*)base;
-    c->ld = ld * (long)sizeof(cf_elem);
-    c->rows = rows;
-    c->lines = (int)((width * (long)sizeof(cf_elem) + 63) / 64);
-    c->row = 0;
-    c->rows2 = 0;
-}
-
-/* a second panel, asked for after the first: the rows count both */
-static inline void cf_pf_then(cf_pf* c, const cf_elem* base, long ld, int rows, long width)
-{
-    c->base2 = (const char*)base;
-    c->ld2 = ld * (long)sizeof(cf_elem);
-    c->rows2 = rows;
-    c->lines2 = (int)((width * (long)sizeof(cf_elem) + 63) / 64);
-}
-
-/* rows per call when `calls` micro-kernel calls share the panel */
-static inline int cf_pf_share(const cf_pf* c, int calls)
-{
-    const int rows = c->rows + c->rows2;
-    return calls > 0 ? (rows + calls - 1) / calls : rows;
-}
-
-/* ask for the lines of the next `rows` rows, into L2 */
-static inline void cf_pf_step(cf_pf* c, int rows)
-{
-    for (int r = 0; r < rows && c->row < c->rows + c->rows2; ++r, ++c->row) {
-        const int second = c->row >= c->rows;
-        const char* line = second ? c->base2 + (c->row - c->rows) * c->ld2 : c->base + c->row * c->ld;
-        const int lines = second ? c->lines2 : c->lines;
-        for (int i = 0; i < lines; ++i) __builtin_prefetch(line + i * 64, 0, 2);
-    }
-}
-"""
 
 
 class Epilogue(enum.Enum):
@@ -474,102 +339,6 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
         mask_tensor=None if soft.mask is None else soft.mask.tensor,
         causal=soft.causal,
     )
-
-
-_MATH = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#define CF_LOG2E 1.44269504088896341f
-
-/* an additive mask value in the scores' base-2 units, m log2(e), held to the finite floats:
-   PyTorch's own masks fill with torch.finfo(float32).min, which times log2(e) would overflow
-   to -inf, and a row masked that way throughout would weigh no key, where SDPA's equal scores
-   weigh every key alike. -inf (and NaN) stay as they are. */
-static inline float cf_mask2(float m)
-{
-    const float big = 2.3586e38f; /* just under FLT_MAX / log2(e) */
-    const float held = m < -big && m > -INFINITY ? -big : m > big && m < INFINITY ? big : m;
-    return held * CF_LOG2E;
-}
-
-/* exp of x <= 0 (erf's exp(-a^2)): range reduction to
-   [-ln2/2, ln2/2] and a degree-7 polynomial (Cephes' expf coefficients, relative error < 1e-7).
-   n = round(x / ln2) comes from the 1.5 * 2^23 shifter, whose low mantissa bits then hold
-   n + 127: shifted left by 23 they are 2^n. x <= -88 (and -inf) gives 0, NaN stays NaN; x > 88
-   is outside its domain. Plain arithmetic and selects that compilers if-convert: the loops
-   over it vectorise (about 20 instructions per vector). */
-static inline float cf_exp_neg(float x)
-{
-    const float xc = x < -88.0f ? -88.0f : x; /* a max that lets NaN through */
-    const float shifted = xc * CF_LOG2E + 12583039.0f; /* 0x1.8p23 + 127 */
-    const float n = shifted - 12583039.0f;
-    float r = xc - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    uint32_t bits;
-    memcpy(&bits, &shifted, sizeof bits);
-    bits <<= 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n; /* NaN in, NaN out: it went through every step */
-}
-
-/* 2^(v - s) for v <= s, with s given as c = 0x1.8p23 + 127 - s and lo = s - 127: the softmax
-   works in base 2 (its scale carries log2(e)), which spares the ln2 range reduction. The
-   shifter adds c to v, so that t = v + c carries n = round(v - s) in its low bits (s an integer,
-   |s| < 2^21: c is then exact, and so are t - c = n + s and f = v - (n + s) in [-1/2, 1/2]);
-   2^f by a degree-5 polynomial (coefficients fitted for chainfuse: least squares on Chebyshev
-   nodes, reweighted towards the minimax relative error; 1.9e-7 evaluated in float32), in
-   Estrin's form: three dependent FMAs instead of Horner's five. A score strip's loop waits on
-   this chain: forming v - s first, then adding the shifter, cost one more dependent add (Zen 1,
-   interleaved: the integer shift took an attention 0.98 of the time, Estrin 0.98-1.0). v below
-   s - 126.5 (and -inf) gives 0, NaN stays NaN. About 13 instructions per vector. */
-static inline float cf_exp2_from(float v, float c, float lo)
-{
-    const float xc = v < lo ? lo : v; /* a max that lets NaN through */
-    const float t = xc + c;
-    const float f = xc - (t - c);
-    const float f2 = f * f;
-    const float q0 = 6.9314700365e-1f * f + 1.0f;
-    const float q1 = 5.5507339537e-2f * f + 2.4022242427e-1f;
-    const float q2 = 1.3264718000e-3f * f + 9.6715129912e-3f;
-    const float p = (q2 * f2 + q1) * f2 + q0;
-    uint32_t bits;
-    memcpy(&bits, &t, sizeof bits);
-    bits <<= 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
-/* 2^x for x <= 0 (s = 0; x < -126.5 gives 0) */
-static inline float cf_exp2_neg(float x)
-{
-    return cf_exp2_from(x, 12583039.0f, -127.0f);
-}
-
-/* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp_neg. */
-static inline float cf_erf(float x)
-{
-    const float ax = x < 0.0f ? -x : x;
-    const float t = 1.0f / (1.0f + 0.3275911f * ax);
-    float y = 1.061405429f;
-    y = y * t - 1.453152027f;
-    y = y * t + 1.421413741f;
-    y = y * t - 0.284496736f;
-    y = y * t + 0.254829592f;
-    y = 1.0f - y * t * cf_exp_neg(-ax * ax);
-    return x < 0.0f ? -y : y;
-}
-"""
 
 
 def _exp2_eighths() -> str:
@@ -778,126 +547,6 @@ def _scores_strip_call(w: Writer, spec: GemmChainSpec) -> None:
             w.line("continue;")
 
 
-_HALF = r"""
-#include <stdint.h>
-
-/* bf16 <-> fp32: a bf16 is the high half of an fp32, so widening is a shift; narrowing rounds
-   to nearest, ties to even (NaN kept quiet). */
-static inline float cf_from_bf16(uint16_t h)
-{
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t cf_to_bf16(float f)
-{
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
-
-/* IEEE fp16 <-> fp32. With F16C (x86 since Ivy Bridge / Piledriver), one instruction each;
-   elsewhere exact plain C: widening rebiases the exponent (subnormals: mantissa times 2^-24,
-   exact in fp32; inf and NaN keep their payload); narrowing rounds to nearest, ties to even:
-   |f| >= 65520 gives inf, |f| < 2^-14 a subnormal rounded by one fp32 addition (the magic 0.5
-   puts fp16's last subnormal bit at fp32's last mantissa bit), NaN stays a quiet NaN. Both are
-   checked on every fp16 bit pattern and every rounding edge (tests/numerics/test_cmath.py). */
-#if defined(__F16C__) && !defined(CF_NO_F16C)
-#include <immintrin.h>
-static inline float cf_from_f16(uint16_t h)
-{
-    return _cvtsh_ss(h);
-}
-
-static inline uint16_t cf_to_f16(float f)
-{
-    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-}
-#else
-static inline float cf_from_f16(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (e == 0) {
-        v.f = (float)m * 5.9604644775390625e-8f; /* 2^-24 */
-        v.u |= sign;
-    } else {
-        v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
-    }
-    return v.f;
-}
-
-static inline uint16_t cf_to_f16(float f)
-{
-    union { uint32_t u; float f; } v, magic;
-    v.f = f;
-    const uint32_t sign = (v.u >> 16) & 0x8000u;
-    v.u &= 0x7fffffffu;
-    uint32_t o;
-    if (v.u >= 0x47800000u) { /* 65536 and up: inf, or NaN */
-        o = v.u > 0x7f800000u ? 0x7e00u | ((v.u >> 13) & 0x3ffu) : 0x7c00u;
-    } else if (v.u < 0x38800000u) { /* below 2^-14: fp16 subnormal or zero */
-        magic.u = 0x3f000000u; /* 0.5f */
-        v.f += magic.f;
-        o = v.u - magic.u;
-    } else {
-        const uint32_t odd = (v.u >> 13) & 1u;
-        v.u += 0xc8000fffu + odd; /* exponent rebiased (-112 << 23), half an ulp minus one */
-        o = v.u >> 13;
-    }
-    return (uint16_t)(o | sign);
-}
-#endif
-
-/* n elements widened into fp32 (the row path's rows of K, V, B and D, once for all its rows):
-   with F16C eight fp16 at a time, else element by element (bf16's shift vectorises) */
-static inline void cf_widen(const uint16_t* restrict src, float* restrict dst, long n)
-{
-    long i = 0;
-#if defined(__F16C__) && !defined(CF_NO_F16C) && defined(CF_F16)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
-#endif
-    for (; i < n; ++i) dst[i] = CF_LOAD(src[i]);
-}
-
-/* packing from half-precision sources (CF_LOAD widens) into the micro-kernel's fp32 panels (the
-   same layouts as the fp32 routines: zeros beyond m / n) */
-static inline void cf_half_pack_a(int kc, int m, const uint16_t* restrict A, long lda,
-                                  float* restrict Ap)
-{
-    for (int i = 0; i < MR; ++i) {
-        const uint16_t* restrict row = A + i * lda;
-        for (int p = 0; p < kc; ++p) Ap[(long)p * MR + i] = i < m ? CF_LOAD(row[p]) : 0.0f;
-    }
-}
-
-static inline void cf_half_pack_at(int kc, int m, const uint16_t* restrict At, long ldat,
-                                   float* restrict Ap)
-{
-    for (int p = 0; p < kc; ++p) {
-        for (int i = 0; i < MR; ++i) {
-            Ap[(long)p * MR + i] = i < m ? CF_LOAD(At[p * ldat + i]) : 0.0f;
-        }
-    }
-}
-
-static inline void cf_half_pack_bt(int kc, int n, const uint16_t* restrict Bt, long ldbt,
-                                   float* restrict Bp, float scale)
-{
-    for (int j = 0; j < NR; ++j) {
-        const uint16_t* restrict col = Bt + j * ldbt;
-        for (int p = 0; p < kc; ++p)
-            Bp[(long)p * NR + j] = j < n ? CF_LOAD(col[p]) * scale : 0.0f;
-    }
-}
-"""
-
-
 #: Slots of the one array `<name>_packed` takes (longs): pointers, then the scalars, then arrays.
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
@@ -924,7 +573,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     for text in header.strip().split("\n"):
         w.line(f" * {text}".rstrip())
     w.line(" */")
-    w.lines(_MATH)
+    w.lines(c_source("math.c"))
     w.lines(emit_with_packing(ker))
     if exponentiates_beside_op1(spec) and ker.scores_exp is not None:
         w.lines(ker.scores_exp(ker))
@@ -973,7 +622,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             "#define CF_WIDE(K, N) ALIGN16(4 * ((K) > (N) ? ((K) > ROWS_LB ? (K) : ROWS_LB)"
             " : ((N) > ROWS_LB ? (N) : ROWS_LB)))"
         )
-        w.lines(_HALF)
+        w.lines(c_source("half.c"))
         w.line("typedef uint16_t cf_elem;")
         w.line("#define PACK_A cf_half_pack_a")
         w.line("#define PACK_AT cf_half_pack_at")
@@ -1019,12 +668,12 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     if _exp2_strip(spec):
         w.lines(_EXP2_STRIP)
     if spec.b_transposed:  # (`_rows_scores_by_key`)
-        w.lines(_DOT4)
-    w.lines(_PACK_PANEL)
-    w.lines(_CLAIM)
+        w.lines(c_source("dot4.c"))
+    w.lines(c_source("pack_panel.c"))
+    w.lines(c_source("claim.c"))
     if _to_e(spec):
-        w.lines(_PACK_STRIPS)
-    w.lines(_PREFETCH)
+        w.lines(c_source("pack_strips.c"))
+    w.lines(c_source("prefetch.c"))
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
     w.line("   packed Dᵀ, the Eᵀ accumulator, the softmax column statistics, and the row path's")
     w.line("   rows of A and accumulators (_rows) */")
@@ -1665,79 +1314,6 @@ def _rows_add_rows(
             w.line(f"for (long x = 0; x < {width}; ++x) a[x] += w0 * {load};")
 
 
-# `_rows`' dot products, four keys' for one query: eight lanes of each key's products along k
-# in a vector (GCC's and Clang's vector extensions: ymm where the ISA has them, pairs of xmm or
-# NEON registers elsewhere), two vectors a key so that eight FMA chains run at once, and the four
-# keys' vectors reduced together, two rounds of shuffles and adds. `omp simd reduction` at -O2
-# ran four chains and added each key's stored lanes one by one (28 % of the row path's time at
-# 4 queries x 257 keys). Zen 4, 1 thread, interleaved, 12 heads: 8 queries x 512 keys x 64
-# 0.89 of the time, 4 x 257 x 64 0.86, 3 x 259 x 64 0.87, 1 x 512 x 64 0.95, 6 x 1024 x 128
-# 0.95, 2 x 256 x 256 1.00.
-_DOT4 = r"""
-typedef float cf_v8 __attribute__((vector_size(32)));
-typedef float cf_v8u __attribute__((vector_size(32), aligned(4), may_alias)); /* float rows */
-typedef int cf_v8i __attribute__((vector_size(32)));
-#if defined(__clang__)
-#define CF_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define CF_SHUF(a, b, ...) __builtin_shuffle(a, b, (cf_v8i){__VA_ARGS__})
-#endif
-
-/* out[j] = sum over k < K of q[k] * kj[k], j < 4; inlined where it is called (gcc left it a
-   call from the -O2 row path: 0.83-0.94 of that path's time inlined, 1-6 queries) */
-static inline __attribute__((always_inline)) void cf_dot4(long K, const float* restrict q,
-                                                          const float* restrict k0,
-                                                          const float* restrict k1,
-                                                          const float* restrict k2,
-                                                          const float* restrict k3,
-                                                          float* restrict out)
-{
-    cf_v8 v0 = {0}, v1 = {0}, v2 = {0}, v3 = {0};
-    cf_v8 w0 = {0}, w1 = {0}, w2 = {0}, w3 = {0};
-    long k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const cf_v8 x = *(const cf_v8u*)(q + k), y = *(const cf_v8u*)(q + k + 8);
-        v0 += x * *(const cf_v8u*)(k0 + k);
-        v1 += x * *(const cf_v8u*)(k1 + k);
-        v2 += x * *(const cf_v8u*)(k2 + k);
-        v3 += x * *(const cf_v8u*)(k3 + k);
-        w0 += y * *(const cf_v8u*)(k0 + k + 8);
-        w1 += y * *(const cf_v8u*)(k1 + k + 8);
-        w2 += y * *(const cf_v8u*)(k2 + k + 8);
-        w3 += y * *(const cf_v8u*)(k3 + k + 8);
-    }
-    for (; k + 8 <= K; k += 8) {
-        const cf_v8 x = *(const cf_v8u*)(q + k);
-        v0 += x * *(const cf_v8u*)(k0 + k);
-        v1 += x * *(const cf_v8u*)(k1 + k);
-        v2 += x * *(const cf_v8u*)(k2 + k);
-        v3 += x * *(const cf_v8u*)(k3 + k);
-    }
-    v0 += w0;
-    v1 += w1;
-    v2 += w2;
-    v3 += w3;
-    const cf_v8 a = CF_SHUF(v0, v1, 0, 8, 2, 10, 4, 12, 6, 14)
-        + CF_SHUF(v0, v1, 1, 9, 3, 11, 5, 13, 7, 15);
-    const cf_v8 b = CF_SHUF(v2, v3, 0, 8, 2, 10, 4, 12, 6, 14)
-        + CF_SHUF(v2, v3, 1, 9, 3, 11, 5, 13, 7, 15);
-    const cf_v8 c = CF_SHUF(a, b, 0, 1, 8, 9, 4, 5, 12, 13)
-        + CF_SHUF(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
-    float s0 = c[0] + c[4], s1 = c[1] + c[5], s2 = c[2] + c[6], s3 = c[3] + c[7];
-    for (; k < K; ++k) {
-        s0 += q[k] * k0[k];
-        s1 += q[k] * k1[k];
-        s2 += q[k] * k2[k];
-        s3 += q[k] * k3[k];
-    }
-    out[0] = s0;
-    out[1] = s1;
-    out[2] = s2;
-    out[3] = s3;
-}
-"""
-
-
 def _rows_scores_by_key(w: Writer, half: bool) -> None:
     """`_rows`' scores when K is stored [l, k] (attention): dot products along k (16-bit keys
     widened into `wide` first, once for all the rows)."""
@@ -1881,7 +1457,7 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
 def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
     """op2 of one l block and n block straight into E: rows m, mr at a time within each of Pᵀ's
     nr-column strips, columns n from D's nr-column strips, strip `s` at `strip` (packed by
-    `_PACK_STRIPS`, or D itself, `_softmax_to_e`)."""
+    `pack_strips.c`, or D itself, `_softmax_to_e`)."""
     uk = spec.kernel.name
     scaled = _softmax_to_e(spec)  # (last_l: each row over its sum as it is stored)
     with w.block("for (int j = 0; j * NR < mc; ++j)"):

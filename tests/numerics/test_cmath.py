@@ -1,4 +1,4 @@
-"""The C math helpers every generated GEMM-chain kernel includes (`codegen.c._MATH`): the
+"""The C math helpers every generated GEMM-chain kernel includes (`codegen/csrc/math.c`): the
 exponentials (the softmax's base-2 one, the one under GELU's erf) and the erf, against float64 numpy/math over their whole domain, built with
 the flags of every kernel build (so the vectorised, if-converted code is what is tested); the AVX2
 kernels' softmax strip exponentials (`_EXP2_STRIP`) and the 16-bit conversions likewise."""
@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from chainfuse import config
-from chainfuse.codegen.c import _EXP2_STRIP, _HALF, _MATH
+from chainfuse.codegen.c import _EXP2_STRIP
+from chainfuse.codegen.common import c_source
 from chainfuse.hardware import Hardware, Isa
 from chainfuse.runtime import build, load
 
 HARNESS = (
-    _MATH
+    c_source("math.c")
     + r"""
 void run_exp(const float* x, float* y, long n)
 {
@@ -124,7 +125,7 @@ def test_erf(lib: ctypes.CDLL) -> None:
 
 
 STRIP_HARNESS = (
-    _MATH
+    c_source("math.c")
     + "#include <immintrin.h>\n"
     + _EXP2_STRIP
     + r"""
@@ -208,7 +209,7 @@ def test_exp2_strip_special_values_and_sums(strip_lib: ctypes.CDLL) -> None:
 
 HALF_HARNESS = (
     "#define MR 6\n#define NR 16\n#define CF_LOAD(x) cf_from_f16(x)\n#define CF_F16 1\n"
-    + _HALF
+    + c_source("half.c")
     + r"""
 void run_from_f16(const uint16_t* x, float* y, long n)
 {
