@@ -27,19 +27,6 @@ from typing import Any, cast
 import numpy as np
 
 from chainfuse import config
-from chainfuse.codegen.c import (
-    PACKED,
-    ROWS_MAX,
-    Epilogue,
-    GemmChainShape,
-    GemmChainSpec,
-    emit_gemm_chain,
-    exponentiates_beside_op1,
-    holds_head,
-    match_gemm_chain,
-    row_path_rows,
-    rows_past_strips,
-)
 from chainfuse.codegen.conv import (
     GEOMETRY,
     ConvChainShape,
@@ -52,6 +39,16 @@ from chainfuse.codegen.conv import (
     geometry,
     match_conv_chain,
 )
+from chainfuse.codegen.gemm_chain import PACKED, emit_gemm_chain
+from chainfuse.codegen.gemm_spec import (
+    Epilogue,
+    GemmChainShape,
+    GemmChainSpec,
+    holds_head,
+    match_gemm_chain,
+)
+from chainfuse.codegen.rows import ROWS_MAX, row_path_rows, rows_past_strips
+from chainfuse.codegen.softmax import exponentiates_beside_op1
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Role, Softmax
 from chainfuse.kernels import Problem, select_weighted

@@ -66,10 +66,9 @@ instead of strided reads of its channel planes: 54-81 -> 66-85 GFLOP/s on the pa
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass
 
-from chainfuse.codegen.common import ALIGN16, c_source
+from chainfuse.codegen.common import ALIGN16, c_source, header_comment, name_hash, per_thread
 from chainfuse.codegen.writer import Writer
 from chainfuse.ir import Activation, Affine, Chain, Contraction, Pointwise
 from chainfuse.kernels import MicroKernel, emit_with_packing
@@ -174,8 +173,8 @@ class ConvChainSpec:
     def name(self) -> str:
         word = "conv" + ("_relu" if self.relu_mid else "") + "_conv"
         word += "_relu" if self.relu_out else ""
-        key = f"{self.kernel.name}|{self.relu_mid}|{self.relu_out}|{self.halo.value}".encode()
-        return f"{word}_f32_{self.halo.value}_{hashlib.sha256(key).hexdigest()[:8]}"
+        key = f"{self.kernel.name}|{self.relu_mid}|{self.relu_out}|{self.halo.value}"
+        return f"{word}_f32_{self.halo.value}_{name_hash(key)}"
 
 
 def match_conv_chain(chain: Chain) -> ConvChainShape:
@@ -279,10 +278,7 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     uk = ker.name
     name = spec.name
     w = Writer()
-    w.line("/*")
-    for text in header.strip().split("\n"):
-        w.line(f" * {text}".rstrip())
-    w.line(" */")
+    header_comment(w, header)
     w.lines(emit_with_packing(ker))
     w.line(f"#define MR {ker.mr}")
     w.line(f"#define NR {ker.nr}")
@@ -352,9 +348,7 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
         w.line("const long bands = (G.P2 + G.TP2 - 1) / G.TP2;")
         w.line("const long blocks = G.N * bands;")
         w.line("const long share = (blocks + nthreads - 1) / nthreads;")
-        w.line("/* one iteration per thread, so its index names its workspace: no omp.h needed */")
-        w.line("#pragma omp parallel for schedule(static, 1) num_threads(nthreads)")
-        with w.block("for (int t = 0; t < nthreads; ++t)"):
+        with per_thread(w):
             w.line("float* restrict Z = work + (long)t * work_per_thread;")
             w.line("float* restrict T = Z + ALIGN16((G.ZROWS * G.Q1 + MR) * G.LDK1);")
             w.line("float* restrict tmp = T + ALIGN16((G.TP2 * G.Q2 + MR) * G.LDK2);")

@@ -61,7 +61,7 @@ AVX512 = VectorOps(
 # Chebyshev nodes, reweighted towards the minimax relative error). Folded into a sixteenths
 # table (`exp2_sixteenths`), 2^v is then 5.4e-7 off at most, relative (4.5 float32 ulps),
 # evaluated in float32 (v on a grid of 3e-5 over [-120, 0] and 2e6 random v in [-3, 0]): the
-# eighths table and the cubic of the AVX2 strip (`codegen.c`) give 1.1e-7 on the same grid in
+# eighths table and the cubic of the AVX2 strip (`avx2.avx2_exp2_strip`) give 1.1e-7 on the same grid in
 # four FMA-unit operations a vector, this two. (PyTorch's AVX-512 exp for its CPU flash
 # attention, exp_u20, is documented at 20 ulps.) The same table folded into a cubic (four
 # coefficients, three operations) gives 1.05e-7. bert-base's scores strip (64 queries, 510

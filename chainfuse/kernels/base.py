@@ -127,7 +127,7 @@ class MicroKernel:
     floats, per column); and ``<name>_exp2_rows(p, rows, shift, sum)``, the exponentials on
     whole rows alone. A softmax's exponentials then run beside the FMA loop, on the pipes it
     leaves idle, instead of in a pass of their own (``cf_scores_strip`` in
-    `chainfuse.codegen.c`). For each ``r`` of `scores_exp_parts` it also emits
+    `chainfuse.codegen.softmax`). For each ``r`` of `scores_exp_parts` it also emits
     ``<name>_scores_exp_part<r>(..., live)``, the same on a block of ``r`` rows of which A has
     ``live`` (the keys past a strip's whole blocks).
 
@@ -138,7 +138,12 @@ class MicroKernel:
     ``scale`` is NULL (a softmax's division by the sums); all ``wide_mr`` rows of ``A`` are read
     and computed, the first ``rows`` stored. A softmax's op2 then writes E's rows with a whole
     value head of ``w`` columns in registers (V's rows in place, any stride), where ``nr``
-    columns would not cover it (`chainfuse.codegen.c`: ``to_e``).
+    columns would not cover it (`chainfuse.codegen.gemm_spec.wide_heads`).
+
+    ``exp2_strip`` (optional) emits ``cf_exp2_strip(p, rows, shift, sum)``: a softmax strip's
+    exponentials ``2^(v - shift)`` on ``rows`` rows of ``nr`` floats in place, summed by column
+    into ``sum``, for integer shifts below 2^21 in magnitude; without it the generated code
+    runs a portable loop over ``cf_exp2_from``.
     """
 
     name: str
@@ -159,6 +164,7 @@ class MicroKernel:
     wide: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
     wide_cols: tuple[int, ...] = ()
     wide_mr: int = 0
+    exp2_strip: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
@@ -882,6 +888,7 @@ def microkernel(
     wide: Callable[[MicroKernel], str] | None = None,
     wide_cols: tuple[int, ...] = (),
     wide_mr: int = 0,
+    exp2_strip: Callable[[MicroKernel], str] | None = None,
     registry: Registry = REGISTRY,
 ) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
     """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
@@ -913,6 +920,7 @@ def microkernel(
             wide=wide,
             wide_cols=wide_cols,
             wide_mr=wide_mr,
+            exp2_strip=exp2_strip,
         )
         return registry.register(kernel)
 
