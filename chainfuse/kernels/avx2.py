@@ -12,7 +12,9 @@ import struct
 
 from chainfuse.hardware import Isa
 from chainfuse.ir import DType
-from chainfuse.kernels.base import MicroKernel, VectorOps, emit_vector_tile, microkernel
+from chainfuse.kernels.contract import MicroKernel
+from chainfuse.kernels.registry import microkernel
+from chainfuse.kernels.vector import VectorOps, emit_vector_tile
 
 __all__ = ["AVX2", "avx2_exp2_strip", "avx2_fma_6x16_f32", "avx2_transpose8"]
 

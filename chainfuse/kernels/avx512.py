@@ -25,13 +25,9 @@ import struct
 from chainfuse.hardware import Isa
 from chainfuse.ir import DType
 from chainfuse.kernels.avx2 import avx2_transpose8
-from chainfuse.kernels.base import (
-    MicroKernel,
-    VectorOps,
-    emit_vector_tile,
-    microkernel,
-    scores_exp_parts,
-)
+from chainfuse.kernels.contract import MicroKernel, scores_exp_parts
+from chainfuse.kernels.registry import microkernel
+from chainfuse.kernels.vector import VectorOps, emit_vector_tile
 
 __all__ = [
     "AVX512",
