@@ -52,15 +52,6 @@ Halo: when R2 > st2 consecutive bands share R2 - st2 rows of Z. `keep` carries t
 thread's range (each thread recomputes them once, at its first band); `recompute` makes every
 band from scratch (independent blocks, redundant conv1 rows). `choose_halo` compares the two with
 the cost of the busiest thread; the choice is a compile-time constant, so it is in the header.
-
-Measured (1 thread, this repo's AMD EPYC, AVX2 6x16, min of interleaved runs against oneDNN
-channels-last): the in-place slivers took the paper chains from 0.81x to ~1.0x (conv1's gathers
-and 8x8 transposes were 15-45% of the time); packing the edge pixels of several rows into full
-slivers +6%; chunks of 64 slivers instead of 16 +5%; a sliver meeting every output channel
-block while in L1, all its rows of taps in one call (instead of one call per row of taps, as
-many weight panels as fit L1 at a time) +1-4% on the paper chains, +6% on darknet-19-b (whose
-S*C = 384 took one call per tap before); NCHW input through the channels-last row buffer
-instead of strided reads of its channel planes: 54-81 -> 66-85 GFLOP/s on the paper chains.
 """
 
 from __future__ import annotations
@@ -97,12 +88,12 @@ GEOMETRY = (
 #: 16 KiB) takes half of a 32 KiB L1, next to the slivers of input it is applied to.
 _L1_SHARE = 2
 
-#: `MR`-pixel slivers per chunk of a plain 1x1 convolution (its pixels run across rows): the
-#: weight panel of each call is loaded once per chunk and serves all of them.
+#: `MR`-pixel slivers per chunk of a plain 1x1 convolution (its pixels run across rows): each
+#: call's weight panel is loaded once per chunk and serves them all (docs/tuning.md)
 _FLAT_SLIVERS = 64
 
-#: Fewest pixels of conv2's output per band, in `nr` multiples (see `code_tiles`); 24 measured
-#: +1% (noise) against 6, for four times the row buffer: kept at 6.
+#: Fewest pixels of conv2's output per band, in `nr` multiples (see `code_tiles`)
+#: (docs/tuning.md)
 _MIN_STRIPS = 6
 
 

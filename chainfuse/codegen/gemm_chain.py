@@ -64,24 +64,19 @@ __all__ = [
     "emit_gemm_chain",
 ]
 
-DIRECT_STRIPS = 8  # row blocks of at most this many nr-strips read B and D slivers in place,
-
-
-DIRECT_STRIDE = 256  # if the slivers' rows are at most this many elements apart (measured: a
-
-
-# Mixer-C weight, rows 2-16 KiB apart, runs 12-24 % faster packed in 4 strips of 16; attention's
-# V, rows 256 B apart, 7-16 % faster in place at 32-128 keys)
-DIRECT_FAR_STRIPS = 2  # ... or at any distance for this many strips (measured: Mixer-S-C's
-
-
-# weights, rows 8 KiB apart, 1.67 ms in place vs 2.84 ms packed in one strip of 64, 2.05 vs 2.36
-# ms in two of 32: a packed copy used once or twice does not pay for its writes)
-DT_PANELS = 4  # a softmax chain keeps up to this many packed n blocks of D (all of it) for the
-
-
-# row blocks of a batch that follow (`_row_block`: reuse_d)
-AT_WHOLE = 1 << 20  # floats of Aᵀ a thread keeps packed whole (all of k, for every l block)
+#: Row blocks of at most this many nr-strips read B and D slivers in place, not packed
+#: (docs/tuning.md) ...
+DIRECT_STRIPS = 8
+#: ... if the slivers' rows are at most this many elements apart (docs/tuning.md) ...
+DIRECT_STRIDE = 256
+#: ... or at any distance for this many strips: a packed copy used once or twice does not pay
+#: for its writes (docs/tuning.md)
+DIRECT_FAR_STRIPS = 2
+#: A softmax chain keeps up to this many packed n blocks of D (all of it) for the row blocks of
+#: its batch that follow (`row_block`: reuse_d) (docs/tuning.md)
+DT_PANELS = 4
+#: Floats of Aᵀ a thread keeps packed whole: all of k, for every l block (docs/tuning.md)
+AT_WHOLE = 1 << 20
 
 
 #: Slots of the one array `<name>_packed` takes (longs): pointers, then the scalars, then arrays.

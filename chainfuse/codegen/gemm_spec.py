@@ -164,9 +164,8 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
 
 def writes_e(spec: GemmChainSpec) -> bool:
     """Whether op2 may write E directly (`pack_strips.c`): float32 E (accumulated in place) and no
-    softmax (which packs nothing for it: `softmax_writes_e`). The code then also asks, at run time,
-    for n blocks of whole nr-column strips (the planner sizes T_N in mr rows: Mixer-C's 258 =
-    43 x 6 would pad 14 columns of 272, measured 4 % slower)."""
+    softmax (which packs nothing for it: `softmax_writes_e`); the code also asks, at run time,
+    for n blocks of whole nr-column strips."""
     return spec.dtype is DType.FLOAT32 and spec.epilogue is not Epilogue.SOFTMAX
 
 
@@ -195,9 +194,7 @@ def wide_heads(spec: GemmChainSpec) -> tuple[int, ...]:
 
 def wide_multiples(kernel: MicroKernel) -> bool:
     """Whether a value head of any multiple of `nr` dims goes into E's rows as well, `nr`
-    columns at a time (`wide_heads` has `nr`: its wide block, once per block of columns).
-    Measured on Zen 4 (1 thread, interleaved, unfused PyTorch in the rounds; time over the Eᵀ
-    accumulator): heads of 128, 16 x 512 0.977, 8 x 1024 0.988, 32 x 256 0.972."""
+    columns at a time (`wide_heads` has `nr`: its wide block, once per block of columns)."""
     return kernel.wide is not None and kernel.nr in kernel.wide_cols
 
 
@@ -209,7 +206,7 @@ def named_heads(kernel: MicroKernel) -> tuple[int, ...]:
 
 def holds_head(kernel: MicroKernel, n: int) -> bool:
     """Whether a wide block of `kernel` holds a value head of `n` dims (the generated code's
-    run-time test, `_wide_test`, in Python: the plan keeps such an n whole)."""
+    run-time test, `wide_test`, in Python: the plan keeps such an n whole)."""
     return n in named_heads(kernel) or (wide_multiples(kernel) and n % kernel.nr == 0)
 
 

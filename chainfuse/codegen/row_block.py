@@ -199,12 +199,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             else:
                 w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
             if spec.b_transposed:
-                # B is read in place by rows of l (attention's K: a new head's from L3 once, then
-                # from L2), the next l block's too, and so is D in the row blocks of attention's
-                # plans (direct_d); what waits on its loads is the packing of the next row
-                # block's Aᵀ (Q), which reads its rows a few floats at a time. Measured on Zen 3,
-                # 1 thread, interleaved: the 12 paper workloads 0.95-0.995 of the time without;
-                # the next head's K asked for as well took 1 % more than Q alone
+                # B and D are read in place here; what waits on its loads is the packing of the
+                # next row block's Aᵀ (Q), a few floats of each row at a time
                 w.line("/* what is packed next: the next row block's Aᵀ (below) */")
                 w.line("cf_pf pf;")
                 w.line("if (n0 + nc < N || l0 + T_L < l_end) cf_pf_set(&pf, D_b, 0, 0, 0);")
@@ -227,10 +223,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             with w.block("else"):
                 whose = "" if spec.b_transposed else ", and its B if another batch's"
                 if spec.b_transposed:
-                    # the store at the row block's end wrote lines of a new output that came
-                    # from L3 or DRAM and waited on them (the store took 3 % of bert-base's
-                    # time). Measured on Zen 3, 1 thread, interleaved: 0.97-1.0 of the time with
-                    # them asked for here
+                    # the store at the row block's end writes lines of a new output that come
+                    # from L3 or DRAM: asked for here
                     w.line("/* this row block's E, which the store at its end writes, then the")
                     w.line("   next row block's A: packed first */")
                     w.line("cf_pf_set(&pf, E_b, sEm, mc, N);")
@@ -355,17 +349,9 @@ def _sliver_call(
 
 def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
     """`reuse_d`: whether this row block packs all of D's l block (every n block: `CF_DTN`) and
-    leaves it in the workspace for the next row blocks of its batch, which then pack nothing
-    (`fresh_d` false). A head's V is packed once per thread, not once per row block or read in
-    place by every one: in place, each step of op2's micro-kernel reads a new cache line of V and
-    uses six of its 16 floats, and the next row block reads the same lines again.
-    Only where D's l block is the row block's whole range of keys (a causal chain's grows from
-    one row block to the next) and another row block of the batch follows (M > T_M), or D is
-    the same for every batch index. Measured on Zen 3 (AVX2, 1 thread, interleaved against the
-    kernel that read V in place, or packed it for each row block where it had more than 8
-    strips): the 12 paper workloads 0.944-0.982 of the time (geomean 0.962), vit-huge-14 and -16
-    (T_N = 40: two packed blocks) 0.969 and 0.956; packing it for each row block instead took
-    1.00-1.04."""
+    leaves it in the workspace for the next row blocks of its batch (`fresh_d` false there): a
+    head's V packed once per thread. Only where D's l block is all the row block's keys (not
+    causal) and another row block of the batch follows, or D is the same for every batch."""
     if spec.causal:
         w.line("const int reuse_d = 0, fresh_d = 1; /* (causal: l_end moves with m0) */")
         return

@@ -25,40 +25,26 @@ __all__ = [
 ]
 
 
-ROWS_MAX = 8  # row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
-
-
+#: Row blocks of at most this many rows of m take `<name>_rows` (decoding, 1 token)
+#: (docs/tuning.md) ...
+ROWS_MAX = 8
 #: ... and of at most this many where fp32 B's rows meet A's in dot products (attention's K:
-#: `fits_rows`) and all of B and D take at most a quarter of the last cache level
-#: (`row_path_rows`): there the tiles' narrow strip (16 columns) costs less than 8 rows' dot
-#: products. Measured (Zen 4, 32 MiB L3 shared with other machines, 1 thread, interleaved, 20
-#: rounds, the row path as of cf_dot4 inlined), the tiled path's time over the row path's at 6 /
-#: 7 / 8 queries: 12 heads x 128 keys x 64 - / 1.14 / 0.94, x 512 (3 MiB of K and V) 1.14 / 0.99
-#: / 0.89, 8 x 256 x 128 - / 1.12 / 0.89, 16 x 256 x 80 1.37 / 0.99 / 0.91; 12 x 2048 x 64 (12
-#: MiB) - / 1.05 / 1.10. Before that row path was 0.83-0.90 of its time: the tiles 0.76-0.91 at
-#: 7 and 0.71-0.81 at 8 while K and V fit, and 1.16-1.54x from 16 MiB (16-32 heads x 1024 x
-#: 128), where each row block waits on K and V from further out and the row path's reads
-#: overlap its arithmetic. (An MLP's rows, B added in row by row, stay on the row path through
-#: ROWS_MAX: 256 x 1024 x 256 at 8 rows 1.08, 768 x 3072 x 768 0.88.)
+#: `fits_rows`) and B and D fit in the last cache level (`row_path_rows`) (docs/tuning.md)
 ROWS_FIT = 7
-
-
-ROWS_FIT_SHARE = 4  # ... while B and D take at most 1/this of the last cache level
-
-
-ROWS_LB = 256  # ... which scores keys in blocks of this many (an online softmax across them)
-
-
-#: a row of m on the row path costs about this many of the tiled path's columns (Zen 4,
-#: 1 thread: 2.8-4.8 us a query and head of 257 keys of 64 there, 0.67 us a column here)
+#: ... "fit": B and D take at most 1/this of the last cache level (docs/tuning.md)
+ROWS_FIT_SHARE = 4
+#: The row path scores keys in blocks of this many, an online softmax across them
+#: (docs/tuning.md)
+ROWS_LB = 256
+#: A row of m on the row path costs about this many of the tiled path's columns
+#: (docs/tuning.md)
 ROWS_COST = 5
 
 
 def fits_rows(spec: GemmChainSpec) -> bool:
     """Whether ROWS_FIT can bound the row path: fp32 B met in dot products (`b_transposed`). Not
-    16-bit B and D, which the tiles widen as they pack them, for every row block: the row path
-    stays ahead there through ROWS_MAX (bf16, 12 heads x 512 keys x 64, the tiles' time over the
-    row path's at 6 / 7 / 8 queries: 1.87 / 1.63 / 1.57)."""
+    16-bit B and D, which the tiles widen as they pack them for every row block: the row path
+    stays ahead there through ROWS_MAX."""
     return spec.b_transposed and spec.dtype not in HALF
 
 
@@ -120,8 +106,8 @@ def emit_rows(w: Writer, spec: GemmChainSpec) -> None:
     are added into the rows' accumulators (vectorised along n). Decoding and a single token's
     MLP read B and D once per block of rows, at the speed memory gives. The result goes into
     E, or, with `et` (threads that split l), into Eᵀ (row stride `lde`) for the second pass.
-    Optimised at -O2 (gcc; other compilers ignore the attribute): 0.3 s less compile than at
-    -O3, and as fast (measured on Zen 1, interleaved: 0.93-1.05 of the -O3 time)."""
+    Optimised at -O2 (gcc; other compilers ignore the attribute): less compile time than -O3,
+    and as fast."""
     softmax = spec.epilogue is Epilogue.SOFTMAX
     with w.block(
         f'static __attribute__((noinline, optimize("O2"))) void {spec.name}_rows(int mc,\n'

@@ -22,16 +22,11 @@ __all__ = [
 
 
 #: A tiled online softmax keeps a column's shift while the column's maximum stays at most this
-#: far above it (base 2): its exponentials are then below 2^LAZY_SHIFT = 256, and the sum and
-#: Eᵀ are rescaled only when some column's shift moves (each new key tile rescaled all of Eᵀ:
-#: 3-5 % of a long sequence's time, interleaved, Zen 3). Exponents up to it stay exact in
-#: float32 (a sum of 2^24 keys at most 2^32, and 1e4-magnitude values far from overflow).
+#: far above it (base 2): exponentials below 2^LAZY_SHIFT, and Eᵀ rescaled only when some
+#: column's shift moves; exact in float32 (docs/tuning.md)
 LAZY_SHIFT = 8
-
-
-#: `cf_scores_strip` exponentiates a strip's later blocks against the shift its first block set
-#: and rescales a column whose sum reached 2^SUM_CAP (then below 2): its exponentials stay below
-#: that, as LAZY_SHIFT keeps the strip's own pass's below 2^8 a key (a sum of 2^8 keys).
+#: `cf_scores_strip` rescales a column whose sum reached 2^SUM_CAP (to below 2), exponentiating
+#: a strip's later blocks against its first block's shift (docs/tuning.md)
 SUM_CAP = 16
 
 
@@ -71,12 +66,7 @@ def emit_scores_strip(w: Writer, spec: GemmChainSpec) -> None:
     2^SUM_CAP at the end has the column's exponentials and sum scaled by 2^-k (k its exponent,
     the shift moved up by k), exact in float32 but for what falls below its subnormals. A sum
     that overflowed or is NaN (a key more than ~127 above it, NaN or inf inputs) returns -1:
-    the caller then computes the strip on its own pass, which takes every block's maximum.
-
-    Measured on Zen 4 (1 thread, interleaved, 40 rounds), against every block taking its
-    maxima, testing them against the shift and moving it (rescaling the rows before), with the
-    keys past whole blocks on a block and a pass of their own: the 12 paper attentions took
-    0.986-1.002 of the time (median 0.990); one strip of 208 keys alone in a loop 0.98-0.99."""
+    the caller then computes the strip on its own pass, which takes every block's maximum."""
     uk = spec.kernel.name
     w.line("/* op1 for a whole strip of lc >= MR rows of keys (A's rows in place at Bd, rs apart,")
     w.line("   ks a step, when direct; else packed in slivers at Bt) and its online softmax: each")

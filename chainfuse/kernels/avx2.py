@@ -38,8 +38,8 @@ def avx2_transpose8(kernel: MicroKernel) -> str:
     row ``j`` times ``scale[j]`` (8 more multiplies).
 
     Rows go in as 128-bit halves, row ``i`` and row ``i + 4`` side by side, so no shuffle crosses
-    the 128-bit lanes: the usual last step, four ``vperm2f128`` pairs, is 8 uops each on Zen 1
-    (measured there on an L1-resident block: 11.7-13.7 ns against 13.1-14.2 ns)."""
+    the 128-bit lanes (the usual last step, four ``vperm2f128`` pairs, is 8 uops each on some
+    cores)."""
     name = kernel.name
     # row i's 4-float halves: r{i} holds row i's first half and row i+4's; r{i+4} their second
     # halves, so that the in-lane 4x4 transposes below leave whole columns in each register
@@ -155,8 +155,8 @@ static inline void cf_exp2_strip(float* restrict p, int rows, const float* restr
     nr=16,
     registers=6 * 2 + 2 + 1,
     flops_per_instruction=2 * 8,
-    # 256-bit vectors for the loops gcc vectorises too (the softmax's): its Zen 1 tuning picks
-    # 128-bit ones, and 16 xmm registers spill there (attention 0.97-0.99 of the time)
+    # 256-bit vectors for the loops gcc vectorises too (the softmax's): some -march tunings
+    # pick 128-bit ones, and 16 xmm registers spill there
     cflags=("-mavx2", "-mfma", "-mprefer-vector-width=256"),
     transpose=avx2_transpose8,
     transpose_block=8,

@@ -224,7 +224,6 @@ class MicroKernel:
         # a column tail behind whole blocks runs the narrowest block covering it; a problem
         # narrower than one block is counted at the full width: the generated code's per-strip
         # work (a softmax over its columns, the stores) is nr wide whatever the block computes
-        # (measured, attention over 32 queries: 6x64 with a 32-column block 0.64x of 12x32)
         full, rest = divmod(problem.N, self.nr)
         step = self.part_cols if self.part_cols and full else self.nr
         padded_n = full * self.nr + (math.ceil(rest / step) * step if rest else 0)

@@ -38,9 +38,8 @@ static inline void {name}_pack_at(int kc, int m, const float* restrict At, long 
     tb = kernel.transpose_block
     blocks, first = "", "0"
     if tb and kernel.transpose is not None and mr >= tb:
-        # rows in groups of tb, tb steps at a time, transposed in registers: a 12-row kernel's
-        # tail sliver of 8-11 keys (32 queries over 32 keys) packed its 64 steps a float at a
-        # time, 7 % of that attention's time
+        # rows in groups of tb, tb steps at a time, transposed in registers (a float at a time,
+        # a 12-row kernel's tail sliver of 8-11 keys cost a short attention much of its time)
         first = "i0"
         blocks = f"""
     int i0 = 0;
@@ -75,8 +74,8 @@ def pack_b(kernel: MicroKernel, *, transposed: bool = False) -> str:
     ``pack_b(kc, n, B, ldb, Bp)``: rows ``0:kc``, columns ``0:n`` of row-major ``B``;
     ``pack_bt(kc, n, Bt, ldbt, Bp, scale)``: the same from ``Bt`` = B transposed (``n x kc``,
     row-major; attention's ``K`` in ``Q·Kᵀ``), times ``scale`` on the way (attention's softmax
-    scale folded into the packing of ``Qᵀ``: a pass of its own over the packed strip cost 5 % of
-    a 32-key attention; 1 is exact). Columns ``n:nr`` are zeros.
+    scale folded into the packing of ``Qᵀ``, not a pass of its own; 1 is exact). Columns
+    ``n:nr`` are zeros.
     """
     nr, name = kernel.nr, kernel.name
     if transposed:

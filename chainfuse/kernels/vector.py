@@ -10,12 +10,8 @@ from chainfuse.kernels.contract import MicroKernel
 __all__ = ["PREFETCH_FAR", "VectorOps", "emit_vector_tile"]
 
 #: Floats between A's k steps from which a full tile asks for the next line along each step's
-#: row (``_full_s`` and the part tiles): a quarter page, so at most four steps share a page. Below
-#: it (a packed sliver, K's rows read along k, a value head's rows 64 floats apart) the hardware
-#: prefetchers already follow the stream and the prefetch is one more instruction per step:
-#: measured on an AVX2 Zen 3 core, interleaved, 1 thread, it took the 10 attention workloads
-#: 0.94-0.99 of the time without it (geomean 0.965) and a ReLU GEMM chain 0.98; a Mixer-C
-#: chain (a weight's rows 768 floats apart) keeps it.
+#: row: below it the hardware prefetchers already follow the stream and the prefetch is one
+#: more instruction per step (docs/tuning.md)
 PREFETCH_FAR = 256
 
 
@@ -115,20 +111,13 @@ def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
 
     def single(rows: int, suffix: str, what: str, nv: int = nv, scaled: bool = False) -> list[str]:
         # A's rows by pointers set once, each step one offset from them all: a base + index
-        # address per broadcast, where a + i * rs took GCC a few integer adds a step (A read in
-        # place, rs a row: attention's K). Measured on Zen 3, 1 thread, interleaved, the paper
-        # attentions: 0.992, 0.994, then 1.002 of the time (within the noise); GEMM chains 1.000
+        # address per broadcast, where a + i * rs took GCC a few integer adds a step
         zero, step, finish = body(rows, nv, "r{i} + o", scaled)
-        # (the scaled tile serves one call site, op2's of a softmax's last l block, whose calls
-        # run hundreds of steps each: out of line, it spares the kernel's one big function a
-        # second inlined copy of the register block, which took 0.8 s more to compile)
+        # (the scaled tile serves one call site, whose calls run hundreds of steps each: out of
+        # line, it spares the kernel's big function a second inlined copy, and compile time)
         linkage = "__attribute__((noinline))" if scaled else "inline"
-        # A read in place down far-apart rows (rs = 1: a weight's rows, each k step a new line,
-        # a new page) misses at every step, and the next slivers' calls read the lines after
-        # these: ask for the next line along each step's row, so those misses overlap this
-        # call's FMAs (measured on a Mixer-C chain, one strip of 64: 18 % less time). Only
-        # there (see PREFETCH_FAR): on closer steps the hardware prefetchers follow the rows
-        # already, and the extra instruction per step is what the loop pays
+        # A read in place down far-apart rows misses at every step: ask for the next line along
+        # each step's row, so those misses overlap this call's FMAs (only past PREFETCH_FAR)
         prefetch = [
             f"        if (ks >= {PREFETCH_FAR}) __builtin_prefetch(a + 64 / sizeof(float), 0, 3);"
         ]
