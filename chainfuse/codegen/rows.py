@@ -64,7 +64,7 @@ def rows_tail(kernel: MicroKernel) -> int:
 
 def rows_past_strips(rows: int, kernel: MicroKernel) -> int:
     """How many of a row block's `rows` rows of m take `<name>_rows` past its whole strips
-    (`_block`'s `tail`, where threads do not split l): 0 unless 1..`rows_tail` are left."""
+    (`emit_block`'s `tail`, where threads do not split l): 0 unless 1..`rows_tail` are left."""
     left = rows % kernel.nr
     return left if rows > kernel.nr and left <= rows_tail(kernel) else 0
 
