@@ -19,16 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from chainfuse.codegen.c import (
-    PACKED,
-    Epilogue,
-    GemmChainShape,
-    GemmChainSpec,
-    emit_gemm_chain,
-    exponentiates_beside_op1,
-    row_path_rows,
-    rows_past_strips,
-)
 from chainfuse.codegen.conv import (
     GEOMETRY,
     ConvChainShape,
@@ -37,6 +27,10 @@ from chainfuse.codegen.conv import (
     emit_conv_chain,
     geometry,
 )
+from chainfuse.codegen.gemm_chain import PACKED, emit_gemm_chain
+from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
+from chainfuse.codegen.rows import row_path_rows, rows_past_strips
+from chainfuse.codegen.softmax import exponentiates_beside_op1
 from chainfuse.ir import Affine, Chain, DType, MaskKind, Softmax
 from chainfuse.operands import (
     check,
@@ -204,7 +198,7 @@ class Kernel(_Built):
         return text
 
     def _workspace(self, threads: int) -> Any:
-        """This thread's argument array for `threads` threads (`codegen.c.PACKED`), its
+        """This thread's argument array for `threads` threads (`codegen.gemm_chain.PACKED`), its
         workspace (64-byte aligned), sizes and scale filled in: kept between calls, so a call
         allocates nothing and writes only what changed."""
         local = self._local

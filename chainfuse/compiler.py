@@ -12,13 +12,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from chainfuse.codegen.c import (
-    ROWS_MAX,
-    Epilogue,
-    GemmChainSpec,
-    holds_head,
-    match_gemm_chain,
-)
 from chainfuse.codegen.conv import (
     ConvChainSpec,
     ConvTiles,
@@ -27,6 +20,8 @@ from chainfuse.codegen.conv import (
     code_tiles,
     match_conv_chain,
 )
+from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, holds_head, match_gemm_chain
+from chainfuse.codegen.rows import ROWS_MAX
 from chainfuse.compiled import ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType, Role
@@ -160,7 +155,7 @@ def compile(
     assert planned is not None
     wide = ext[n] != kernel.nr and holds_head(kernel, ext[n])
     if shape.epilogue is Epilogue.SOFTMAX and chain.dtype is DType.FLOAT32 and wide:
-        # op2 writes E's rows with the whole value head in registers (`codegen.c.wide_heads`):
+        # op2 writes E's rows with the whole value head in registers (`codegen.gemm_spec.wide_heads`):
         # one n block, V's rows read in place
         planned = {**planned, n: ext[n]}
     elif shape.epilogue is Epilogue.SOFTMAX:

@@ -5,30 +5,23 @@ Adding an ISA (NEON, AMX, ...) is one new module with a `microkernel`-decorated 
 here, plus one test parametrisation.
 """
 
-from chainfuse.kernels import avx2, avx512, portable, reference
+from chainfuse.kernels import avx2, avx512, portable, scalar
 from chainfuse.kernels.avx2 import avx2_fma_6x16_f32
 from chainfuse.kernels.avx512 import avx512_6x64_f32, avx512_12x32_f32
-from chainfuse.kernels.base import (
-    PREFETCH_FAR,
+from chainfuse.kernels.contract import MicroKernel, Problem, Score, scores_exp_parts
+from chainfuse.kernels.packing import emit_with_packing, pack_a, pack_b
+from chainfuse.kernels.portable import portable_4x16_f32
+from chainfuse.kernels.registry import (
     REGISTRY,
-    MicroKernel,
-    Problem,
     Registry,
-    Score,
-    VectorOps,
     available,
-    emit_vector_tile,
-    emit_with_packing,
     microkernel,
-    pack_a,
-    pack_b,
     register,
-    scores_exp_parts,
     select,
     select_weighted,
 )
-from chainfuse.kernels.portable import portable_4x16_f32
-from chainfuse.kernels.reference import reference_4x4_f32
+from chainfuse.kernels.scalar import reference_4x4_f32
+from chainfuse.kernels.vector import PREFETCH_FAR, VectorOps, emit_vector_tile
 
 __all__ = [
     "PREFETCH_FAR",
@@ -51,9 +44,9 @@ __all__ = [
     "pack_b",
     "portable",
     "portable_4x16_f32",
-    "reference",
     "reference_4x4_f32",
     "register",
+    "scalar",
     "scores_exp_parts",
     "select",
     "select_weighted",

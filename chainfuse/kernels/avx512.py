@@ -10,12 +10,12 @@ two pipes 3x over):
 - 24 accumulators + 4 B vectors + 1 broadcast = 29 of the 32 zmm: no spills, with room for the
   compiler; per k step 4 B loads + 6 broadcasts feed 24 FMAs, well under two loads per cycle;
 - a 6x64 block, compiled by gcc at run time, already matched PyTorch (MKL) on these batched GEMMs
-  on the reference machine (see DESIGN.md).
+  on the reference machine (see docs/design.md).
 
 An N tail (e.g. N = 208 = 3 x 64 + 16) runs a narrow block of 16, 32 or 48 columns
 (``part_cols``): 1-3 vectors of FMAs per row, not 4. Where N is below one block the generated
 code's strips stay 64 wide (a softmax over 64 columns for 32 queries), and `select`'s score
-prefers 12x32 there (attention over 32 queries: 0.044 ms against 0.068 ms with 6x64).
+prefers 12x32 there.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import struct
 from chainfuse.hardware import Isa
 from chainfuse.ir import DType
 from chainfuse.kernels.avx2 import avx2_transpose8
-from chainfuse.kernels.base import (
-    MicroKernel,
-    VectorOps,
-    emit_vector_tile,
-    microkernel,
-    scores_exp_parts,
-)
+from chainfuse.kernels.contract import MicroKernel, scores_exp_parts
+from chainfuse.kernels.registry import microkernel
+from chainfuse.kernels.vector import VectorOps, emit_vector_tile
 
 __all__ = [
     "AVX512",
@@ -57,16 +53,9 @@ AVX512 = VectorOps(
 )
 
 
-# 2^r = c0 + r (c1 + r c2) on r in [-1/32, 1/32] (fitted for chainfuse: least squares on
-# Chebyshev nodes, reweighted towards the minimax relative error). Folded into a sixteenths
-# table (`exp2_sixteenths`), 2^v is then 5.4e-7 off at most, relative (4.5 float32 ulps),
-# evaluated in float32 (v on a grid of 3e-5 over [-120, 0] and 2e6 random v in [-3, 0]): the
-# eighths table and the cubic of the AVX2 strip (`codegen.c`) give 1.1e-7 on the same grid in
-# four FMA-unit operations a vector, this two. (PyTorch's AVX-512 exp for its CPU flash
-# attention, exp_u20, is documented at 20 ulps.) The same table folded into a cubic (four
-# coefficients, three operations) gives 1.05e-7. bert-base's scores strip (64 queries, 510
-# keys, alone in a loop, 1 thread, Zen 4) took 1694 cycles a 6x64 block with the eighths, 1674
-# with the folded cubic, 1636 with this (1536 its FMAs; 1580 with no exponentials at all).
+#: 2^r = c0 + r (c1 + r c2) on r in [-1/32, 1/32] (least squares on Chebyshev nodes, reweighted
+#: towards the minimax relative error); folded into a sixteenths table (`exp2_sixteenths`), 2^v
+#: is 5.4e-7 off at most, relative, in two FMA-unit operations a vector (docs/tuning.md)
 EXP2_SIXTEENTHS = (1.0000000068776311, 0.6931878317649445, 0.24021946551485635)
 
 
@@ -176,20 +165,9 @@ def avx512_scores_exp(kernel: MicroKernel) -> str:
     2^n p_j(v - k), p_j the quadratic of `EXP2_SIXTEENTHS` times 2^(j/16) (its three
     coefficients read from 16-entry tables by vpermps), 2^n by vscalefps. Two FMA-unit
     operations a vector (the quadratic's); the max, adds, permutes and the scalef run on the other
-    pipes, which an FMA-bound loop leaves idle (measured on Zen 4, 16 FMAs a loop with 8 more
-    ops each: vaddps, vmaxps, vpermps (a table in memory too), vpslld, vpaddd, vcvtps2dq,
-    vrndscaleps, vscalefps cost nothing; vmulps, vfmadd, vpermt2ps, vcmpps into a mask one
-    cycle each, so no compare zeroes what lies far below the shift: the clamp at -152 does,
-    and the subnormals above it cost Zen 4's FMAs and vscalefps nothing). The eighths table and
-    the exponent bits added in (vpermd, vpslld, vpaddd), with 2^r = 1 + r q(r) and T 2^r as
-    T + (r T) q(r), took four: with two, the 12 paper attentions (1 thread, interleaved, torch
-    tensors, unfused PyTorch in the rounds) ran 0.967-1.008 of the time (geomean 0.985; a
-    second run 0.972-1.029). One vector every second k step: on Zen 4 (1 thread,
-    interleaved, against the strip's own pass after op1) the 12 paper attentions took
-    0.964-0.986 of the time; a first version spaced them three every eighth step (bert-base,
-    mixer-b-32-s, vit-huge-14: 1.00-1.01 where every second step gave 0.968-0.981) or one every
-    third (0.974-0.995). The shift is any float (subtracted first), so one column's huge maximum
-    does not hold the others to exact shifts.
+    pipes, which an FMA-bound loop leaves idle; no compare zeroes what lies far below the shift
+    (the clamp at -152 does). One vector every second k step. The shift is any float (subtracted
+    first), so one column's huge maximum does not hold the others to exact shifts.
     """
     name, mr, nr = kernel.name, kernel.mr, kernel.nr
     vectors = nr // 16
@@ -243,11 +221,7 @@ def avx512_wide(kernel: MicroKernel) -> str:
     whose rows lie further apart, V a view of a fused QKV array, takes this one.)
 
     Each B vector is pinned to its register by an empty asm: left to itself gcc 12 folds the
-    loads into the FMAs as memory operands, one zmm load an FMA, and the block ran at 82 % of
-    the FMA peak (4 x 80 over 256 keys, L1/L2-resident, 1 thread, Zen 4); pinned, 100 %. In
-    vit-huge-14 and -16 (d = 80; 1 thread, interleaved, unfused PyTorch in the rounds) op2 into
-    E's rows this way took 0.960-0.979 and 0.955-0.967 of the time of the Eᵀ accumulator and its
-    transposing store (T_N = 40), over three A/B runs (one without unfused PyTorch).
+    loads into the FMAs as memory operands, one zmm load an FMA, well below the FMA peak.
     """
     name, rows = kernel.name, kernel.wide_mr
     out = []

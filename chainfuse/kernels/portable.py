@@ -10,7 +10,9 @@ with the B vectors), so it does not spill where the vectors are narrower than de
 from __future__ import annotations
 
 from chainfuse.ir import DType
-from chainfuse.kernels.base import MicroKernel, VectorOps, emit_vector_tile, microkernel
+from chainfuse.kernels.contract import MicroKernel
+from chainfuse.kernels.registry import microkernel
+from chainfuse.kernels.vector import VectorOps, emit_vector_tile
 
 __all__ = ["VECTOR_EXTENSIONS", "portable_4x16_f32"]
 

@@ -91,7 +91,10 @@ def conv_chain(
             f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
         )
     if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
-        P2, Q2 = builders.conv_out_size(P1, R2, st2, pad2), builders.conv_out_size(Q1, S2, st2, pad2)
+        P2, Q2 = (
+            builders.conv_out_size(P1, R2, st2, pad2),
+            builders.conv_out_size(Q1, S2, st2, pad2),
+        )
         return no_work("x", x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
     kernel = calls.conv_kernels(sizes, between, after)

@@ -84,7 +84,9 @@ def gemm_chain(
     if between is not None and not isinstance(between, (str, Activation)):
         raise TypeError(f"between: expected None or an activation name, got {between!r}")
     if 0 in (batch, M, N, K, L):
-        builders.gemm_chain(1, 1, 1, 1, 1, between, dtype)  # the errors a call with work would raise
+        builders.gemm_chain(
+            1, 1, 1, 1, 1, between, dtype
+        )  # the errors a call with work would raise
         value: Any = 0
         if K == 0 and L > 0 and between == "softmax":  # equal scores: every row weighs 1/L
             if is_torch(D):

@@ -179,7 +179,7 @@ def _generator_fingerprint() -> str:
     chainfuse's version: what a recipe's source also depends on."""
     root = Path(__file__).parent.parent  # the package's folder
     files: list[Path] = []
-    for folder in ("codegen", "codegen/templates", "kernels"):
+    for folder in ("codegen", "codegen/csrc", "kernels"):
         try:
             entries = sorted(os.scandir(root / folder), key=lambda e: e.name)
         except OSError:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import chainfuse
 from chainfuse import compiler, reference
 from chainfuse.bench import workloads
-from chainfuse.codegen.c import rows_tail
+from chainfuse.codegen.rows import rows_tail
 from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware
 from chainfuse.ir import DType
@@ -248,7 +248,7 @@ def test_shifts_kept_while_maxima_rise_a_little_and_moved_when_they_rise_more() 
     # (exponentials up to 2^8) and rescales Eᵀ only when some column's shift moves: scores
     # rising along the keys, per tile of 16 keys by ~0.1-50 in base 2 depending on the query,
     # keep the shift of some columns for several tiles and move others' every tile
-    from chainfuse.codegen.c import LAZY_SHIFT
+    from chainfuse.codegen.softmax import LAZY_SHIFT
 
     rng = np.random.default_rng(5)
     chain = chainfuse.attention_chain(1, 1, 40, 96, 8, 8)
@@ -1061,7 +1061,7 @@ def test_few_queries_take_the_row_path_and_match_the_reference(
     # where K and V take more than a quarter of the last cache level (`beyond_cache`: none);
     # with `tail`, the last of several 16-query blocks is one, so both paths write parts of one
     # output
-    from chainfuse.codegen.c import ROWS_MAX
+    from chainfuse.codegen.rows import ROWS_MAX
 
     assert sq <= ROWS_MAX
     rows = 32 + sq if tail else sq
@@ -1079,7 +1079,7 @@ def test_the_row_path_reaches_further_where_k_and_v_leave_the_cache(
     # quarter of the last cache level (a narrow strip costs less than their dot products), the
     # row path where they do not (`row_path_rows`): describe() says so, and the generated code agrees (the two paths round
     # differently: their outputs differ, each the reference's).
-    from chainfuse.codegen.c import ROWS_FIT, ROWS_MAX
+    from chainfuse.codegen.rows import ROWS_FIT, ROWS_MAX
 
     def run(sq: int, tail: bool) -> tuple[str, np.ndarray]:
         chain = chainfuse.attention_chain(1, 3, 32 + sq if tail else sq, 70, 24, 24)
@@ -1252,7 +1252,7 @@ def test_op2_into_e_agrees_bit_for_bit_with_the_transposed_accumulator(
     # Eᵀ accumulator and its transposing store, as an n tile below nr does. All are the
     # reference's and equal bit for bit: over several l tiles (the rescales act on E's rows),
     # a tail strip of queries, masks, causal, scores up to 1e4
-    from chainfuse.codegen.c import ROWS_MAX
+    from chainfuse.codegen.rows import ROWS_MAX
 
     _force(monkeypatch, kernel)
     nr = kernel.nr
@@ -1273,7 +1273,8 @@ def test_a_wide_value_head_goes_into_e_bit_for_bit_with_the_transposed_accumulat
     # in registers, V's rows in place; against the reference and the Eᵀ accumulator bit for
     # bit (`_check_e_rows`): over several l tiles (the rescales act on E's rows), last strips
     # whose last block keeps 1..wide_mr rows, masks, causal, scores up to 1e4, strided V and out
-    from chainfuse.codegen.c import ROWS_MAX, wide_multiples
+    from chainfuse.codegen.gemm_spec import wide_multiples
+    from chainfuse.codegen.rows import ROWS_MAX
 
     _force(monkeypatch, kernel)
     nr, rows = kernel.nr, kernel.wide_mr
@@ -1358,7 +1359,7 @@ def test_a_packed_value_head_serves_the_row_blocks_of_its_head_only(
     # DT_PANELS (packed per row block), heads that share one V (stride 0: one packing serves
     # them all), causal (packed per row block); then the same arrays with new values: a new
     # call packs them again
-    from chainfuse.codegen.c import DT_PANELS
+    from chainfuse.codegen.gemm_chain import DT_PANELS
 
     _force(monkeypatch, kernel)
     mr = kernel.mr
@@ -1398,7 +1399,7 @@ def test_scores_exponentiated_beside_op1_rescale_or_fall_back(
     # One l tile or several (E or Eᵀ rescaled after op2 ran, l tiles of fewer than mr keys on
     # the strip's own pass), 0..mr-1 keys past whole blocks, K read in place or packed (a row
     # block of more than DIRECT_STRIPS strips), E written directly or through Eᵀ
-    from chainfuse.codegen.c import DIRECT_STRIPS
+    from chainfuse.codegen.gemm_chain import DIRECT_STRIPS
 
     _force(monkeypatch, kernel)
     nr, mr = kernel.nr, kernel.mr

@@ -1,7 +1,7 @@
-"""The C math helpers every generated GEMM-chain kernel includes (`codegen.c._MATH`): the
+"""The C math helpers every generated GEMM-chain kernel includes (`codegen/csrc/math.c`): the
 exponentials (the softmax's base-2 one, the one under GELU's erf) and the erf, against float64 numpy/math over their whole domain, built with
 the flags of every kernel build (so the vectorised, if-converted code is what is tested); the AVX2
-kernels' softmax strip exponentials (`_EXP2_STRIP`) and the 16-bit conversions likewise."""
+kernels' softmax strip exponentials (`kernels.avx2.avx2_exp2_strip`) and the 16-bit conversions likewise."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from chainfuse import config
-from chainfuse.codegen.c import _EXP2_STRIP, _HALF, _MATH
+from chainfuse.codegen.common import c_source
 from chainfuse.hardware import Hardware, Isa
+from chainfuse.kernels.avx2 import avx2_exp2_strip, avx2_fma_6x16_f32
 from chainfuse.runtime import build, load
 
 HARNESS = (
-    _MATH
+    c_source("math.c")
     + r"""
 void run_exp(const float* x, float* y, long n)
 {
@@ -124,9 +125,9 @@ def test_erf(lib: ctypes.CDLL) -> None:
 
 
 STRIP_HARNESS = (
-    _MATH
+    c_source("math.c")
     + "#include <immintrin.h>\n"
-    + _EXP2_STRIP
+    + avx2_exp2_strip(avx2_fma_6x16_f32)
     + r"""
 /* the column shifts the tests use: integers, none and up to 2^20 - 1 in magnitude */
 static const float shifts[16] = {0, 1, -1, 37, -300, 1000, -4096, 126, -127, 65536, -65536,
@@ -155,7 +156,7 @@ SHIFTS = np.array([0, 1, -1, 37, -300, 1000, -4096, 126, -127, 65536, -65536, 10
 
 @pytest.fixture(scope="module")
 def strip_lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ctypes.CDLL]:
-    """`_EXP2_STRIP`, the AVX2 kernels' exponentials of a softmax strip, as they build it."""
+    """`avx2_exp2_strip`, the AVX2 kernels' exponentials of a softmax strip, as they build it."""
     if not {Isa.AVX2, Isa.FMA} <= Hardware.detect().isa:
         pytest.skip("the host has no AVX2 and FMA")
     flags = ("-mavx2", "-mfma")
@@ -208,7 +209,7 @@ def test_exp2_strip_special_values_and_sums(strip_lib: ctypes.CDLL) -> None:
 
 HALF_HARNESS = (
     "#define MR 6\n#define NR 16\n#define CF_LOAD(x) cf_from_f16(x)\n#define CF_F16 1\n"
-    + _HALF
+    + c_source("half.c")
     + r"""
 void run_from_f16(const uint16_t* x, float* y, long n)
 {

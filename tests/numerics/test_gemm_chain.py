@@ -406,7 +406,7 @@ def test_few_rows_take_the_row_path(
 ) -> None:
     # blocks of <= ROWS_MAX rows of m (one token through an MLP, a tail block after 16-row
     # blocks) skip the micro-kernel; B given [k, l] (rows of B added in) or [l, k] (dot products)
-    from chainfuse.codegen.c import ROWS_MAX
+    from chainfuse.codegen.rows import ROWS_MAX
 
     assert rows <= ROWS_MAX
     M = 32 + rows if tail else rows
@@ -422,7 +422,7 @@ def test_few_rows_take_the_row_path(
 def test_describe_says_which_code_runs() -> None:
     # the micro-kernel and how the chain's loops lie on it, the code-level tiles, and the row
     # blocks that take the row path (all of them at <= ROWS_MAX rows, or a short last block)
-    from chainfuse.codegen.c import ROWS_MAX, rows_tail
+    from chainfuse.codegen.rows import ROWS_MAX, rows_tail
 
     tiled = compile(chainfuse.attention_chain(1, 2, 136, 50, 16, 16), tiles={"m": 128})
     uk = tiled.spec.kernel
@@ -461,13 +461,13 @@ def test_a_packed_whole_or_block_by_block_over_several_k_and_l_blocks(
 ) -> None:
     # Aᵀ kept packed for every l block (all of k), or, past AT_WHOLE floats, one k block at a
     # time packed again for each l block: both give the reference's result (tails in m, k, l)
-    from chainfuse.codegen import c
+    from chainfuse.codegen import gemm_chain
 
     if not whole:
-        monkeypatch.setattr(c, "AT_WHOLE", 16)
+        monkeypatch.setattr(gemm_chain, "AT_WHOLE", 16)
     chain = chainfuse.gemm_chain(2, 37, 13, 45, 29, between)
     kernel = compile(chain, tiles={"m": 20, "l": 7, "k": 8, "n": 6})
-    assert f"#define AT_WHOLE {c.AT_WHOLE}L" in kernel.source
+    assert f"#define AT_WHOLE {gemm_chain.AT_WHOLE}L" in kernel.source
     inputs = reference.random_inputs(chain, seed=3)
     out = kernel(*[inputs[t.name] for t in chain.inputs])
     reference.assert_close(out, reference.run(chain, inputs)["E"], chain)

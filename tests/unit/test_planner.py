@@ -324,7 +324,7 @@ def test_a_causal_chains_row_blocks_leave_no_short_block_where_that_costs_more()
     # a block of <= ROWS_MAX rows takes the row path (~3x a score): a causal plan's blocks of
     # 16 rows grow where their tail is a large share (24 = 16 + 8 queries -> one block of 32),
     # not where the growth computes more masked scores than it saves (104 = 6 x 16 + 8)
-    from chainfuse.codegen.c import ROWS_MAX
+    from chainfuse.codegen.rows import ROWS_MAX
     from chainfuse.compiler import _m_blocks, compile
 
     assert _m_blocks(24, 16, 16, 16, 24, True) == 32

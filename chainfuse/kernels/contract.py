@@ -39,32 +39,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import DType
 
-__all__ = [
-    "PREFETCH_FAR",
-    "REGISTRY",
-    "MicroKernel",
-    "Problem",
-    "Registry",
-    "Score",
-    "VectorOps",
-    "available",
-    "emit_vector_tile",
-    "emit_with_packing",
-    "microkernel",
-    "pack_a",
-    "pack_b",
-    "register",
-    "scores_exp_parts",
-    "select",
-]
+__all__ = ["MicroKernel", "Problem", "Score", "scores_exp_parts"]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
 
 #: `MicroKernel.score`: (peak fraction estimate, mr*nr, -registers). Tuples compare left to right.
 Score = tuple[float, int, float, int]
@@ -127,7 +111,7 @@ class MicroKernel:
     floats, per column); and ``<name>_exp2_rows(p, rows, shift, sum)``, the exponentials on
     whole rows alone. A softmax's exponentials then run beside the FMA loop, on the pipes it
     leaves idle, instead of in a pass of their own (``cf_scores_strip`` in
-    `chainfuse.codegen.c`). For each ``r`` of `scores_exp_parts` it also emits
+    `chainfuse.codegen.softmax`). For each ``r`` of `scores_exp_parts` it also emits
     ``<name>_scores_exp_part<r>(..., live)``, the same on a block of ``r`` rows of which A has
     ``live`` (the keys past a strip's whole blocks).
 
@@ -138,7 +122,12 @@ class MicroKernel:
     ``scale`` is NULL (a softmax's division by the sums); all ``wide_mr`` rows of ``A`` are read
     and computed, the first ``rows`` stored. A softmax's op2 then writes E's rows with a whole
     value head of ``w`` columns in registers (V's rows in place, any stride), where ``nr``
-    columns would not cover it (`chainfuse.codegen.c`: ``to_e``).
+    columns would not cover it (`chainfuse.codegen.gemm_spec.wide_heads`).
+
+    ``exp2_strip`` (optional) emits ``cf_exp2_strip(p, rows, shift, sum)``: a softmax strip's
+    exponentials ``2^(v - shift)`` on ``rows`` rows of ``nr`` floats in place, summed by column
+    into ``sum``, for integer shifts below 2^21 in magnitude; without it the generated code
+    runs a portable loop over ``cf_exp2_from``.
     """
 
     name: str
@@ -159,6 +148,7 @@ class MicroKernel:
     wide: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
     wide_cols: tuple[int, ...] = ()
     wide_mr: int = 0
+    exp2_strip: Callable[[MicroKernel], str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.fullmatch(self.name):
@@ -234,7 +224,6 @@ class MicroKernel:
         # a column tail behind whole blocks runs the narrowest block covering it; a problem
         # narrower than one block is counted at the full width: the generated code's per-strip
         # work (a softmax over its columns, the stores) is nr wide whatever the block computes
-        # (measured, attention over 32 queries: 6x64 with a 32-column block 0.64x of 12x32)
         full, rest = divmod(problem.N, self.nr)
         step = self.part_cols if self.part_cols and full else self.nr
         padded_n = full * self.nr + (math.ceil(rest / step) * step if rest else 0)
@@ -449,471 +438,9 @@ static inline void {name}_full_rs(int kc, const float* restrict A, long rs, long
         return flag + tile + wrapper
 
 
-# -- packing --------------------------------------------------------------------------------------
-
-
-def pack_a(kernel: MicroKernel, *, transposed: bool = False) -> str:
-    """C of ``<name>_pack_a`` (or ``_pack_at``): one ``mr``-row sliver of A into ``Ap``.
-
-    ``pack_a(kc, m, A, lda, Ap)``: rows ``0:m``, columns ``0:kc`` of row-major ``A``;
-    ``pack_at(kc, m, At, ldat, Ap)``: the same from ``At`` = A transposed (``kc x m``, row-major).
-    Rows ``m:mr`` are zeros, so a tail block needs no special case in the micro-kernel.
-    """
-    mr, name = kernel.mr, kernel.name
-    if transposed:
-        return f"""
-/* Ap[p*{mr} + i] = At[p*ldat + i] for i < m, 0 up to {mr}: A given transposed (kc x m). */
-static inline void {name}_pack_at(int kc, int m, const float* restrict At, long ldat,
-                                  float* restrict Ap)
-{{
-    if (m == {mr}) {{ /* the common, whole sliver: straight copies the compiler vectorises */
-        for (int p = 0; p < kc; ++p) {{
-            for (int i = 0; i < {mr}; ++i) Ap[(long)p * {mr} + i] = At[p * ldat + i];
-        }}
-        return;
-    }}
-    for (int p = 0; p < kc; ++p) {{
-        for (int i = 0; i < {mr}; ++i) {{
-            Ap[(long)p * {mr} + i] = i < m ? At[p * ldat + i] : 0.0f;
-        }}
-    }}
-}}
-"""
-    tb = kernel.transpose_block
-    blocks, first = "", "0"
-    if tb and kernel.transpose is not None and mr >= tb:
-        # rows in groups of tb, tb steps at a time, transposed in registers: a 12-row kernel's
-        # tail sliver of 8-11 keys (32 queries over 32 keys) packed its 64 steps a float at a
-        # time, 7 % of that attention's time
-        first = "i0"
-        blocks = f"""
-    int i0 = 0;
-    for (; i0 + {tb} <= m; i0 += {tb}) {{
-        int p = 0;
-        for (; p + {tb} <= kc; p += {tb}) {name}_transpose(A + i0 * lda + p, lda, Ap + (long)p * {mr} + i0, {mr});
-        for (; p < kc; ++p) {{
-            for (int i = i0; i < i0 + {tb}; ++i) Ap[(long)p * {mr} + i] = A[i * lda + p];
-        }}
-    }}"""
-    return f"""
-/* Ap[p*{mr} + i] = A[i*lda + p] for i < m, 0 up to {mr}: A row-major (m x kc). */
-static inline void {name}_pack_a(int kc, int m, const float* restrict A, long lda,
-                                 float* restrict Ap)
-{{{blocks}
-    for (int i = {first}; i < m; ++i) {{ /* row by row: contiguous reads, a strided write stream */
-        const float* restrict row = A + i * lda;
-        for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = row[p];
-    }}
-    if (m < {mr}) {{ /* the zeros step by step: contiguous stores */
-        for (int p = 0; p < kc; ++p) {{
-            for (int i = m; i < {mr}; ++i) Ap[(long)p * {mr} + i] = 0.0f;
-        }}
-    }}
-}}
-"""
-
-
-def pack_b(kernel: MicroKernel, *, transposed: bool = False) -> str:
-    """C of ``<name>_pack_b`` (or ``_pack_bt``): one ``nr``-column sliver of B into ``Bp``.
-
-    ``pack_b(kc, n, B, ldb, Bp)``: rows ``0:kc``, columns ``0:n`` of row-major ``B``;
-    ``pack_bt(kc, n, Bt, ldbt, Bp, scale)``: the same from ``Bt`` = B transposed (``n x kc``,
-    row-major; attention's ``K`` in ``Q·Kᵀ``), times ``scale`` on the way (attention's softmax
-    scale folded into the packing of ``Qᵀ``: a pass of its own over the packed strip cost 5 % of
-    a 32-key attention; 1 is exact). Columns ``n:nr`` are zeros.
-    """
-    nr, name = kernel.nr, kernel.name
-    if transposed:
-        tb = kernel.transpose_block
-        blocks = ""
-        if tb:
-            blocks = f"""
-    /* whole groups of {tb} columns: {tb}x{tb} blocks transposed in registers, then the last steps */
-    const int jw = n / {tb} * {tb};
-    if (jw > 0) {{
-        float s[{tb}];
-        for (int j = 0; j < {tb}; ++j) s[j] = scale;
-        int p = 0;
-        for (; p + {tb} <= kc; p += {tb}) {{
-            for (int j = 0; j < jw; j += {tb}) {{
-                {name}_transpose_scaled(Bt + j * ldbt + p, ldbt, Bp + (long)p * {nr} + j, {nr}, s);
-            }}
-        }}
-        for (; p < kc; ++p) {{
-            for (int j = 0; j < jw; ++j) Bp[(long)p * {nr} + j] = Bt[j * ldbt + p] * scale;
-        }}
-    }}"""
-        # with register transposes it is kept out of line: called once per strip, and inlined
-        # into a generated kernel's big function it cost half a second of compile time
-        linkage = "static __attribute__((noinline))" if tb else "static inline"
-        first = "jw" if tb else "0"
-        return f"""
-/* Bp[p*{nr} + j] = Bt[j*ldbt + p] * scale for j < n, 0 up to {nr}: B given transposed (n x kc).
-   The zeros row by row (contiguous stores): a tail strip of 16 queries column by column wrote
-   {nr} - 16 scalar zeros {nr} floats apart per step */
-{linkage} void {name}_pack_bt(int kc, int n, const float* restrict Bt, long ldbt,
-                                  float* restrict Bp, float scale)
-{{{blocks}
-    for (int j = {first}; j < n; ++j) {{
-        const float* restrict col = Bt + j * ldbt;
-        for (int p = 0; p < kc; ++p) Bp[(long)p * {nr} + j] = col[p] * scale;
-    }}
-    if (n < {nr}) {{
-        for (int p = 0; p < kc; ++p) {{
-            for (int j = n; j < {nr}; ++j) Bp[(long)p * {nr} + j] = 0.0f;
-        }}
-    }}
-}}
-"""
-    return f"""
-/* Bp[p*{nr} + j] = B[p*ldb + j] for j < n, 0 up to {nr}: B row-major (kc x n). */
-static inline void {name}_pack_b(int kc, int n, const float* restrict B, long ldb,
-                                 float* restrict Bp)
-{{
-    for (int p = 0; p < kc; ++p) {{
-        const float* restrict row = B + p * ldb;
-        float* restrict dst = Bp + (long)p * {nr};
-        if (n == {nr}) {{
-            for (int j = 0; j < {nr}; ++j) dst[j] = row[j];
-        }} else {{
-            for (int j = 0; j < {nr}; ++j) dst[j] = j < n ? row[j] : 0.0f;
-        }}
-    }}
-}}
-"""
-
-
 def scores_exp_parts(mr: int) -> tuple[int, ...]:
     """Rows of the short `scores_exp` blocks (``<name>_scores_exp_part<r>``) a kernel of `mr`
     rows emits: about a third and two thirds of them and all but one (6: 2, 4 and 5). The keys
     past a strip's whole blocks (lc mod mr of them) run the smallest that holds them, its rows
     past theirs repeating their last: at most a row of FMAs more, not a whole block's."""
     return tuple(sorted({r for r in (mr // 3, 2 * mr // 3, mr - 1) if 0 < r < mr}))
-
-
-def emit_with_packing(kernel: MicroKernel) -> str:
-    """The micro-kernel and its four packing routines: what a generated kernel includes once."""
-    parts = [
-        kernel.emit(),
-        kernel.transpose(kernel) if kernel.transpose is not None else "",
-        pack_a(kernel),
-        pack_a(kernel, transposed=True),
-        pack_b(kernel),
-        pack_b(kernel, transposed=True),
-    ]
-    return "".join(parts)
-
-
-#: Floats between A's k steps from which a full tile asks for the next line along each step's
-#: row (``_full_s`` and the part tiles): a quarter page, so at most four steps share a page. Below
-#: it (a packed sliver, K's rows read along k, a value head's rows 64 floats apart) the hardware
-#: prefetchers already follow the stream and the prefetch is one more instruction per step:
-#: measured on an AVX2 Zen 3 core, interleaved, 1 thread, it took the 10 attention workloads
-#: 0.94-0.99 of the time without it (geomean 0.965) and a ReLU GEMM chain 0.98; a Mixer-C
-#: chain (a weight's rows 768 floats apart) keeps it.
-PREFETCH_FAR = 256
-
-
-# -- a full tile for any SIMD ISA -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VectorOps:
-    """How one SIMD ISA spells the handful of operations a broadcast-FMA full tile uses.
-
-    Each op is a C expression template: ``load``/``broadcast`` take ``{ptr}``, ``store`` takes
-    ``{ptr}`` and ``{v}``, ``fma`` computes ``{a}*{b} + {c}``, ``add`` ``{a} + {b}``, ``relu``
-    ``{v} > 0 ? {v} : 0`` lane by lane (NaN gives 0).
-    ``preamble`` holds the includes and (guarded) typedefs/helpers the templates rely on.
-    """
-
-    type: str
-    lanes: int
-    preamble: str
-    zero: str
-    load: str
-    store: str
-    broadcast: str
-    fma: str
-    add: str
-    relu: str
-
-
-def emit_vector_tile(kernel: MicroKernel, ops: VectorOps) -> str:
-    """``<name>_full_s`` and ``<name>_full_g`` as outer-product loops: per k step, ``nr/lanes``
-    vector loads of Bp, ``mr`` broadcasts of A (row ``i`` at ``A + i*rs``, step ``p`` at
-    ``+ p*ks``), ``mr*nr/lanes`` FMAs into accumulators named ``c<i>_<j>``; ``_full_g`` runs
-    ``ng`` groups of ``kc`` steps, group ``g``'s A at ``A + g*gs``, into the same accumulators.
-    With ``kernel.part_rows``, also ``<name>_full_p``: ``_full_s`` on the first ``part_rows``
-    rows only (a tail block of that many rows or fewer costs that many rows' FMAs)."""
-    mr, nr, name = kernel.mr, kernel.nr, kernel.name
-    if nr % ops.lanes:
-        raise ValueError(f"{name}: nr={nr} is not a multiple of {ops.lanes} lanes")
-    nv = nr // ops.lanes
-    pad = " " * (len(name) + 27)
-
-    if kernel.part_cols % ops.lanes:
-        raise ValueError(f"{name}: part_cols={kernel.part_cols} is not a multiple of {ops.lanes}")
-
-    def body(
-        rows: int, nv: int = nv, row: str = "a + {i} * rs", scaled: bool = False
-    ) -> tuple[list[str], list[str], list[str]]:
-        """(zeroed accumulators, one k step, the store) of a block of `rows` rows and `nv`
-        vectors of columns (Bp's steps stay nr floats apart); A's element of row i at this
-        step is at `row` (formatted with i). `scaled`: row i times ``scale[i]`` as it is
-        stored, where ``scale`` is not NULL (an FMA with zero: the product, rounded once)."""
-        acc = [[f"c{i}_{j}" for j in range(nv)] for i in range(rows)]
-        step = [
-            f"        const float* restrict b = Bp + (long)p * {nr};",
-            *(
-                f"        const {ops.type} b{j} = {ops.load.format(ptr=f'b + {j * ops.lanes}')};"
-                for j in range(nv)
-            ),
-        ]
-        for i in range(rows):
-            step.append(
-                f"        const {ops.type} a{i} = {ops.broadcast.format(ptr=row.format(i=i))};"
-            )
-            for j in range(nv):
-                step.append(
-                    f"        {acc[i][j]} = {ops.fma.format(a=f'a{i}', b=f'b{j}', c=acc[i][j])};"
-                )
-        finish = ["    if (accumulate & 1) {"]
-        for i in range(rows):
-            for j in range(nv):
-                ptr = f"C + {i} * ldc + {j * ops.lanes}"
-                add = ops.add.format(a=acc[i][j], b=ops.load.format(ptr=ptr))
-                finish.append(f"        {acc[i][j]} = {add};")
-        finish.append("    }")
-        finish.append("    if (accumulate & RELU_AT_STORE) {")
-        for i in range(rows):
-            for j in range(nv):
-                finish.append(f"        {acc[i][j]} = {ops.relu.format(v=acc[i][j])};")
-        finish.append("    }")
-        if scaled:
-            finish.append("    if (scale) {")
-            for i in range(rows):
-                finish.append(
-                    f"        const {ops.type} s{i} = {ops.broadcast.format(ptr=f'scale + {i}')};"
-                )
-                for j in range(nv):
-                    product = ops.fma.format(a=acc[i][j], b=f"s{i}", c=ops.zero)
-                    finish.append(f"        {acc[i][j]} = {product};")
-            finish.append("    }")
-        for i in range(rows):
-            for j in range(nv):
-                ptr = f"C + {i} * ldc + {j * ops.lanes}"
-                finish.append(f"    {ops.store.format(ptr=ptr, v=acc[i][j])};")
-        finish.append("}")
-        zero = [
-            f"    {ops.type} " + ", ".join(f"{c} = {ops.zero}" for c in acc[i]) + ";"
-            for i in range(rows)
-        ]
-        return zero, step, finish
-
-    def single(rows: int, suffix: str, what: str, nv: int = nv, scaled: bool = False) -> list[str]:
-        # A's rows by pointers set once, each step one offset from them all: a base + index
-        # address per broadcast, where a + i * rs took GCC a few integer adds a step (A read in
-        # place, rs a row: attention's K). Measured on Zen 3, 1 thread, interleaved, the paper
-        # attentions: 0.992, 0.994, then 1.002 of the time (within the noise); GEMM chains 1.000
-        zero, step, finish = body(rows, nv, "r{i} + o", scaled)
-        # (the scaled tile serves one call site, op2's of a softmax's last l block, whose calls
-        # run hundreds of steps each: out of line, it spares the kernel's one big function a
-        # second inlined copy of the register block, which took 0.8 s more to compile)
-        linkage = "__attribute__((noinline))" if scaled else "inline"
-        # A read in place down far-apart rows (rs = 1: a weight's rows, each k step a new line,
-        # a new page) misses at every step, and the next slivers' calls read the lines after
-        # these: ask for the next line along each step's row, so those misses overlap this
-        # call's FMAs (measured on a Mixer-C chain, one strip of 64: 18 % less time). Only
-        # there (see PREFETCH_FAR): on closer steps the hardware prefetchers follow the rows
-        # already, and the extra instruction per step is what the loop pays
-        prefetch = [
-            f"        if (ks >= {PREFETCH_FAR}) __builtin_prefetch(a + 64 / sizeof(float), 0, 3);"
-        ]
-        return [
-            f"/* {name}_{suffix}: C[0:{rows}, 0:{nv * ops.lanes}] (+)= A . Bp, {rows * nv} "
-            f"accumulators in registers{what} */",
-            f"static {linkage} void {name}_{suffix}(int kc, const float* restrict A, long rs,"
-            " long ks,",
-            f"{pad}const float* restrict Bp, float* restrict C, long ldc,",
-            f"{pad}int accumulate{', const float* restrict scale' if scaled else ''})",
-            "{",
-            *zero,
-            *(f"    const float* restrict r{i} = A + {i} * rs;" for i in range(rows)),
-            "#pragma GCC unroll 4",
-            "    for (int p = 0; p < kc; ++p) {",
-            "        const long o = (long)p * ks;",
-            "        const float* restrict a = A + o;",
-            *prefetch,
-            *step,
-            "    }",
-            *finish,
-        ]
-
-    def grouped(suffix: str, what: str, nv: int = nv) -> list[str]:
-        zero, step, finish = body(mr, nv)
-        return [
-            f"/* {name}_{suffix}: {what} over ng groups of kc steps, group g's A at A + g*gs, Bp",
-            "   contiguous over all ng*kc steps: one register block for several runs of A */",
-            f"static inline void {name}_{suffix}(int kc, int ng, long gs, const float* restrict A,",
-            f"{pad}long rs, long ks, const float* restrict Bp, float* restrict C,",
-            f"{pad}long ldc, int accumulate)",
-            "{",
-            *zero,
-            "    for (int g = 0; g < ng; ++g, A += gs, Bp += (long)kc * " + str(nr) + ") {",
-            "#pragma GCC unroll 4",
-            "        for (int p = 0; p < kc; ++p) {",
-            "            const float* restrict a = A + (long)p * ks;",
-            *("    " + line for line in step),
-            "        }",
-            "    }",
-            *finish,
-        ]
-
-    parts = [ops.preamble.rstrip("\n"), "", *single(mr, "full_s", ""), ""]
-    what = ", row i times scale[i] as it is stored (none where scale is NULL)"
-    parts += [*single(mr, "full_rs", what, scaled=True), ""]
-    parts += grouped("full_g", "the same")
-    if kernel.part_rows:
-        parts += ["", *single(kernel.part_rows, "full_p", ": a tail block's rows")]
-    for w in kernel.col_widths:  # narrow blocks: a column tail's (part_cols)
-        v = w // ops.lanes
-        parts += ["", *single(mr, f"full_c{w}", ": a tail block's columns", v)]
-        parts += ["", *grouped(f"full_gc{w}", f"C[0:{mr}, 0:{w}] (+)= A . Bp", v)]
-    return "\n".join(parts) + "\n"
-
-
-# -- the registry ---------------------------------------------------------------------------------
-
-
-class Registry:
-    """Micro-kernels by name, in registration order. `REGISTRY` is the one chainfuse uses."""
-
-    def __init__(self) -> None:
-        self._kernels: dict[str, MicroKernel] = {}
-
-    def register(self, kernel: MicroKernel) -> MicroKernel:
-        """Add ``kernel``; a second kernel with the same name is a `ValueError`."""
-        if not isinstance(kernel, MicroKernel):
-            raise TypeError(f"can only register a MicroKernel, got {type(kernel).__name__}")
-        if kernel.name in self._kernels:
-            raise ValueError(f"micro-kernel {kernel.name!r} is already registered")
-        self._kernels[kernel.name] = kernel
-        return kernel
-
-    def available(self) -> tuple[MicroKernel, ...]:
-        return tuple(self._kernels.values())
-
-    def select(self, problem: Problem, hardware: Hardware) -> MicroKernel:
-        """The applicable kernel with the highest `MicroKernel.score`."""
-        candidates = [k for k in self._kernels.values() if k.applies(problem, hardware)]
-        if not candidates:
-            known = ", ".join(
-                f"{k.name} ({'/'.join(d.value for d in k.dtypes)})" for k in self._kernels.values()
-            )
-            raise ValueError(
-                f"no micro-kernel handles {problem.dtype.value} on {hardware.name!r}; "
-                f"registered: {known or 'none'}"
-            )
-        return max(candidates, key=lambda k: k.score(problem, hardware))
-
-    def select_weighted(
-        self, problems: Sequence[tuple[Problem, float]], hardware: Hardware
-    ) -> MicroKernel:
-        """One kernel for several GEMMs that run with it (a chain's two contractions), each
-        weighted by its flops: the highest time-weighted peak fraction, ``sum(w) / sum(w /
-        fraction)``, then the first problem's other criteria."""
-        if not problems:
-            raise ValueError("select_weighted: no problems given")
-        first = problems[0][0]
-        candidates = [k for k in self._kernels.values() if k.applies(first, hardware)]
-        if not candidates:
-            return self.select(first, hardware)  # the error that names what is registered
-        total = sum(w for _, w in problems)
-
-        def key(k: MicroKernel) -> tuple[float, ...]:
-            scores = [(k.score(p, hardware), w) for p, w in problems]
-            time = sum(w / sc[0] for sc, w in scores if sc[0] > 0)
-            fraction = total / time if time > 0 else 0.0
-            return (round(fraction, 9), *scores[0][0][1:])
-
-        return max(candidates, key=key)
-
-
-REGISTRY = Registry()
-
-
-def register(kernel: MicroKernel) -> MicroKernel:
-    """Add ``kernel`` to `REGISTRY` (duplicate names are a `ValueError`) and return it."""
-    return REGISTRY.register(kernel)
-
-
-def available() -> tuple[MicroKernel, ...]:
-    """Every registered micro-kernel, applicable here or not, in registration order."""
-    return REGISTRY.available()
-
-
-def select(problem: Problem, hardware: Hardware) -> MicroKernel:
-    """The best applicable micro-kernel for ``problem`` on ``hardware`` (see `MicroKernel.score`)."""
-    return REGISTRY.select(problem, hardware)
-
-
-def select_weighted(problems: Sequence[tuple[Problem, float]], hardware: Hardware) -> MicroKernel:
-    """The best applicable micro-kernel for several (problem, flops) run with one kernel."""
-    return REGISTRY.select_weighted(problems, hardware)
-
-
-def microkernel(
-    *,
-    name: str,
-    isa: frozenset[Isa],
-    dtypes: tuple[DType, ...],
-    mr: int,
-    nr: int,
-    registers: int,
-    flops_per_instruction: int,
-    kr: int = 1,
-    cflags: tuple[str, ...] = (),
-    transpose: Callable[[MicroKernel], str] | None = None,
-    transpose_block: int = 0,
-    part_rows: int = 0,
-    part_cols: int = 0,
-    scores_exp: Callable[[MicroKernel], str] | None = None,
-    wide: Callable[[MicroKernel], str] | None = None,
-    wide_cols: tuple[int, ...] = (),
-    wide_mr: int = 0,
-    registry: Registry = REGISTRY,
-) -> Callable[[Callable[[MicroKernel], str]], MicroKernel]:
-    """Decorator: turn a full-tile emitter into a registered `MicroKernel`.
-
-    ::
-
-        @microkernel(name="avx2_fma_6x16_f32", isa=frozenset({Isa.AVX2, Isa.FMA}), ...)
-        def avx2_fma_6x16_f32(kernel: MicroKernel) -> str:
-            return emit_vector_tile(kernel, AVX2)
-    """
-
-    def wrap(full_tile: Callable[[MicroKernel], str]) -> MicroKernel:
-        kernel = MicroKernel(
-            name=name,
-            isa=isa,
-            dtypes=dtypes,
-            mr=mr,
-            nr=nr,
-            kr=kr,
-            registers=registers,
-            flops_per_instruction=flops_per_instruction,
-            full_tile=full_tile,
-            cflags=cflags,
-            transpose=transpose,
-            transpose_block=transpose_block,
-            part_rows=part_rows,
-            part_cols=part_cols,
-            scores_exp=scores_exp,
-            wide=wide,
-            wide_cols=wide_cols,
-            wide_mr=wide_mr,
-        )
-        return registry.register(kernel)
-
-    return wrap

@@ -7,7 +7,8 @@ every other micro-kernel computes. A 4x4 block keeps its 16 accumulators in scal
 from __future__ import annotations
 
 from chainfuse.ir import DType
-from chainfuse.kernels.base import MicroKernel, microkernel
+from chainfuse.kernels.contract import MicroKernel
+from chainfuse.kernels.registry import microkernel
 
 __all__ = ["reference_4x4_f32"]
 

@@ -1,0 +1,92 @@
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CF_LOG2E 1.44269504088896341f
+
+/* an additive mask value in the scores' base-2 units, m log2(e), held to the finite floats:
+   PyTorch's own masks fill with torch.finfo(float32).min, which times log2(e) would overflow
+   to -inf, and a row masked that way throughout would weigh no key, where SDPA's equal scores
+   weigh every key alike. -inf (and NaN) stay as they are. */
+static inline float cf_mask2(float m)
+{
+    const float big = 2.3586e38f; /* just under FLT_MAX / log2(e) */
+    const float held = m < -big && m > -INFINITY ? -big : m > big && m < INFINITY ? big : m;
+    return held * CF_LOG2E;
+}
+
+/* exp of x <= 0 (erf's exp(-a^2)): range reduction to
+   [-ln2/2, ln2/2] and a degree-7 polynomial (Cephes' expf coefficients, relative error < 1e-7).
+   n = round(x / ln2) comes from the 1.5 * 2^23 shifter, whose low mantissa bits then hold
+   n + 127: shifted left by 23 they are 2^n. x <= -88 (and -inf) gives 0, NaN stays NaN; x > 88
+   is outside its domain. Plain arithmetic and selects that compilers if-convert: the loops
+   over it vectorise (about 20 instructions per vector). */
+static inline float cf_exp_neg(float x)
+{
+    const float xc = x < -88.0f ? -88.0f : x; /* a max that lets NaN through */
+    const float shifted = xc * CF_LOG2E + 12583039.0f; /* 0x1.8p23 + 127 */
+    const float n = shifted - 12583039.0f;
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits;
+    memcpy(&bits, &shifted, sizeof bits);
+    bits <<= 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n; /* NaN in, NaN out: it went through every step */
+}
+
+/* 2^(v - s) for v <= s, with s given as c = 0x1.8p23 + 127 - s and lo = s - 127: the softmax
+   works in base 2 (its scale carries log2(e)), which spares the ln2 range reduction. The
+   shifter adds c to v, so that t = v + c carries n = round(v - s) in its low bits (s an integer,
+   |s| < 2^21: c is then exact, and so are t - c = n + s and f = v - (n + s) in [-1/2, 1/2]);
+   2^f by a degree-5 polynomial (coefficients fitted for chainfuse: least squares on Chebyshev
+   nodes, reweighted towards the minimax relative error; 1.9e-7 evaluated in float32), in
+   Estrin's form: three dependent FMAs instead of Horner's five. A score strip's loop waits on
+   this chain: forming v - s first, then adding the shifter, cost one more dependent add (Zen 1,
+   interleaved: the integer shift took an attention 0.98 of the time, Estrin 0.98-1.0). v below
+   s - 126.5 (and -inf) gives 0, NaN stays NaN. About 13 instructions per vector. */
+static inline float cf_exp2_from(float v, float c, float lo)
+{
+    const float xc = v < lo ? lo : v; /* a max that lets NaN through */
+    const float t = xc + c;
+    const float f = xc - (t - c);
+    const float f2 = f * f;
+    const float q0 = 6.9314700365e-1f * f + 1.0f;
+    const float q1 = 5.5507339537e-2f * f + 2.4022242427e-1f;
+    const float q2 = 1.3264718000e-3f * f + 9.6715129912e-3f;
+    const float p = (q2 * f2 + q1) * f2 + q0;
+    uint32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    bits <<= 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* 2^x for x <= 0 (s = 0; x < -126.5 gives 0) */
+static inline float cf_exp2_neg(float x)
+{
+    return cf_exp2_from(x, 12583039.0f, -127.0f);
+}
+
+/* erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable like cf_exp_neg. */
+static inline float cf_erf(float x)
+{
+    const float ax = x < 0.0f ? -x : x;
+    const float t = 1.0f / (1.0f + 0.3275911f * ax);
+    float y = 1.061405429f;
+    y = y * t - 1.453152027f;
+    y = y * t + 1.421413741f;
+    y = y * t - 0.284496736f;
+    y = y * t + 0.254829592f;
+    y = 1.0f - y * t * cf_exp_neg(-ax * ax);
+    return x < 0.0f ? -y : y;
+}

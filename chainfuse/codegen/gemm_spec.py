@@ -1,0 +1,218 @@
+"""What a two-GEMM chain's generated code depends on: `GemmChainSpec`, the shape
+`match_gemm_chain` recognises, and the choices of op2's path that follow from a spec alone
+(into Eᵀ, into E's rows, or a whole value head in registers)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from chainfuse.codegen.common import name_hash
+from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
+from chainfuse.kernels import MicroKernel
+
+__all__ = [
+    "HALF",
+    "MAX_BATCH",
+    "Epilogue",
+    "GemmChainShape",
+    "GemmChainSpec",
+    "holds_head",
+    "match_gemm_chain",
+    "named_heads",
+    "softmax_writes_e",
+    "wide_heads",
+    "wide_multiples",
+    "wide_test",
+    "writes_e",
+]
+
+
+MAX_BATCH = 2  # batch loops the kernel takes (attention: batch and heads)
+
+
+#: half-precision dtypes and their short names (the C conversions `cf_from_<short>`/`cf_to_<short>`):
+#: 16-bit in and out, fp32 arithmetic inside
+HALF = {DType.BFLOAT16: "bf16", DType.FLOAT16: "f16"}
+
+
+class Epilogue(enum.Enum):
+    """What happens to the intermediate tile between the two GEMMs."""
+
+    NONE = "none"
+    RELU = "relu"
+    GELU = "gelu"
+    SOFTMAX = "softmax"
+
+
+@dataclass(frozen=True)
+class GemmChainSpec:
+    """What the generated code depends on (and nothing it does not: no sizes). The tiles are
+    the plan's, passed at run time: they are not part of `name` or of the source."""
+
+    batch: tuple[str, ...]  # batch loop names, outermost first
+    tensors: tuple[str, str, str, str]  # A, B, D, E names in the chain
+    b_transposed: bool  # B stored [.., l, k] (Kᵀ of attention) instead of [.., k, l]
+    epilogue: Epilogue
+    T_M: int
+    T_L: int
+    T_K: int
+    T_N: int
+    kernel: MicroKernel
+    mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
+    causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
+    dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16, fp16: fp32 arithmetic)
+
+    @property
+    def name(self) -> str:
+        word = {Epilogue.NONE: "gemm", Epilogue.RELU: "gemm_relu", Epilogue.GELU: "gemm_gelu",
+                Epilogue.SOFTMAX: "gemm_softmax"}[self.epilogue]  # fmt: skip
+        word += "_causal" if self.causal else ""
+        word += "" if self.mask is MaskKind.NONE else f"_{self.mask.value}mask"
+        # every field that shapes the code, spelled without sets (their order changes between
+        # processes), so the name, the source and the cache key are the same in every process
+        key = (
+            f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
+            f"{self.kernel.name}|"
+            f"{self.mask.value}|{self.causal}|{self.dtype.value}"
+        )
+        short = {DType.FLOAT32: "f32", **HALF}[self.dtype]
+        return f"{word}_gemm_{short}_{name_hash(key)}"
+
+
+@dataclass(frozen=True)
+class GemmChainShape:
+    """What `match_gemm_chain` recognised in a chain."""
+
+    batch: tuple[str, ...]
+    tensors: tuple[str, str, str, str]  # A, B, D, E
+    b_transposed: bool
+    epilogue: Epilogue
+    mask: MaskKind = MaskKind.NONE
+    mask_tensor: str | None = None
+    causal: bool = False
+
+
+def match_gemm_chain(chain: Chain) -> GemmChainShape:
+    """Recognise `E = f(A . B) . D`; raise ValueError saying what does not fit."""
+    ops = chain.ops
+    contractions = [op for op in ops if isinstance(op, Contraction)]
+    if len(contractions) != 2 or not isinstance(ops[0], Contraction):
+        raise ValueError(f"{chain.name}: the C backend takes two GEMMs with one op between")
+    first, second = contractions
+    middle = ops[1:-1]
+    epilogue = Epilogue.NONE
+    if len(middle) > 1:
+        raise ValueError(f"{chain.name}: at most one memory-intensive op between the GEMMs")
+    if middle:
+        op = middle[0]
+        if isinstance(op, Softmax):
+            epilogue = Epilogue.SOFTMAX
+        elif isinstance(op, Pointwise) and op.fn in (Activation.RELU, Activation.GELU):
+            epilogue = Epilogue.RELU if op.fn is Activation.RELU else Epilogue.GELU
+        else:
+            raise ValueError(f"{chain.name}: op '{op}' between the GEMMs is not supported yet")
+    a, b = first.inputs
+    c = first.output
+    p, d = second.inputs
+    e = second.output
+    if p.tensor != (middle[0].output.tensor if middle else c.tensor):
+        raise ValueError(f"{chain.name}: the second GEMM must read the first one's result first")
+    for acc in (a, b, c, p, d, e):
+        if any(len(ix.terms) != 1 or ix.terms[0][1] != 1 or ix.offset for ix in acc.index):
+            raise ValueError(f"{chain.name}: {acc} is not a plain GEMM index (convolution?)")
+    cl = c.loops
+    if len(cl) < 2 or len(cl) - 2 > MAX_BATCH:
+        raise ValueError(f"{chain.name}: expected [batch..., m, l] for {c.tensor}")
+    batch, (m, l) = cl[:-2], cl[-2:]
+    (k,) = first.reduction
+    n = e.loops[-1]
+    want = {
+        a.tensor: (*batch, m, k),
+        d.tensor: (*batch, l, n),
+        e.tensor: (*batch, m, n),
+    }
+    for acc in (a, d, e):
+        if acc.loops != want[acc.tensor]:
+            raise ValueError(f"{chain.name}: {acc} should be indexed {want[acc.tensor]}")
+    if b.loops == (*batch, k, l):
+        transposed = False
+    elif b.loops == (*batch, l, k):
+        transposed = True
+    else:
+        raise ValueError(f"{chain.name}: {b} should be indexed [{batch}, k, l] or [{batch}, l, k]")
+    shape = GemmChainShape(tuple(batch), (a.tensor, b.tensor, d.tensor, e.tensor), transposed,
+                           epilogue)  # fmt: skip
+    soft = middle[0] if middle and isinstance(middle[0], Softmax) else None
+    if soft is None:
+        return shape
+    if soft.axis != l:
+        raise ValueError(f"{chain.name}: the softmax must run over {l!r}, the second GEMM's sum")
+    if soft.causal and soft.row != m:
+        raise ValueError(f"{chain.name}: causal masking must compare {l!r} with {m!r}")
+    if soft.mask is not None:
+        allowed = (*batch, m, l)
+        if any(ix.loops and ix.loops[0] not in allowed for ix in soft.mask.index):
+            raise ValueError(f"{chain.name}: mask {soft.mask} uses loops outside {allowed}")
+    return replace(
+        shape,
+        mask=soft.mask_kind,
+        mask_tensor=None if soft.mask is None else soft.mask.tensor,
+        causal=soft.causal,
+    )
+
+
+def writes_e(spec: GemmChainSpec) -> bool:
+    """Whether op2 may write E directly (`pack_strips.c`): float32 E (accumulated in place) and no
+    softmax (which packs nothing for it: `softmax_writes_e`); the code also asks, at run time,
+    for n blocks of whole nr-column strips."""
+    return spec.dtype is DType.FLOAT32 and spec.epilogue is not Epilogue.SOFTMAX
+
+
+def softmax_writes_e(spec: GemmChainSpec) -> bool:
+    """Whether a softmax chain's op2 may write E directly, decided at run time (`to_e`): float32
+    E and D's rows already the micro-kernel's packed B layout (one dense strip of N = NR
+    columns, rows NR apart), read in place. No Eᵀ accumulator and no transposing store: the
+    rescales and the division by the sum act on E's rows. (Its tail strip of queries then runs
+    whole mr-row blocks in op2, not a narrow block.) Each output element sums over l in the
+    same order either way: bit-identical."""
+    return spec.dtype is DType.FLOAT32 and spec.epilogue is Epilogue.SOFTMAX
+
+
+def wide_heads(spec: GemmChainSpec) -> tuple[int, ...]:
+    """The value-head widths whose op2 writes E's rows with the whole head in registers
+    (`MicroKernel.wide`, decided at run time with `to_e`): a softmax chain's, where E's rows
+    can take it (`softmax_writes_e`) and the micro-kernel has wide blocks; () otherwise. Like a
+    head of `nr` dense columns (the strided block's, read as its packed layout), these skip
+    the Eᵀ accumulator and its transposing store, and V's rows are read in place at any
+    stride (a head of `nr` too, when its rows are not dense: V a view of a fused QKV array)."""
+    kernel = spec.kernel
+    if not softmax_writes_e(spec) or kernel.wide is None:
+        return ()
+    return kernel.wide_cols
+
+
+def wide_multiples(kernel: MicroKernel) -> bool:
+    """Whether a value head of any multiple of `nr` dims goes into E's rows as well, `nr`
+    columns at a time (`wide_heads` has `nr`: its wide block, once per block of columns)."""
+    return kernel.wide is not None and kernel.nr in kernel.wide_cols
+
+
+def named_heads(kernel: MicroKernel) -> tuple[int, ...]:
+    """The wide blocks' widths that the generated code tests for by name (`N == w`): all of
+    them, but those `wide_multiples` covers with its `N % NR == 0`."""
+    return tuple(c for c in kernel.wide_cols if not (wide_multiples(kernel) and c % kernel.nr == 0))
+
+
+def holds_head(kernel: MicroKernel, n: int) -> bool:
+    """Whether a wide block of `kernel` holds a value head of `n` dims (the generated code's
+    run-time test, `wide_test`, in Python: the plan keeps such an n whole)."""
+    return n in named_heads(kernel) or (wide_multiples(kernel) and n % kernel.nr == 0)
+
+
+def wide_test(spec: GemmChainSpec) -> str:
+    """The C that `to_e` adds for the heads a wide block holds (`holds_head`), or ""."""
+    if not wide_heads(spec):
+        return ""
+    tests = "".join(f" || N == {c}" for c in named_heads(spec.kernel))
+    return tests + (" || N % NR == 0" if wide_multiples(spec.kernel) else "")

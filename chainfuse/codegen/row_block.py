@@ -1,0 +1,522 @@
+"""One parallel block of a GEMM chain's tiled path: its row blocks, each op1 over k blocks into
+the score tile (f applied while in cache), then op2 over n blocks into Eᵀ or E's rows, and the
+transposing store of Eᵀ into E (`<name>_store_e`)."""
+
+from __future__ import annotations
+
+from chainfuse.codegen.gemm_spec import (
+    Epilogue,
+    GemmChainSpec,
+    named_heads,
+    softmax_writes_e,
+    wide_heads,
+    wide_multiples,
+    wide_test,
+    writes_e,
+)
+from chainfuse.codegen.rows import emit_rows_call, emit_rows_invoke
+from chainfuse.codegen.softmax import (
+    emit_epilogue_strip,
+    emit_invert_sums,
+    emit_scores_strip_call,
+    exponentiates_beside_op1,
+)
+from chainfuse.codegen.writer import Writer
+from chainfuse.ir import DType, MaskKind
+from chainfuse.kernels import MicroKernel
+
+__all__ = ["emit_block", "emit_store_e"]
+
+
+def emit_block(w: Writer, spec: GemmChainSpec) -> None:
+    """One parallel block: a batch index and T_MO rows of m (the plan's outermost m tile, the
+    blocks its model deals to the cores), run as row blocks of T_M."""
+    w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
+    w.line("const long mo = (blk % mblocks) * T_MO;")
+    w.line("const long mo_end = M - mo < T_MO ? M : mo + T_MO;")
+    with w.block("for (long m0 = mo; m0 < mo_end; m0 += T_M)"):
+        w.line("const int rows = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
+        # causal: key blocks wholly after the block's last query are all masked: skipped
+        bound = "L < m0 + {0} ? L : m0 + {0}" if spec.causal else "l_hi"
+        w.line("/* a few rows past whole strips take _rows (ROWS_TAIL), the rest the tiles */")
+        w.line(  # (`rows_past_strips`: the same rule, for describe)
+            "const int tail = split == 1 && rows > NR && rows % NR <= ROWS_TAIL ? rows % NR : 0;"
+        )
+        with w.block("if (tail > 0)"):
+            w.line(f"const long tail_end = {bound.format('rows')};")
+            emit_rows_invoke(w, spec, "tail", "m0 + rows - tail", "tail_end")
+        w.line("const int mc = rows - tail;")
+        w.line(f"const long l_end = {bound.format('mc')};")
+        emit_rows_call(w, spec)
+        _row_block(w, spec)
+
+
+def _row_block(w: Writer, spec: GemmChainSpec) -> None:
+    """The body of one (batch, m_o) row block of `mc` <= T_M rows from `m0`, keys up to `l_end`."""
+    uk = spec.kernel.name
+    softmax = spec.epilogue is Epilogue.SOFTMAX
+    in_place = spec.dtype is DType.FLOAT32  # the micro-kernel reads fp32 slivers in place
+    w.line("const cf_elem* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
+    w.line("const cf_elem* restrict B_b = B + b0 * sB0 + b1 * sB1;")
+    w.line("const cf_elem* restrict D_b = D + b0 * sD0 + b1 * sD1;")
+    w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
+    w.line("/* few column strips: a B or D sliver serves too few micro-kernel calls to pay for")
+    w.line("   packing it; whole slivers are then read in place (tails are still packed). Not")
+    w.line("   a sliver whose rows lie far apart (a new page per element read, re-read for")
+    w.line("   every strip) unless it serves one or two strips: packing it row by row is")
+    w.line("   cheaper only when the packed copy is read several times */")
+    w.line("const int direct = mc <= DIRECT_MC;")
+    w.line("const int few = mc <= DIRECT_FAR_STRIPS * NR;")
+    far_b = "" if spec.b_transposed else " && (few || sBr <= DIRECT_STRIDE)"
+    w.line(f"const int direct_b = direct{far_b};")
+    if softmax:
+        if softmax_writes_e(spec):
+            w.line("/* op2 straight into E where D's rows are the packed layout (_softmax_to_e),")
+            w.line("   or a wide block holds a whole value head (wide_heads) */")
+            heads = wide_test(spec)
+            w.line(f"const int to_e = ((N == NR && sDl == NR){heads}) && T_N >= N && l_end > l_lo;")
+        _reuse_d(w, spec)
+    reused = " && !reuse_d" if softmax else ""
+    w.line(f"const int direct_d = direct{reused} && (few || sDl <= DIRECT_STRIDE);")
+    if spec.mask is MaskKind.ADDITIVE:
+        w.line("const cf_elem* mask_b = (const cf_elem*)mask_data + b0 * sM0 + b1 * sM1;")
+    elif spec.mask is MaskKind.BOOL:
+        w.line(
+            "const unsigned char* mask_b = (const unsigned char*)mask_data + b0 * sM0 + b1 * sM1;"
+        )
+    with w.block("if (TK == K)"):
+        w.line("/* k in one block: Aᵀ is packed once for the whole row block */")
+        _pack_at(w, uk, "0", "(int)K", softmax)
+    if softmax:
+        with w.block("for (int i = 0; i < MPN; ++i)"):
+            w.line("col_max[i] = -INFINITY;")
+            w.line("col_sum[i] = 0.0f;")
+    if writes_e(spec):
+        w.line("/* op2 straight into E (see cf_pack_b_panel), unless the threads split l or D is")
+        w.line("   read in place */")
+        w.line("const int to_e = T_N % NR == 0 && split == 1 && !direct_d && l_end > l_lo;")
+    if not softmax:
+        with w.block("if (l_end <= l_lo)"):
+            w.line("/* an empty share of l (split below): it adds zeros */")
+            w.line("for (long c2 = 0; c2 < N; ++c2) memset(Et + c2 * LDE, 0, MPN * sizeof(float));")
+    with w.block("for (long l0 = l_lo; l0 < l_end; l0 += T_L)"):
+        w.line("const int lc = (int)(l_end - l0 < T_L ? l_end - l0 : T_L);")
+        w.line("/* op1: Pᵀ[lc x mc] = Bᵀ[l_o, :] . Aᵀ[:, m_o], over k blocks */")
+        with w.block("for (long k0 = 0; k0 < K; k0 += TK)"):
+            w.line("const int kc = (int)(K - k0 < TK ? K - k0 : TK);")
+            w.line(
+                "/* (several k blocks: each packed for the first l block and kept for the others"
+            )
+            w.line("   where Aᵀ is kept whole, else packed for each) */")
+            with w.block("if (TK != K && (AK != K || l0 == l_lo))"):
+                _pack_at(w, uk, "k0", "kc", softmax)
+            if spec.b_transposed:
+                with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                    w.line(
+                        "if (direct_b && (m == MR || m == PART_MR)) continue; /* read in place below */"
+                    )
+                    w.line(
+                        "PACK_A(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * SLIVER(kc));"
+                    )
+            else:  # (whole slivers read in place below when direct_b)
+                w.line("cf_pack_at_panel(kc, lc, B_b + k0 * sBr + l0, sBr, Bt, !direct_b);")
+                w.line("/* the panel packed next: B's next k block, or the first D panel */")
+                w.line("cf_pf pf;")
+                w.line(
+                    "if (k0 + kc < K) cf_pf_set(&pf, B_b + (k0 + kc) * sBr + l0, sBr,"
+                    " (int)(K - k0 - kc < TK ? K - k0 - kc : TK), lc);"
+                )
+                w.line("else cf_pf_set(&pf, D_b + l0 * sDl, sDl, lc, N < T_N ? N : T_N);")
+                w.line(
+                    "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((lc + MR - 1) / MR));"
+                )
+            w.line(
+                "/* whole strips of NR columns, a tail strip's too: Aᵀ is zero beyond mc, so its"
+            )
+            w.line(
+                "   columns of Pᵀ come out zero (or are set to zero by <uk>_cols, which computes"
+            )
+            w.line(
+                "   only the nw columns of a tail strip), and op2 reads no stale workspace there"
+            )
+            w.line(
+                "   (stale floats may be subnormal: a microcode assist per FMA on some cores) */"
+            )
+            with w.block("for (int j = 0; j * NR < mc; ++j)"):
+                w.line(
+                    "const float* restrict a = At + (long)j * NR * AK + (AK == K ? k0 : 0) * NR;"
+                )
+                if spec.kernel.part_cols and in_place:
+                    w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
+                if spec.epilogue is Epilogue.RELU:
+                    w.line("/* the relu as each block of the last k block is stored */")
+                    w.line("const int acc = (k0 > 0) | (k0 + kc >= K ? RELU_AT_STORE : 0);")
+                else:
+                    w.line("const int acc = k0 > 0;")
+                if exponentiates_beside_op1(spec):
+                    emit_scores_strip_call(w, spec)
+                with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                    w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
+                    if not in_place:
+                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
+                    else:
+                        if spec.b_transposed:
+                            place = "B_b + (l0 + s * MR) * sBr + k0", "sBr", "1"
+                        else:
+                            place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
+                        packed = "Bt + (long)s * SLIVER(kc)"
+                        _sliver_call(
+                            w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR", room=True
+                        )
+                    if not spec.b_transposed:
+                        w.line("cf_pf_step(&pf, pf_rows);")
+                if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
+                    w.line("/* the strip's scores are complete and in L1: f on them now */")
+                    with w.block("if (k0 + kc >= K)"):
+                        emit_epilogue_strip(w, spec, bool(spec.kernel.part_cols) and in_place)
+        w.line("/* op2: Eᵀ[n_o, m_o] (+)= Dᵀ[n_o, l_o] . Pᵀ[l_o, m_o] */")
+        if softmax_writes_e(spec):
+            w.line("/* the last l block straight into E: its rows final there, stored over their")
+            w.line("   sums (inv, the sums' inverses) with no pass of their own after it */")
+            w.line("const int last_l = to_e && l0 + T_L >= l_end;")
+            with w.block("if (last_l)"):
+                emit_invert_sums(w)
+        with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
+            w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
+            w.line("/* (whole slivers read in place below when direct_d) */")
+            if writes_e(spec):
+                w.line("if (to_e) cf_pack_b_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt);")
+                w.line("else cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
+            elif softmax:
+                w.line("/* (or packed for an earlier row block of this batch: reuse_d) */")
+                w.line("float* restrict Dn = Dt + (reuse_d ? n0 / T_N * DTF : 0);")
+                to_e = "!to_e && " if softmax_writes_e(spec) else ""
+                w.line(
+                    f"if ({to_e}fresh_d) cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dn, !direct_d);"
+                )
+            else:
+                w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
+            if spec.b_transposed:
+                # B and D are read in place here; what waits on its loads is the packing of the
+                # next row block's Aᵀ (Q), a few floats of each row at a time
+                w.line("/* what is packed next: the next row block's Aᵀ (below) */")
+                w.line("cf_pf pf;")
+                w.line("if (n0 + nc < N || l0 + T_L < l_end) cf_pf_set(&pf, D_b, 0, 0, 0);")
+                next_b = ""
+            else:
+                w.line("/* the panel packed next: D's next n block, or B's for the next l block */")
+                w.line("cf_pf pf;")
+                w.line(
+                    "if (n0 + nc < N) cf_pf_set(&pf, D_b + l0 * sDl + n0 + nc, sDl, lc,"
+                    " N - n0 - nc < T_N ? N - n0 - nc : T_N);"
+                )
+                w.line(
+                    "else if (l0 + T_L < l_end) cf_pf_set(&pf, B_b + l0 + T_L, sBr,"
+                    " (int)TK, l_end - l0 - T_L < T_L ? l_end - l0 - T_L : T_L);"
+                )
+                next_b = (
+                    "if (q0 != b0 || q1 != b1) cf_pf_then(&pf, B + q0 * sB0 + q1 * sB1"
+                    " + l_lo, sBr, (int)TK, l_end - l_lo < T_L ? l_end - l_lo : T_L);"
+                )
+            with w.block("else"):
+                whose = "" if spec.b_transposed else ", and its B if another batch's"
+                if spec.b_transposed:
+                    # the store at the row block's end writes lines of a new output that come
+                    # from L3 or DRAM: asked for here
+                    w.line("/* this row block's E, which the store at its end writes, then the")
+                    w.line("   next row block's A: packed first */")
+                    w.line("cf_pf_set(&pf, E_b, sEm, mc, N);")
+                else:
+                    w.line(f"/* the next row block's A{whose}: packed first */")
+                w.line("long nm0 = m0 + T_M, nblk = blk;")
+                with w.block("if (nm0 >= mo_end)"):
+                    w.line("/* claimed now, so that its panels are fetched while this one ends */")
+                    w.line("if (nxt < 0) nxt = cf_claim(&next_blk);")
+                    w.line("nblk = nxt;")
+                    w.line("nm0 = (nblk % mblocks) * T_MO;")
+                with w.block("if (nblk < last)"):
+                    w.line("const long q0 = nblk / (nb1 * mblocks), q1 = (nblk / mblocks) % nb1;")
+                    w.line("const int rows = (int)(M - nm0 < T_M ? M - nm0 : T_M);")
+                    then = "then" if spec.b_transposed else "set"
+                    w.line(
+                        f"cf_pf_{then}(&pf, A + q0 * sA0 + q1 * sA1 + nm0 * sAm, sAm, rows, TK);"
+                    )
+                    if next_b:
+                        w.line(next_b)
+                if not spec.b_transposed:
+                    w.line("else cf_pf_set(&pf, D_b, 0, 0, 0);")
+            w.line(
+                "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((nc + MR - 1) / MR));"
+            )
+            if writes_e(spec) or softmax_writes_e(spec):
+                with w.block("if (to_e)"):
+                    # (in place: nc = N = NR, one strip, rows NR apart)
+                    d = "D_b + l0 * sDl" if softmax_writes_e(spec) else "Dt + (long)s * lc * NR"
+                    if wide_heads(spec):
+                        with w.block("if (N != NR || sDl != NR)"):
+                            _op2_wide(w, spec)
+                        with w.block("else"):
+                            _op2_to_e(w, spec, d)
+                    else:
+                        _op2_to_e(w, spec, d)
+                with w.block("else"):
+                    _op2_to_et(w, spec)
+            else:
+                _op2_to_et(w, spec)
+    written = " (or E as op2 wrote it)" if softmax_writes_e(spec) else ""
+    w.line(
+        f"/* E[m_o, :] = Eᵀ transposed{written}"
+        + (", each row over its softmax sum */" if softmax else " */")
+    )
+    if softmax_writes_e(spec):
+        w.line("/* (to_e: op2 of the last l block stored E's rows over their sums) */")
+        with w.block("if (!to_e)"):
+            emit_invert_sums(w)
+            w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
+    elif softmax:
+        emit_invert_sums(w)
+        w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
+    else:
+        w.line("/* (split l: the second pass adds the shares up and stores them) */")
+        cond = "split == 1 && !to_e" if writes_e(spec) else "split == 1"
+        w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm, LDE);")
+
+
+def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
+    """Aᵀ strips (op1's B operand): strip j holds m columns j*nr.. over k. `scaled`: times the
+    softmax scale and log2(e), so the scores come out scaled and in base 2 (one pass over the
+    T_M x K block of A instead of one over every T_M x T_L tile of scores)."""
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int n = mc - j * NR < NR ? mc - j * NR : NR;")
+        w.line(f"float* restrict strip = At + (long)j * NR * AK + (AK == K ? {k0} : 0) * NR;")
+        factor = "scale2" if scaled else "1.0f"
+        w.line(f"PACK_BT({kc}, n, A_b + j * NR * sAm + {k0}, sAm, strip, {factor});")
+
+
+def _sliver_call(
+    w: Writer,
+    kernel: MicroKernel,
+    kc: str,
+    direct: str,
+    place: tuple[str, str, str],
+    packed: str,
+    rest: str,
+    room: bool = False,
+) -> None:
+    """One call site of the micro-kernel for an mr-row sliver of the A operand, read in place
+    when `direct` (at `place`: pointer, row and step strides) or packed at `packed`; `rest` is
+    the B operand, C and ldc. One inlined copy of the register block instead of two (each costs
+    compile time); a short sliver (m < MR) is packed, unless it has exactly the kernel's
+    `part_rows` rows (`PART_MR`: `<uk>_tail` reads only those, in place). A kernel with narrow
+    blocks (`part_cols`) computes `nw` columns of the strip, the rest set to zero (`<uk>_cols`).
+    With `room` (C has rows for a whole block past the sliver's, which nothing reads), a packed
+    short sliver runs the part or the whole block straight into C."""
+    uk = kernel.name
+    ptr, rs, ks = place
+    entry, cols = (f"{uk}_cols", "nw") if kernel.part_cols else (f"{uk}_strided", "NR")
+    # (condition or None for the last, statement) in order: if / else if / else
+    branches: list[tuple[str | None, str]] = []
+    if kernel.part_rows:  # exactly its rows: <uk>_tail reads only those
+        branches.append(
+            (
+                f"{direct} && m == PART_MR",
+                f"{uk}_tail({kc}, {ptr}, {rs}, {ks}, {rest}, m, NR, acc);",
+            )
+        )
+    if room:
+        # C has room for the kernel's rows below the sliver's m (op1's strip of scores: LPM
+        # rows, of which lc are read): the packed sliver, zero below m, runs the part block or
+        # the whole one straight into C (its rows past m come out zero); <uk>_tail ran the
+        # whole block into a tile on the stack and copied m rows out
+        if kernel.part_rows:
+            branches.append(
+                ("m <= PART_MR", f"{uk}_tail({kc}, {packed}, 1, MR, {rest}, PART_MR, NR, acc);")
+            )
+        branches.append((None, f"{entry}({kc}, {packed}, 1, MR, {rest}, {cols}, acc);"))
+    else:
+        branches.append((None, f"{uk}_tail({kc}, {packed}, 1, MR, {rest}, m, NR, acc);"))
+    with w.block("if (m == MR)"):
+        w.line(f"const float* restrict as = {direct} ? {ptr} : {packed};")
+        rows = rs if rs == "1" else f"{direct} ? {rs} : 1"
+        w.line(f"{entry}({kc}, as, {rows}, {direct} ? {ks} : MR, {rest}, {cols}, acc);")
+    word = "else if"
+    for condition, statement in branches:
+        w.line(f"{word} ({condition}) {statement}" if condition else f"else {statement}")
+        word = "else if"
+
+
+def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
+    """`reuse_d`: whether this row block packs all of D's l block (every n block: `CF_DTN`) and
+    leaves it in the workspace for the next row blocks of its batch (`fresh_d` false there): a
+    head's V packed once per thread. Only where D's l block is all the row block's keys (not
+    causal) and another row block of the batch follows, or D is the same for every batch."""
+    if spec.causal:
+        w.line("const int reuse_d = 0, fresh_d = 1; /* (causal: l_end moves with m0) */")
+        return
+    to_e = "!to_e && " if softmax_writes_e(spec) else ""
+    w.line("/* all of D packed once for the row blocks of this batch (see _reuse_d in c.py) */")
+    w.line(
+        f"const int reuse_d = {to_e}l_end > l_lo && l_end - l_lo <= T_L && DTN * T_N >= N"
+        " && (M > T_M || (sD0 == 0 && sD1 == 0));"
+    )
+    w.line("/* (l_lo and l_end are the call's own here: the same for every row block) */")
+    w.line("const int fresh_d = !reuse_d || dt_from != D_b + l_lo * sDl;")
+    w.line("dt_from = reuse_d ? D_b + l_lo * sDl : 0;")
+
+
+def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
+    """op2 of one l block and n block into the Eᵀ accumulator: rows n (Dᵀ slivers, or D read
+    in place), columns m (Pᵀ's strips)."""
+    uk = spec.kernel.name
+    dt = "Dn" if spec.epilogue is Epilogue.SOFTMAX else "Dt"  # (this n block's: reuse_d)
+    in_place = spec.dtype is DType.FLOAT32
+    w.line("/* whole strips again: Eᵀ has MPN columns, the store reads the first mc */")
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int acc = l0 > l_lo;")
+        w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        if spec.kernel.part_cols and in_place:
+            w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
+        with w.block("for (int s = 0; s * MR < nc; ++s)"):
+            w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+            w.line("float* restrict c = Et + (n0 + s * MR) * LDE + j * NR;")
+            if not in_place:
+                w.line(f"{uk}(lc, {dt} + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
+            else:
+                place = "D_b + l0 * sDl + n0 + s * MR", "1", "sDl"
+                packed = f"{dt} + (long)s * SLIVER(lc)"
+                _sliver_call(w, spec.kernel, "lc", "direct_d", place, packed, "p, c, LDE")
+            w.line("cf_pf_step(&pf, pf_rows);")
+
+
+def _op2_to_e(w: Writer, spec: GemmChainSpec, strip: str) -> None:
+    """op2 of one l block and n block straight into E: rows m, mr at a time within each of Pᵀ's
+    nr-column strips, columns n from D's nr-column strips, strip `s` at `strip` (packed by
+    `pack_strips.c`, or D itself, `softmax_writes_e`)."""
+    uk = spec.kernel.name
+    scaled = softmax_writes_e(spec)  # (last_l: each row over its sum as it is stored)
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int acc = l0 > l_lo;")
+        w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        if scaled:
+            w.line("const float* restrict inv = last_l ? col_sum + j * NR : 0;")
+        with w.block("for (int s = 0; s * NR < nc; ++s)"):
+            w.line("const int n = nc - s * NR < NR ? nc - s * NR : NR;")
+            w.line(f"const float* restrict d = {strip};")
+            with w.block("for (int r = 0; r < NR && j * NR + r < mc; r += MR)"):
+                w.line("int m = NR - r < MR ? NR - r : MR;")
+                w.line("if (mc - j * NR - r < m) m = mc - j * NR - r;")
+                w.line("float* restrict e = E_b + (j * NR + r) * sEm + n0 + s * NR;")
+                full = (
+                    f"{uk}_full_rs(lc, p + r, 1, NR, d, e, sEm, acc, inv ? inv + r : 0);"
+                    if scaled
+                    else f"{uk}_strided(lc, p + r, 1, NR, d, e, sEm, NR, acc);"
+                )
+                w.line(f"if (m == MR && n == NR) {full}")
+                w.line("/* (a short block's tail reads the kernel's mr rows, or its part: rows")
+                w.line("   of the next strip's rows at worst, inside the workspace, discarded) */")
+                tail = f"{uk}_tail(lc, p + r, 1, NR, d, e, sEm, m, n, acc);"
+                if scaled:
+                    with w.block("else"):
+                        w.line(tail)
+                        with w.block("if (inv)"), w.block("for (int i = 0; i < m; ++i)"):
+                            w.line("for (int x = 0; x < n; ++x) e[i * sEm + x] *= inv[r + i];")
+                else:
+                    w.line(f"else {tail}")
+                w.line("cf_pf_step(&pf, pf_rows);")
+
+
+def _op2_wide(w: Writer, spec: GemmChainSpec) -> None:
+    """op2 of one l block straight into E with a whole value head of N columns (`wide_heads`)
+    in registers: rows m, `wide_mr` at a time within each of Pᵀ's nr-column strips (P's values
+    broadcast, rows NR apart), V's rows read in place. Each element of E sums over l in the
+    order the Eᵀ accumulator's does: bit-identical."""
+    ker = spec.kernel
+    calls = [(f"N == {c}", f"{ker.name}_wide{c}(lc, p + r, NR, D_b + l0 * sDl, sDl, e, sEm, m, acc,"
+              " inv ? inv + r : 0);") for c in named_heads(ker)]  # fmt: skip
+    if wide_multiples(ker):  # (to_e: a multiple of NR) NR columns at a time
+        calls.append(
+            (
+                "1",
+                "for (long c = 0; c < N; c += NR)"
+                f" {ker.name}_wide{ker.nr}(lc, p + r, NR, D_b + l0 * sDl + c, sDl, e + c, sEm, m,"
+                " acc, inv ? inv + r : 0);",
+            )
+        )
+    with w.block("for (int j = 0; j * NR < mc; ++j)"):
+        w.line("const int acc = l0 > l_lo;")
+        w.line("const float* restrict p = Pt + (long)j * LPM * NR;")
+        w.line("const int live = mc - j * NR < NR ? mc - j * NR : NR;")
+        w.line("const float* restrict inv = last_l ? col_sum + j * NR : 0;")
+        w.line(f"/* (a short block of the last strip reads all {ker.wide_mr} columns of P, which")
+        w.line("   op1 computed: a tail strip's nw is whole vectors; it stores its rows alone) */")
+        with w.block(f"for (int r = 0; r < live; r += {ker.wide_mr})"):
+            w.line(f"const int m = live - r < {ker.wide_mr} ? live - r : {ker.wide_mr};")
+            w.line("float* restrict e = E_b + (j * NR + r) * sEm;")
+            for i, (cond, call) in enumerate(calls):
+                test = "" if i == len(calls) - 1 else f"if ({cond}) "
+                lead = "" if i == 0 else "else "
+                w.line(f"{lead}{test}{call}")
+            w.line("cf_pf_step(&pf, pf_rows);")
+
+
+def emit_store_e(w: Writer, spec: GemmChainSpec) -> None:
+    """`<name>_store_e`: E[0:mc, :] = Eᵀ transposed, row i times inv_sum[i] after a softmax.
+    A function of its own, kept out of line: inside the kernel's one big function its loops
+    tripled the compile time (register allocation there grows faster than the code)."""
+    softmax = spec.epilogue is Epilogue.SOFTMAX
+    with w.block(
+        f"static __attribute__((noinline)) void {spec.name}_store_e(int mc, long N,\n"
+        "    const float* restrict Et, const float* restrict inv_sum, cf_elem* restrict E_b,"
+        " long sEm,\n    long LDE)"
+    ):
+        if not softmax:
+            w.line("(void)inv_sum;")
+        scaled = " * inv" if softmax else ""
+        first = "0"
+        tb = spec.kernel.transpose_block
+        uk = spec.kernel.name
+        if tb:
+            w.line(f"/* whole {tb}-row groups: {tb}x{tb} blocks of Eᵀ transposed in registers */")
+            w.line(f"const int whole = mc / {tb} * {tb};")
+            with w.block(f"for (int i = 0; i < whole; i += {tb})"):
+                w.line("long c = 0;")
+                with w.block(f"for (; c + {tb} <= N; c += {tb})"):
+                    if spec.dtype is DType.FLOAT32:  # straight into E, scaled on the way
+                        w.line("float* restrict e = E_b + i * sEm + c;")
+                        if softmax:
+                            w.line(
+                                f"{uk}_transpose_scaled(Et + c * LDE + i, LDE, e, sEm, inv_sum + i);"
+                            )
+                        else:
+                            w.line(f"{uk}_transpose(Et + c * LDE + i, LDE, e, sEm);")
+                    else:  # through a block on the stack, rounded to bf16/fp16 on the way out
+                        w.line(f"float blk[{tb * tb}] __attribute__((aligned(32)));")
+                        w.line(f"{uk}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
+                        with w.block(f"for (int r = 0; r < {tb}; ++r)"):
+                            _e_row(w, softmax, "i + r")
+                            w.line(
+                                f"for (int cc = 0; cc < {tb}; ++cc) e[c + cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
+                            )
+                with w.block(f"for (int r = 0; r < {tb}; ++r)"):
+                    _e_row(w, softmax, "i + r")
+                    w.line(
+                        f"for (long c2 = c; c2 < N; ++c2) e[c2] = CF_STORE(Et[c2 * LDE + i + r]{scaled});"
+                    )
+            first = "whole"
+        w.line(
+            "/* row by row: E is written contiguously, and the N lines of Eᵀ a row reads stay in L1"
+        )
+        w.line("   for the next rows */")
+        with w.block(f"for (int i = {first}; i < mc; ++i)"):
+            _e_row(w, softmax, "i")
+            with w.block("for (long c = 0; c < N; ++c)"):
+                w.line(f"e[c] = CF_STORE(Et[c * LDE + i]{scaled});")
+
+
+def _e_row(w: Writer, softmax: bool, row: str) -> None:
+    """Row `row` of E, and the factor its values take after a softmax."""
+    w.line(f"cf_elem* restrict e = E_b + ({row}) * sEm;")
+    if softmax:
+        w.line(f"const float inv = inv_sum[{row}];")
