@@ -28,10 +28,9 @@ from chainfuse.codegen.conv import (
     geometry,
 )
 from chainfuse.codegen.gemm_chain import PACKED, emit_gemm_chain
-from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
-from chainfuse.codegen.rows import row_path_rows, rows_past_strips
-from chainfuse.codegen.softmax import exponentiates_beside_op1
-from chainfuse.ir import Affine, Chain, DType, MaskKind, Softmax
+from chainfuse.codegen.gemm_spec import GemmChainShape
+from chainfuse.codegen.schedule import CodeSchedule
+from chainfuse.ir import Affine, Chain, MaskKind, Softmax
 from chainfuse.operands import (
     check,
     dense_in,
@@ -52,6 +51,7 @@ _STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
 #: worker and joining it costs more (docs/tuning.md)
 ALONE_S = 40e-6
 _MASK, _MASK_STRIDES = PACKED["mask"], slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
+_ROWS_MAX = PACKED["schedule"]  # the row path's reach: the one decision a call may change
 _KEYS = PACKED["sizes"] + 5  # L: what a call with another number of keys changes
 
 
@@ -96,16 +96,16 @@ class Kernel(_Built):
         self,
         chain: Chain,
         plan_: Plan,
-        spec: GemmChainSpec,
+        schedule: CodeSchedule,
         shape: GemmChainShape,
         header: str,
-        cache_bytes: int,
         arithmetic: str,
     ) -> None:
         self.chain = chain
         self.shape = shape
         self.plan = plan_
-        self.spec = spec
+        self.schedule = schedule  # what the code runs: tiles and every path choice
+        self.spec = spec = schedule.spec
         self.arithmetic = arithmetic  # what it computes in, said plainly
         lib = self._build(
             lambda: emit_gemm_chain(spec, header), f"{spec.name}\n{header}", spec.name,
@@ -117,12 +117,17 @@ class Kernel(_Built):
         self._fn.argtypes = [ctypes.c_void_p]
         self._workspace_fn = getattr(lib, f"{spec.name}_workspace")
         self._workspace_fn.restype = ctypes.c_long
-        self._workspace_fn.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        self._workspace_fn.argtypes = [
+            ctypes.c_long,
+            ctypes.c_long,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         # the plan's tiles: run-time arguments of the object, which every plan shares
         self._tiles = (spec.T_M, spec.T_L, spec.T_K, spec.T_N)
         self._local = threading.local()
-        # the last cache level's bytes: how far the row path reaches (`row_path_rows`)
-        self._cache_bytes = cache_bytes
+        # the row path's reach follows a call's keys and B's and D's batch strides (`launch`)
+        self._reach_varies = schedule.reach_varies
         soft = [op for op in chain.ops if isinstance(op, Softmax)]
         self._scale = soft[0].scale if soft else 1.0
         self._dtype = chain.dtype.value  # of every input and the output (masks: see _prepare)
@@ -149,53 +154,10 @@ class Kernel(_Built):
         return self._sizes[5]
 
     def describe(self) -> str:
-        """What the compiled code runs, beside the plan (`plan`'s register block is the model's
-        quantum; the code computes the transposed chain): the micro-kernel and how the chain's
-        loops lie on its block, the code-level tiles, and which rows take the row path (blocks
-        of at most `row_path_rows` rows of m, judged by the chain's own sizes, and a block's last
-        few past whole strips, `rows_past_strips`: dot products and sums, compiled for the
-        kernel's ISA)."""
-        spec, ext = self.spec, self.chain.extents
-        m, l_ = self.chain.contractions[0].output.loops[-2:]
-        n = self.chain.contractions[1].output.loops[-1]
-        uk, M = spec.kernel, ext[m]
-        tiles = f"tiles T_M={spec.T_M} T_L={spec.T_L} T_K={spec.T_K} T_N={spec.T_N}"
-        reach = row_path_rows(spec, _bd_bytes(self.chain, self.shape), self._cache_bytes)
-        if reach >= M:  # (all of m)
-            return (
-                f"  code: the row path for all {M} rows of {m} (<= {reach}), no register"
-                f" block (built for {uk.name}'s ISA); {tiles}"
-            )
-        mr, nr = uk.mr, uk.nr
-        text = (
-            f"  code: micro-kernel {uk.name}; op1's blocks {mr} rows of {l_} by {nr} of {m},"
-            f" op2's {mr} of {n} by {nr} of {m} (or {mr} of {m} by {nr} of {n} where it writes"
-            f" {spec.tensors[3]} directly); {tiles}"
-        )
-        if exponentiates_beside_op1(spec):
-            k = ",".join(self.chain.contractions[0].reduction)
-            text += (
-                f"\n  the softmax's exponentials: each block of {mr} rows of {l_} during the next"
-                f" block's FMAs (whole strips of {nr} of {m}, {k} in one block)"
-            )
-        outer = max(self._outer_m, spec.T_M)  # the rows of m a parallel block holds
-        tails = {r % spec.T_M for r in (outer, M % outer or outer)} - {0}
-        short = sorted(t for t in tails if t <= reach)
-        if short:
-            text += (
-                f"\n  a last row block of {' or '.join(map(str, short))} rows of {m}: the row path"
-            )
-        # a block's few rows past whole strips of nr (codegen's ROWS_TAIL): the row path too
-        blocks = {spec.T_M for r in (outer, M % outer or outer) if r >= spec.T_M} | tails
-        few = sorted({rows_past_strips(b, uk) for b in blocks} - {0})
-        if few:
-            split = "" if spec.epilogue is Epilogue.SOFTMAX else " (unless threads split l)"
-            text += (
-                f"\n  a row block's last {' or '.join(map(str, few))}"
-                f" {'row' if few == [1] else 'rows'} of {m} past whole"
-                f" blocks of {nr}: the row path{split}"
-            )
-        return text
+        """What the compiled code runs, beside the plan: its code schedule (`schedule`), the
+        micro-kernel and how the chain's loops lie on its block, the code-level tiles and why
+        they differ from the plan's, and which rows take the row path."""
+        return self.schedule.describe(get_num_threads())
 
     def _workspace(self, threads: int) -> Any:
         """This thread's argument array for `threads` threads (`codegen.gemm_chain.PACKED`), its
@@ -211,7 +173,8 @@ class Kernel(_Built):
             args[PACKED["work_per_thread"]] = self._per
             args[PACKED["nthreads"]] = threads
             args[PACKED["outer_m"]] = self._outer_m
-            args[PACKED["cache_bytes"]] = self._cache_bytes
+            at = PACKED["schedule"]
+            args[at : at + 4] = list(self.schedule.arguments(threads))
             at = PACKED["tiles"]
             args[at : at + 4] = list(self._tiles)
             args[PACKED["scale_bits"]] = int.from_bytes(struct.pack("<f", self._scale), "little")
@@ -220,6 +183,7 @@ class Kernel(_Built):
             local.args = args
             local.address = ctypes.addressof(args)
             local.strides = None  # what args holds: refilled when a call's strides differ
+            local.keys = -1  # the keys the row path's reach in args was decided for
         return local
 
     def _mask(
@@ -251,7 +215,10 @@ class Kernel(_Built):
         sizes = [1] * (2 - self._nb) + [ext[n] for n in self.spec.batch]
         self._sizes = (*sizes, ext[m], N, K, ext[l_])
         tiles = (ctypes.c_long * 4)(*self._tiles)
-        self._per = int(self._workspace_fn(K, N, ctypes.addressof(tiles)))
+        decided = (ctypes.c_long * 4)(*self.schedule.arguments(1))
+        self._per = int(
+            self._workspace_fn(K, N, ctypes.addressof(tiles), ctypes.addressof(decided))
+        )
         # rows of m per parallel block: the plan's outermost m tile, the blocks its model deals
         # to the cores (a run-time argument, so that one compiled object serves every plan)
         outer = self.plan.tiles_at(self.plan.levels[-1]) or {}
@@ -374,10 +341,16 @@ class Kernel(_Built):
         `bind` took it)."""
         local = self._workspace(1 if self._alone else threads)
         packed = local.args
-        packed[_KEYS] = self._sizes[5] if keys is None else keys
+        keys = self._sizes[5] if keys is None else keys
+        packed[_KEYS] = keys
         if strides != local.strides:
             packed[_STRIDES] = strides
             local.strides = strides
+            local.keys = -1
+        if self._reach_varies and keys != local.keys:
+            schedule = self.schedule
+            packed[_ROWS_MAX] = schedule.row_path_rows(schedule.bd_bytes(keys, strides))
+            local.keys = keys
         packed[_A] = pointers[0]
         packed[_B] = pointers[1]
         packed[_D] = pointers[2]
@@ -515,13 +488,3 @@ class ConvKernel(_Built):
             x, w1, w2, b1, b2, out, self._geometry, at, at + 32, at + 64, at + 96,
             base, base + 4 * self._shared, self._per, threads,
         )  # fmt: skip
-
-
-def _bd_bytes(chain: Chain, shape: GemmChainShape) -> float:
-    """Bytes of B and D (attention's K and V) over the whole batch, as the chain declares them:
-    what the generated code weighs against the last cache level (`row_path_rows`)."""
-    tensors = {t.name: t for t in chain.tensors}
-    elem = 4 if chain.dtype is DType.FLOAT32 else 2
-    return float(
-        sum(np.prod(tensors[n].shape, dtype=np.float64) for n in shape.tensors[1:3]) * elem
-    )

@@ -20,8 +20,8 @@ from chainfuse.codegen.conv import (
     code_tiles,
     match_conv_chain,
 )
-from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, holds_head, match_gemm_chain
-from chainfuse.codegen.rows import ROWS_MAX
+from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, match_gemm_chain
+from chainfuse.codegen.schedule import schedule_gemm_chain
 from chainfuse.compiled import ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType, Role
@@ -39,60 +39,6 @@ def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], i
     first, second = chain.contractions
     m, l_ = first.output.loops[-2:]
     return (*batch, m, l_, first.reduction[0], second.output.loops[-1]), len(batch) + 2
-
-
-def _rows_run(extent: int, tile: int, mr: int, part: int) -> int:
-    """The micro-kernel rows `extent` rows in blocks of `tile` run: whole mr-row slivers, and a
-    block's tail of at most `part` rows (the kernel's `part_rows`) runs `part` rows, a longer one
-    mr rows."""
-    total = 0
-    for start in range(0, extent, tile):
-        full, rest = divmod(min(tile, extent - start), mr)
-        total += full * mr + (0 if rest == 0 else part if rest <= part else mr)
-    return total
-
-
-WIDE_ROWS = 64  # a causal 16-bit chain's least row block, see `compile` (docs/tuning.md)
-
-
-def _m_blocks(extent: int, tile: int, outer: int, nr: int, keys: int, causal: bool) -> int:
-    """The planner's row-block tile of m (`tile`, in parallel blocks of `outer` rows) as the
-    generated code runs a causal chain: where the tile leaves a block of ROWS_MAX rows or fewer
-    (the row path's, ~3x slower per score), a tile up to seven strips (`nr`) larger replaces it
-    if that costs less, weighing the scores each block computes (docs/tuning.md)."""
-
-    def cost(t: int) -> int:
-        block, total = max(outer, t), 0
-        for mo in range(0, extent, block):
-            end = min(extent, mo + block)
-            for m0 in range(mo, end, t):
-                rows = min(t, end - m0)
-                total += rows * min(keys, m0 + rows) * (3 if rows <= ROWS_MAX else 1)
-        return total
-
-    block = max(outer, tile)
-    short = any(0 < r % tile <= ROWS_MAX for r in (min(block, extent), extent % block))
-    if not causal or extent <= ROWS_MAX or tile >= extent or not short:
-        return tile
-    last = -(-extent // nr) * nr
-    options = [t for t in range(tile, min(last, tile + 7 * nr) + 1, nr)]
-    return min(options, key=lambda t: (cost(t), t))
-
-
-def _row_blocks(extent: int, tile: int, mr: int, part: int) -> int:
-    """A softmax chain's n tile (`tile`, the planner's) as the generated code runs it where no
-    wide block holds the value head: op2's tails of at most `part` rows run the part block, so
-    where the planner's tile is all of n, two or three even blocks that run fewer rows
-    (`_rows_run`) take its place; the model counts flops, not these rows (docs/tuning.md)."""
-    if tile < extent or part == 0:
-        return tile
-    best, best_rows = tile, _rows_run(extent, tile, mr, part)
-    for parts in (2, 3):
-        even = -(-extent // parts)
-        rows = _rows_run(extent, even, mr, part)
-        if rows < best_rows:
-            best, best_rows = even, rows
-    return best
 
 
 def compile(
@@ -151,47 +97,10 @@ def compile(
     # shares would need their maxima merged), in whole mr-row slivers
     split = None if shape.epilogue is Epilogue.SOFTMAX else (l_, kernel.mr)
     chosen = remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
-    planned = chosen.tiles_at(code_level(hw))
-    assert planned is not None
-    wide = ext[n] != kernel.nr and holds_head(kernel, ext[n])
-    if shape.epilogue is Epilogue.SOFTMAX and chain.dtype is DType.FLOAT32 and wide:
-        # op2 writes E's rows with the whole value head in registers (`codegen.gemm_spec.wide_heads`):
-        # one n block, V's rows read in place
-        planned = {**planned, n: ext[n]}
-    elif shape.epilogue is Epilogue.SOFTMAX:
-        planned = {**planned, n: _row_blocks(ext[n], planned[n], kernel.mr, kernel.part_rows)}
-    if shape.causal and chain.dtype is not DType.FLOAT32:
-        # 16-bit k and v are widened into fp32 as they are packed, for every row block: a causal
-        # plan's small blocks pay that more than the masked scores they save (docs/tuning.md)
-        planned = {
-            **planned,
-            m: max(planned[m], min(WIDE_ROWS, -(-ext[m] // kernel.nr) * kernel.nr)),
-        }
-    outer = chosen.tiles_at(chosen.levels[-1]) or {}
-    planned = {**planned, m: _m_blocks(ext[m], planned[m], outer.get(m, ext[m]), kernel.nr,
-                                       ext[l_], shape.causal)}  # fmt: skip
-    tiles = {**planned, **(tiles or {})}
-    spec = GemmChainSpec(
-        batch=batch,
-        tensors=shape.tensors,
-        b_transposed=shape.b_transposed,
-        epilogue=shape.epilogue,
-        mask=shape.mask,
-        causal=shape.causal,
-        T_M=tiles[m],
-        T_L=tiles[l_],
-        T_K=tiles[k],
-        T_N=tiles[n],
-        kernel=kernel,
-        dtype=chain.dtype,
-    )
+    schedule = schedule_gemm_chain(chain, shape, chosen, kernel, hw, tiles)
+    spec = schedule.spec
     header = _header(chain, chosen, spec)
-    return Kernel(chain, chosen, spec, shape, header, _last_cache_bytes(hw), arithmetic(spec))
-
-
-def _last_cache_bytes(hw: Hardware) -> int:
-    """The capacity of the last level before memory (0 where the machine lists no cache)."""
-    return hw.levels[-2].capacity if len(hw.levels) > 1 else 0
+    return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec))
 
 
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:

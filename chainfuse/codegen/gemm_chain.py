@@ -35,12 +35,9 @@ from chainfuse.codegen.common import ALIGN16, c_source, header_comment, per_thre
 from chainfuse.codegen.gemm_spec import HALF, Epilogue, GemmChainSpec, wide_heads, writes_e
 from chainfuse.codegen.row_block import emit_block, emit_store_e
 from chainfuse.codegen.rows import (
-    ROWS_FIT,
-    ROWS_FIT_SHARE,
     ROWS_LB,
     ROWS_MAX,
     emit_rows,
-    fits_rows,
     rows_tail,
 )
 from chainfuse.codegen.softmax import (
@@ -55,11 +52,9 @@ from chainfuse.ir import DType
 from chainfuse.kernels import emit_with_packing
 
 __all__ = [
-    "AT_WHOLE",
     "DIRECT_FAR_STRIPS",
     "DIRECT_STRIDE",
     "DIRECT_STRIPS",
-    "DT_PANELS",
     "PACKED",
     "emit_gemm_chain",
 ]
@@ -72,18 +67,13 @@ DIRECT_STRIDE = 256
 #: ... or at any distance for this many strips: a packed copy used once or twice does not pay
 #: for its writes (docs/tuning.md)
 DIRECT_FAR_STRIPS = 2
-#: A softmax chain keeps up to this many packed n blocks of D (all of it) for the row blocks of
-#: its batch that follow (`row_block`: reuse_d) (docs/tuning.md)
-DT_PANELS = 4
-#: Floats of Aᵀ a thread keeps packed whole: all of k, for every l block (docs/tuning.md)
-AT_WHOLE = 1 << 20
 
 
 #: Slots of the one array `<name>_packed` takes (longs): pointers, then the scalars, then arrays.
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
     "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "tiles": 32,
-    "cache_bytes": 36, "end": 37,
+    "schedule": 36, "end": 40,
 }  # fmt: skip
 
 
@@ -115,8 +105,6 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         " (<uk>_tail reads only its rows; 0: none) */"
     )
     w.line(f"#define ROWS_MAX {ROWS_MAX} /* row blocks of this many rows or fewer: _rows */")
-    if fits_rows(spec):
-        w.line(f"#define ROWS_FIT {ROWS_FIT} /* ... where B and D fit in the cache (rows_max) */")
     w.line(
         f"#define ROWS_TAIL {rows_tail(ker)} /* rows past whole strips of a block that take _rows */"
     )
@@ -176,23 +164,6 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS} /* ... or at most this many strips */"
         )
-    w.line("/* Aᵀ packed whole (all of k, once per row block, kept for every l block) up to this")
-    w.line("   many floats; beyond them one k block at a time, packed again for each l block */")
-    w.line(f"#define AT_WHOLE {AT_WHOLE}L")
-    w.line("#define CF_AK(K, TK) ((K) == (TK) || MPN * (K) <= AT_WHOLE ? (K) : (TK))")
-    if spec.epilogue is Epilogue.SOFTMAX:
-        w.line(
-            "/* packed n blocks of D kept for the next row blocks (reuse_d): all of N, in blocks of"
-        )
-        w.line(
-            "   T_N, when it takes at most DT_PANELS blocks; else one block, packed each time */"
-        )
-        w.line(f"#define DT_PANELS {DT_PANELS}")
-        w.line(
-            "#define CF_DTN(N) ((N) > T_N && (N) <= DT_PANELS * T_N ? ((N) + T_N - 1) / T_N : 1)"
-        )
-    else:
-        w.line("#define CF_DTN(N) 1 /* (one packed block of D: see the softmax chains') */")
     w.line("")
     if uses_exp2_strip(spec) and ker.exp2_strip is not None:
         w.lines(ker.exp2_strip(ker))
@@ -205,12 +176,14 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.lines(c_source("prefetch.c"))
     w.line("/* floats of workspace one thread needs: packed Aᵀ, packed Bᵀ, the intermediate Pᵀ,")
     w.line("   packed Dᵀ, the Eᵀ accumulator, the softmax column statistics, and the row path's")
-    w.line("   rows of A and accumulators (_rows) */")
-    with w.block(f"long {name}_workspace(long K, long N, const long* tiles)"):
+    w.line("   rows of A and accumulators (_rows)")
+    w.line("   (AK and DTN: the code schedule's, see _schedule below) */")
+    with w.block(
+        f"long {name}_workspace(long K, long N, const long* tiles, const long* code_schedule)"
+    ):
         w.line("CF_TILES(tiles)")
         w.line("const long TK = K < T_K ? K : T_K;")
-        w.line("const long AK = CF_AK(K, TK); /* Aᵀ's k: all of it, or one block */")
-        w.line("const long DTN = CF_DTN(N);")
+        w.line("const long AK = code_schedule[1], DTN = code_schedule[2];")
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
             " + DTN * DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN)"
@@ -235,7 +208,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         f"    const cf_elem* restrict D, cf_elem* restrict E, const long* sizes,\n"
         f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
         f"    float* restrict work, long work_per_thread, int nthreads, long outer_m,\n"
-        f"    const long* tiles, long cache_bytes)"
+        f"    const long* tiles, const long* code_schedule)"
     ):
         w.line("CF_TILES(tiles)")
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
@@ -245,52 +218,15 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long sD0 = strides[6], sD1 = strides[7], sDl = strides[8];")
         w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
         w.line("const long TK = K < T_K ? K : T_K;")
-        w.line("const long AK = CF_AK(K, TK); /* Aᵀ's k: all of it, or one block */")
-        w.line("const long DTN = CF_DTN(N);")
-        if fits_rows(spec):
-            w.line("/* the row path's reach (row_path_rows in c.py): ROWS_FIT rows where all of B")
-            w.line(
-                "   and D (K and V) take at most a quarter of the last cache level, else ROWS_MAX */"
-            )
-            w.line(
-                "const double bd_bytes = ((double)(sB0 ? nb0 : 1) * (double)(sB1 ? nb1 : 1) * (double)K"
-                " + (double)(sD0 ? nb0 : 1) * (double)(sD1 ? nb1 : 1) * (double)N) * (double)L"
-                " * (double)sizeof(cf_elem);"
-            )
-            w.line(
-                f"const int rows_max = {ROWS_FIT_SHARE}.0 * bd_bytes <= (double)cache_bytes"
-                " ? ROWS_FIT : ROWS_MAX;"
-            )
-        else:
-            w.line("const int rows_max = ROWS_MAX; /* (see row_path_rows in c.py) */")
-        w.line("(void)cache_bytes;")
+        _schedule(w)
         w.line("/* the parallel blocks: a batch index and T_MO rows of m (the plan's outermost m")
         w.line("   tile: the blocks its model deals to the cores), run as row blocks of T_M */")
         w.line("const long T_MO = outer_m < T_M ? T_M : outer_m;")
         w.line("const long mblocks = (M + T_MO - 1) / T_MO;")
         w.line("const long blocks = nb0 * nb1 * mblocks;")
-        if spec.epilogue is Epilogue.SOFTMAX:
-            w.line(
-                "const int split = 1; /* (a softmax's shares of l would need their maxima merged) */"
-            )
-            w.line("const long LQ = L;")
-        else:
-            w.line(
-                "/* fewer blocks than threads, each one row block (an MLP's few tokens: one head of"
-            )
-            w.line(
-                "   64 rows is one strip of the micro-kernel): the threads of a block split its l"
-            )
-            w.line(
-                "   range, each into its own Eᵀ, and a second pass adds the shares up. Each thread"
-            )
-            w.line("   reads its share of B and D only */")
-            w.line(
-                "const int split = blocks < nthreads && (T_MO <= T_M || M <= T_M) ? (int)(nthreads / blocks) : 1;"
-            )
-            w.line(
-                "const long LQ = (L + (long)split * MR - 1) / ((long)split * MR) * MR; /* l per share */"
-            )
+        w.line(
+            "const long LQ = (L + (long)split * MR - 1) / ((long)split * MR) * MR; /* l per share */"
+        )
         if spec.epilogue is Epilogue.SOFTMAX:
             w.line("/* the scores in base 2: exp(x) = 2^(x log2(e)) */")
             w.line("const float scale2 = scale * CF_LOG2E;")
@@ -340,7 +276,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"{name}((const cf_elem*)a[0], (const cf_elem*)a[1], (const cf_elem*)a[2],"
             " (cf_elem*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27,"
-            " (float*)a[5], a[6], (int)a[7], a[31], a + 32, a[36]);"
+            " (float*)a[5], a[6], (int)a[7], a[31], a + 32, a + 36);"
         )
     return w.text()
 
@@ -370,6 +306,16 @@ def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
     w.line("#define CF_TILES(t) \\")
     for i, text in enumerate(lines):
         w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
+
+
+def _schedule(w: Writer) -> None:
+    """The code schedule's decisions (`codegen.schedule.SCHEDULE`), read from its argument: the
+    C takes them as they are and decides none of them itself."""
+    w.line("/* the code schedule (chainfuse.codegen.schedule): the row path's reach, Aᵀ's packed k")
+    w.line("   (all of K or one block), packed blocks of D kept, threads sharing a block's l */")
+    w.line("const int rows_max = (int)code_schedule[0];")
+    w.line("const long AK = code_schedule[1], DTN = code_schedule[2];")
+    w.line("const int split = (int)code_schedule[3];")
 
 
 def _split_sum(w: Writer, spec: GemmChainSpec) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import chainfuse
 from chainfuse import compiler, reference
 from chainfuse.bench import workloads
+from chainfuse.codegen import schedule
 from chainfuse.codegen.rows import rows_tail
 from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware
@@ -1068,7 +1069,7 @@ def test_few_queries_take_the_row_path_and_match_the_reference(
     tiles = {"m": 16} if tail else None
     with pytest.MonkeyPatch.context() as mp:
         if beyond_cache:
-            mp.setattr(compiler, "_last_cache_bytes", lambda hw: 0)
+            mp.setattr(schedule, "last_cache_bytes", lambda hw: 0)
         _check_attention(1, 2, rows, sk, dqk, dv, causal, mask, broadcast, tiles, magnitude)
 
 
@@ -1091,7 +1092,7 @@ def test_the_row_path_reaches_further_where_k_and_v_leave_the_cache(
 
     cases = [(sq, tail) for sq in (ROWS_FIT, ROWS_FIT + 1, ROWS_MAX) for tail in (False, True)]
     fits = {case: run(*case) for case in cases}
-    monkeypatch.setattr(compiler, "_last_cache_bytes", lambda hw: 0)
+    monkeypatch.setattr(schedule, "last_cache_bytes", lambda hw: 0)
     beyond = {case: run(*case) for case in cases}
     for (sq, tail), (said, out) in fits.items():
         rows = f"a last row block of {sq} rows" if tail else f"the row path for all {sq} rows"
@@ -1103,9 +1104,10 @@ def test_the_row_path_reaches_further_where_k_and_v_leave_the_cache(
     mlp = compile(chainfuse.mlp_chain(ROWS_MAX, 24, 70, 24))
     half = compile(chainfuse.attention_chain(1, 3, ROWS_MAX, 70, 24, 24, dtype="bfloat16"))
     for kernel in (mlp, half):
-        assert kernel.describe().startswith(f"  code: the row path for all {ROWS_MAX} rows of m")
-        assert "ROWS_FIT" not in kernel.source
-    assert "#define ROWS_FIT" in compile(chainfuse.attention_chain(1, 3, 2, 70, 24, 24)).source
+        assert f"the row path for all {ROWS_MAX} rows of m" in kernel.describe()
+        assert kernel.schedule.row_path_rows(0.0) == ROWS_MAX  # however small K and V are
+    fp32 = compile(chainfuse.attention_chain(1, 3, 2, 70, 24, 24))
+    assert fp32.schedule.row_path_rows(0.0) == ROWS_FIT
 
 
 @pytest.mark.parametrize("dqk", [1, 7, 8, 15, 16, 17, 24, 31])
@@ -1359,7 +1361,7 @@ def test_a_packed_value_head_serves_the_row_blocks_of_its_head_only(
     # DT_PANELS (packed per row block), heads that share one V (stride 0: one packing serves
     # them all), causal (packed per row block); then the same arrays with new values: a new
     # call packs them again
-    from chainfuse.codegen.gemm_chain import DT_PANELS
+    from chainfuse.codegen.schedule import DT_PANELS
 
     _force(monkeypatch, kernel)
     mr = kernel.mr

@@ -325,24 +325,25 @@ def test_a_causal_chains_row_blocks_leave_no_short_block_where_that_costs_more()
     # 16 rows grow where their tail is a large share (24 = 16 + 8 queries -> one block of 32),
     # not where the growth computes more masked scores than it saves (104 = 6 x 16 + 8)
     from chainfuse.codegen.rows import ROWS_MAX
-    from chainfuse.compiler import _m_blocks, compile
+    from chainfuse.codegen.schedule import causal_m_tile
+    from chainfuse.compiler import compile
 
-    assert _m_blocks(24, 16, 16, 16, 24, True) == 32
-    assert _m_blocks(40, 16, 16, 16, 40, True) == 48
-    assert _m_blocks(56, 16, 16, 16, 56, True) == 32
-    assert _m_blocks(104, 16, 16, 16, 104, True) == 16
-    assert _m_blocks(24, 16, 16, 16, 24, False) == 16  # an unmasked chain keeps the planner's
-    assert _m_blocks(64, 16, 16, 16, 64, True) == 16  # no short block: nothing to weigh
-    assert _m_blocks(7, 16, 7, 16, 7, True) == 16  # all of m on the row path anyway
+    assert causal_m_tile(24, 16, 16, 16, 24, True) == 32
+    assert causal_m_tile(40, 16, 16, 16, 40, True) == 48
+    assert causal_m_tile(56, 16, 16, 16, 56, True) == 32
+    assert causal_m_tile(104, 16, 16, 16, 104, True) == 16
+    assert causal_m_tile(24, 16, 16, 16, 24, False) == 16  # an unmasked chain keeps the planner's
+    assert causal_m_tile(64, 16, 16, 16, 64, True) == 16  # no short block: nothing to weigh
+    assert causal_m_tile(7, 16, 7, 16, 7, True) == 16  # all of m on the row path anyway
     for m in range(ROWS_MAX + 1, 200, 3):  # whole strips, at most seven more
-        t = _m_blocks(m, 16, m, 16, m, True)
+        t = causal_m_tile(m, 16, m, 16, m, True)
         assert t % 16 == 0 and 16 <= t <= 16 * 8
     kernel = compile(attention_chain(1, 2, 24, 24, 16, 16, causal=True), threads=1)
     if kernel.spec.kernel.nr == 16:
         assert kernel.spec.T_M >= 24
     # 16-bit k and v are widened while packed, once a row block: a causal 16-bit chain's
     # blocks hold at least WIDE_ROWS rows (or all of m), an fp32 one's are the planner's
-    from chainfuse.compiler import WIDE_ROWS
+    from chainfuse.codegen.schedule import WIDE_ROWS
 
     for dtype in ("bfloat16", "float16"):
         for seq in (40, 1024):
@@ -361,20 +362,21 @@ def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
     # op2 computes Eᵀ with n along the micro-kernel's rows: a tail of 1-3 rows runs its 4-row
     # block (part_rows), so 80 = 13 x 6 + 2 would run 82 rows; two blocks of 40 run 80 (where
     # no wide block holds the whole head of 80: `MicroKernel.wide`)
-    from chainfuse.compiler import _row_blocks, _rows_run, compile
+    from chainfuse.codegen.schedule import rows_run, softmax_n_tile
+    from chainfuse.compiler import compile
     from chainfuse.hardware import resolve
     from chainfuse.model import code_level
 
-    assert _rows_run(80, 80, 6, 4) == 82 and _rows_run(80, 40, 6, 4) == 80
-    assert _rows_run(7, 7, 6, 4) == 10 and _rows_run(5, 5, 6, 4) == 6
-    assert _row_blocks(80, 80, 6, 4) == 40
-    assert _row_blocks(128, 128, 6, 4) == 64 and _row_blocks(200, 200, 6, 4) == 100
+    assert rows_run(80, 80, 6, 4) == 82 and rows_run(80, 40, 6, 4) == 80
+    assert rows_run(7, 7, 6, 4) == 10 and rows_run(5, 5, 6, 4) == 6
+    assert softmax_n_tile(80, 80, 6, 4) == 40
+    assert softmax_n_tile(128, 128, 6, 4) == 64 and softmax_n_tile(200, 200, 6, 4) == 100
     for d in (1, 4, 6, 40, 59, 64, 96, 111, 160, 256):  # nothing to gain: the tile stays
-        assert _row_blocks(d, d, 6, 4) == d
-    assert _row_blocks(80, 48, 6, 4) == 48  # the planner's own split of n is left alone
-    assert _row_blocks(80, 80, 6, 0) == 80  # no part block: every tail runs mr rows anyway
+        assert softmax_n_tile(d, d, 6, 4) == d
+    assert softmax_n_tile(80, 48, 6, 4) == 48  # the planner's own split of n is left alone
+    assert softmax_n_tile(80, 80, 6, 0) == 80  # no part block: every tail runs mr rows anyway
     for n in range(1, 300):
-        assert _rows_run(n, _row_blocks(n, n, 6, 4), 6, 4) <= _rows_run(n, n, 6, 4)
+        assert rows_run(n, softmax_n_tile(n, n, 6, 4), 6, 4) <= rows_run(n, n, 6, 4)
     for d in (80, 200):
         kernel = compile(attention_chain(1, 2, 128, 128, d, d), threads=1)
         mk = kernel.spec.kernel
@@ -383,7 +385,7 @@ def test_a_softmax_chains_n_tile_leaves_no_tail_the_micro_kernel_pads() -> None:
             continue
         planned = kernel.plan.tiles_at(code_level(resolve(None)))
         assert planned is not None
-        assert _row_blocks(d, planned["n"], mk.mr, mk.part_rows) == kernel.spec.T_N
+        assert softmax_n_tile(d, planned["n"], mk.mr, mk.part_rows) == kernel.spec.T_N
         if (mk.mr, mk.part_rows) == (6, 4) and planned["n"] >= d:
             assert d // 2 == kernel.spec.T_N
 
