@@ -334,9 +334,18 @@ def test_a_causal_chains_row_blocks_leave_no_short_block_where_that_costs_more()
     for m in range(ROWS_MAX + 1, 200, 3):  # whole strips, at most seven more
         t = _m_blocks(m, 16, m, 16, m, True)
         assert t % 16 == 0 and 16 <= t <= 16 * 8
-    kernel = compile(attention_chain(1, 2, 24, 24, 16, 16, causal=True), threads=1)
-    if kernel.spec.kernel.nr == 16:
-        assert kernel.spec.T_M >= 24
+    # compiled for a 16-column and a 32-column micro-kernel (on every host: the Xeon preset with
+    # and without AVX-512), 24 causal queries run as one row block, no short block of 8 after 16
+    from chainfuse.hardware import Isa
+
+    xeon = Hardware.preset(XEON)
+    no_avx512 = dataclasses.replace(xeon, isa=xeon.isa - {Isa.AVX512F, Isa.AVX512_BF16})
+    widths = set()
+    for hw in (xeon, no_avx512):
+        kernel = compile(attention_chain(1, 2, 24, 24, 16, 16, causal=True), hw, threads=1)
+        widths.add(kernel.spec.kernel.nr)
+        assert kernel.spec.T_M >= 24, (kernel.spec.kernel.name, kernel.spec.T_M)
+    assert widths == {16, 32}
     # 16-bit k and v are widened while packed, once a row block: a causal 16-bit chain's
     # blocks hold at least WIDE_ROWS rows (or all of m), an fp32 one's are the planner's
     from chainfuse.compiler import WIDE_ROWS
