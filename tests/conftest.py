@@ -49,7 +49,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     _isolated.clear()
 
 
-
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache() -> Iterator[Path]:
     """The run's kernel cache; fails the first test if chainfuse would build anywhere else."""
