@@ -405,7 +405,7 @@ def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     mlp = gemm_chain(1, 64, 768, 768, 3072)
     _, nr = register_block(mlp, xeon)
     cap = int(xeon.levels[0].capacity * PANEL_SHARE) // (nr * 4)
-    assert _panel_caps(mlp, xeon, nr) == {"k": cap} and cap == 64
+    assert cap == 64
     tiles = plan(mlp, xeon, threads=1).tiles_at(code_level(xeon))
     assert tiles is not None and tiles["k"] <= cap  # (uncapped, the model picks 256)
     # attention's k (a head dim of 64) is within it; a conv chain or a single GEMM has none
@@ -415,9 +415,9 @@ def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     # store the score tile; beyond that the cap holds
     for d in (80, 128, 160):
         chain = attention_chain(1, 12, 512, 512, d, d)
-        assert _panel_caps(chain, xeon, nr) == {}
         assert (plan(chain, xeon, threads=1).tiles_at(code_level(xeon)) or {})["k"] == d
-    assert _panel_caps(attention_chain(1, 12, 512, 512, 161, 64), xeon, nr) == {"k": cap}
+    wider = plan(attention_chain(1, 12, 512, 512, 161, 64), xeon, threads=1)
+    assert (wider.tiles_at(code_level(xeon)) or {})["k"] <= cap
     conv = conv_chain_spec(1, 16, 12, 12, 16, 3, 3, 16, 1, 1)
     assert plan(conv, xeon, threads=1) is not None
     one_level = dataclasses.replace(xeon, levels=(xeon.levels[0], xeon.levels[-1]))
