@@ -26,6 +26,7 @@ from typing import Any
 
 from chainfuse.hardware import Hardware, MemoryLevel, resolve
 from chainfuse.ir import Chain, Contraction, Role, Softmax
+from chainfuse.kernels import Problem, select
 from chainfuse.model import (
     Cost,
     LevelCost,
@@ -207,8 +208,6 @@ def register_block(chain: Chain, hardware: Hardware) -> tuple[int, int]:
 
     Rows of a contraction's output tile come in multiples of mr, columns of nr.
     """
-    from chainfuse.kernels import Problem, select
-
     first = chain.contractions[0] if chain.contractions else None
     ext = chain.extents
     if first is None or len(first.output.index) < 2:

@@ -1,4 +1,4 @@
-"""The README's two commands exist, name real scripts, and those scripts parse.
+"""The README's Python quick start runs as written; its two commands name real scripts that parse.
 
 The scripts themselves are not run here (they create a virtual environment and install torch);
 `.ci/run` runs the test command for real.
@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,25 @@ BASH = shutil.which("bash")
 
 def _text() -> str:
     return README.read_text(encoding="utf-8")
+
+
+def _quick_start() -> str:
+    """The README's first ```python block."""
+    match = re.search(r"^```python\n(.*?)^```", _text(), re.S | re.M)
+    assert match, "README.md has no ```python block: its quick start must be one"
+    return match.group(1)
+
+
+def test_quick_start_runs_and_checks_its_result(tmp_path: Path) -> None:
+    """The quick start, run as a user would paste it (in a fresh interpreter, this repository
+    on the path), builds its inputs, runs a kernel and checks it against the reference."""
+    code = _quick_start()
+    assert "reference" in code, "the quick start should check its result against the reference"
+    path = os.pathsep.join(filter(None, [str(ROOT), os.getenv("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, f"README quick start failed:\n{code}\n{proc.stderr}"
 
 
 @pytest.mark.parametrize("command", COMMANDS)

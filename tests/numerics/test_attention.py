@@ -19,6 +19,7 @@ from chainfuse.compiler import compile
 from chainfuse.hardware import Hardware
 from chainfuse.ir import DType
 from chainfuse.kernels import MicroKernel, available
+from tests.checks import check_against_reference
 
 try:
     import torch as _TORCH
@@ -71,10 +72,9 @@ def _check_attention(
     shape = (1, sq, sk) if broadcast else None
     chain = chainfuse.attention_chain(b, h, sq, sk, dqk, dv, causal=causal, mask=mask,
                                       mask_shape=shape if mask else None)  # fmt: skip
-    inputs = reference.random_inputs(chain, seed=sq * 7 + sk, scale=magnitude)
-    out = compile(chain, tiles=tiles)(*[inputs[t.name] for t in chain.inputs])
+    out, inputs = check_against_reference(compile(chain, tiles=tiles), chain, seed=sq * 7 + sk,
+                                          scale=magnitude, softmax_term=True)  # fmt: skip
     assert np.isfinite(out).all()
-    reference.assert_close(out, reference.run(chain, inputs)["O"], chain, inputs=inputs)
     if _TORCH is None or (causal and mask is not None):  # SDPA takes one or the other
         return
     q, k, v = (_TORCH.from_numpy(inputs[n]).double() for n in ("Q", "K", "V"))
@@ -99,9 +99,7 @@ def test_paper_workloads_as_attention(name: str) -> None:
     w = workloads.find(name)
     assert isinstance(w, workloads.GemmWorkload)
     chain = chainfuse.attention_chain(1, w.batch, w.M, w.L, w.K, w.N)
-    inputs = reference.random_inputs(chain)
-    out = compile(chain)(*[inputs[t.name] for t in chain.inputs])
-    reference.assert_close(out, reference.run(chain, inputs)["O"], chain)
+    check_against_reference(compile(chain), chain)
 
 
 def test_fully_masked_rows_give_zeros_like_pytorch() -> None:
@@ -1158,9 +1156,7 @@ def _check_gemm_chain(chain: chainfuse.Chain, kernel: MicroKernel, seed: int, **
     reference on random inputs of `seed`."""
     k = compile(chain, **how)
     assert k.spec.kernel is kernel
-    inputs = reference.random_inputs(chain, seed=seed)
-    out = k(*[inputs[t.name] for t in chain.inputs])
-    reference.assert_close(out, reference.run(chain, inputs)["E"], chain)
+    check_against_reference(k, chain, seed=seed)
 
 
 @pytest.mark.parametrize("kernel", _NARROW_HERE, ids=lambda k: k.name)

@@ -16,6 +16,7 @@ import chainfuse
 from chainfuse import reference
 from chainfuse.bench import workloads
 from chainfuse.compiler import compile
+from tests.checks import check_against_reference
 
 AWKWARD = st.one_of(st.sampled_from([1, 7, 17, 63, 65, 129]), st.integers(1, 140))
 BETWEEN = st.sampled_from([None, "relu", "gelu", "softmax"])
@@ -32,11 +33,7 @@ TILES = st.sampled_from(
 
 
 def _check(chain: chainfuse.Chain, tiles: dict[str, int] | None = None, seed: int = 0) -> None:
-    kernel = compile(chain, tiles=tiles)
-    inputs = reference.random_inputs(chain, seed=seed)
-    out = kernel(*[inputs[t.name] for t in chain.inputs])
-    expected = reference.run(chain, inputs)[chain.outputs[0].name]
-    reference.assert_close(out, expected, chain)
+    check_against_reference(compile(chain, tiles=tiles), chain, seed=seed)
 
 
 FAST = ["bert-small", "vit-huge-16", "mixer-s-32-s", "mixer-s-32-c"]

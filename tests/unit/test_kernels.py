@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
+import os
 import platform
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -403,8 +406,25 @@ def test_one_signature_for_every_kernel(kernel: MicroKernel) -> None:
         "restrict Bp, float* restrict C, long ldc, int m, int n, int accumulate)"
     )
     assert expected in source
-    assert kernel.emit() == kernel.emit()  # deterministic: the source is the cache key
     assert re.search(rf"static [^\n]*void {kernel.name}_pack_bt\(", emit_with_packing(kernel))
+
+
+def test_emitted_sources_are_the_same_in_another_process_and_differ_by_kernel() -> None:
+    """The source is the cache key: a process with another hash seed emits the same bytes for
+    every kernel (no set or dict order, no addresses), and no two kernels emit the same."""
+    here = {k.name: hashlib.sha256(emit_with_packing(k).encode()).hexdigest() for k in KERNELS}
+    code = (
+        "import hashlib\nfrom chainfuse.kernels import available, emit_with_packing\n"
+        "for k in available():\n"
+        "    print(k.name, hashlib.sha256(emit_with_packing(k).encode()).hexdigest())\n"
+    )
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.getenv("PYTHONPATH")]))
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": path}
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True, env=env)  # fmt: skip
+        assert dict(line.split() for line in child.stdout.splitlines()) == here, seed
+    assert len(set(here.values())) == len(here) > 1
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=_ids)

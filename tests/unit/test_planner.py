@@ -338,9 +338,18 @@ def test_a_causal_chains_row_blocks_leave_no_short_block_where_that_costs_more()
     for m in range(ROWS_MAX + 1, 200, 3):  # whole strips, at most seven more
         t = causal_m_tile(m, 16, m, 16, m, True)
         assert t % 16 == 0 and 16 <= t <= 16 * 8
-    kernel = compile(attention_chain(1, 2, 24, 24, 16, 16, causal=True), threads=1)
-    if kernel.spec.kernel.nr == 16:
-        assert kernel.spec.T_M >= 24
+    # compiled for a 16-column and a 32-column micro-kernel (on every host: the Xeon preset with
+    # and without AVX-512), 24 causal queries run as one row block, no short block of 8 after 16
+    from chainfuse.hardware import Isa
+
+    xeon = Hardware.preset(XEON)
+    no_avx512 = dataclasses.replace(xeon, isa=xeon.isa - {Isa.AVX512F, Isa.AVX512_BF16})
+    widths = set()
+    for hw in (xeon, no_avx512):
+        kernel = compile(attention_chain(1, 2, 24, 24, 16, 16, causal=True), hw, threads=1)
+        widths.add(kernel.spec.kernel.nr)
+        assert kernel.spec.T_M >= 24, (kernel.spec.kernel.name, kernel.spec.T_M)
+    assert widths == {16, 32}
     # 16-bit k and v are widened while packed, once a row block: a causal 16-bit chain's
     # blocks hold at least WIDE_ROWS rows (or all of m), an fp32 one's are the planner's
     from chainfuse.codegen.schedule import WIDE_ROWS
@@ -401,7 +410,7 @@ def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     mlp = gemm_chain(1, 64, 768, 768, 3072)
     _, nr = register_block(mlp, xeon)
     cap = int(xeon.levels[0].capacity * PANEL_SHARE) // (nr * 4)
-    assert _panel_caps(mlp, xeon, nr) == {"k": cap} and cap == 64
+    assert cap == 64
     tiles = plan(mlp, xeon, threads=1).tiles_at(code_level(xeon))
     assert tiles is not None and tiles["k"] <= cap  # (uncapped, the model picks 256)
     # attention's k (a head dim of 64) is within it; a conv chain or a single GEMM has none
@@ -411,9 +420,9 @@ def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     # store the score tile; beyond that the cap holds
     for d in (80, 128, 160):
         chain = attention_chain(1, 12, 512, 512, d, d)
-        assert _panel_caps(chain, xeon, nr) == {}
         assert (plan(chain, xeon, threads=1).tiles_at(code_level(xeon)) or {})["k"] == d
-    assert _panel_caps(attention_chain(1, 12, 512, 512, 161, 64), xeon, nr) == {"k": cap}
+    wider = plan(attention_chain(1, 12, 512, 512, 161, 64), xeon, threads=1)
+    assert (wider.tiles_at(code_level(xeon)) or {})["k"] <= cap
     conv = conv_chain_spec(1, 16, 12, 12, 16, 3, 3, 16, 1, 1)
     assert plan(conv, xeon, threads=1) is not None
     one_level = dataclasses.replace(xeon, levels=(xeon.levels[0], xeon.levels[-1]))

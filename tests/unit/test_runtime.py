@@ -316,7 +316,19 @@ print(k.cached, k.path)
     child = subprocess.run([sys.executable, "-c", code], env=_child_env(_private_cache),
                            capture_output=True, text=True, check=True)  # fmt: skip
     assert child.stdout.split() == ["True", str(cold.path)]
-    assert "relu" in cold.source and cold.source == cold.source  # generated on demand, kept
+    # the cold build kept the source it built from; a warm kernel generates it on demand, and
+    # both are the bytes the cache saved next to the object
+    saved = cold.path.with_suffix(".c").read_text()
+    assert "relu" in cold.source and cold.source is cold.source and cold.source == saved
+    read = """
+import chainfuse
+k = chainfuse.compile(chainfuse.gemm_chain(2, 17, 7, 65, 63, "relu"))
+print(k.cached)
+print(k.source, end="")
+"""
+    warm = subprocess.run([sys.executable, "-c", read], env=_child_env(_private_cache),
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert warm.stdout == "True\n" + saved
 
 
 def test_files_fingerprint_moves_with_a_file_and_only_then(tmp_path: Path) -> None:

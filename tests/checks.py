@@ -1,0 +1,34 @@
+"""The numerics tests' one reference check: a kernel run on the chain's random inputs matches the
+float64 reference within `chainfuse.reference.tolerance`, the project's one tolerance rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import chainfuse
+from chainfuse import reference
+
+
+def check_against_reference(
+    kernel: Callable[..., Any],
+    chain: chainfuse.Chain,
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    softmax_term: bool = False,
+    convert: Callable[[np.ndarray], Any] | None = None,
+) -> tuple[Any, dict[str, np.ndarray]]:
+    """Run `kernel` on `reference.random_inputs(chain, seed, scale)` (each passed through
+    `convert`, e.g. to a torch tensor) and `reference.assert_close` its output to the chain's
+    first output in float64; `softmax_term` adds the bound's input-dependent softmax part.
+    Returns the output as the kernel gave it and the inputs."""
+    inputs = reference.random_inputs(chain, seed=seed, scale=scale)
+    args = [inputs[t.name] if convert is None else convert(inputs[t.name]) for t in chain.inputs]
+    out = kernel(*args)
+    want = reference.run(chain, inputs)[chain.outputs[0].name]
+    got = out.detach().float().numpy() if hasattr(out, "detach") else np.asarray(out)
+    reference.assert_close(got, want, chain, inputs=inputs if softmax_term else None)
+    return out, inputs
