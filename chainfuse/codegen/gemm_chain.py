@@ -268,7 +268,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             _split_sum(w, spec)
     w.line("")
     w.line("/* the same with every argument in one array, for callers that pay per argument")
-    w.line("   (ctypes: ~0.2 us each): see PACKED in chainfuse.codegen.gemm_chain for the layout */")
+    w.line(
+        "   (ctypes: ~0.2 us each): see PACKED in chainfuse.codegen.gemm_chain for the layout */"
+    )
     with w.block(f"void {name}_packed(const long* a)"):
         w.line("const uint32_t bits = (uint32_t)a[8];")
         w.line("float scale;")

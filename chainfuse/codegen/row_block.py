@@ -356,7 +356,9 @@ def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
         w.line("const int reuse_d = 0, fresh_d = 1; /* (causal: l_end moves with m0) */")
         return
     to_e = "!to_e && " if softmax_writes_e(spec) else ""
-    w.line("/* all of D packed once for the row blocks of this batch (see reuse_d in codegen/row_block.py) */")
+    w.line(
+        "/* all of D packed once for the row blocks of this batch (see reuse_d in codegen/row_block.py) */"
+    )
     w.line(
         f"const int reuse_d = {to_e}l_end > l_lo && l_end - l_lo <= T_L && DTN * T_N >= N"
         " && (M > T_M || (sD0 == 0 && sD1 == 0));"
