@@ -218,7 +218,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("const long sD0 = strides[6], sD1 = strides[7], sDl = strides[8];")
         w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
         w.line("const long TK = K < T_K ? K : T_K;")
-        _schedule(w)
+        _schedule(w, spec)
         w.line("/* the parallel blocks: a batch index and T_MO rows of m (the plan's outermost m")
         w.line("   tile: the blocks its model deals to the cores), run as row blocks of T_M */")
         w.line("const long T_MO = outer_m < T_M ? T_M : outer_m;")
@@ -310,14 +310,18 @@ def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
         w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
 
 
-def _schedule(w: Writer) -> None:
+def _schedule(w: Writer, spec: GemmChainSpec) -> None:
     """The code schedule's decisions (`codegen.schedule.SCHEDULE`), read from its argument: the
-    C takes them as they are and decides none of them itself."""
+    C takes them as they are and decides none of them itself. A softmax's split is 1 by its
+    structure (`CodeSchedule.split`), so its code is compiled without the split paths."""
     w.line("/* the code schedule (chainfuse.codegen.schedule): the row path's reach, Aᵀ's packed k")
     w.line("   (all of K or one block), packed blocks of D kept, threads sharing a block's l */")
     w.line("const int rows_max = (int)code_schedule[0];")
     w.line("const long AK = code_schedule[1], DTN = code_schedule[2];")
-    w.line("const int split = (int)code_schedule[3];")
+    if spec.epilogue is Epilogue.SOFTMAX:
+        w.line("const int split = 1; /* (code_schedule[3]: a softmax never splits l) */")
+    else:
+        w.line("const int split = (int)code_schedule[3];")
 
 
 def _split_sum(w: Writer, spec: GemmChainSpec) -> None:
