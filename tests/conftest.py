@@ -49,9 +49,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     _isolated.clear()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def kernel_cache() -> Iterator[Path]:
-    """The run's kernel cache; fails the first test if chainfuse would build anywhere else."""
+    """The run's kernel cache; fails a test if chainfuse would build anywhere else, or if the
+    test leaves the variable changed."""
     path = _isolated["path"]
     assert isinstance(path, Path)
     assert cache_dir() == path, f"{_ENV} points at {cache_dir()}, not {path}"
