@@ -192,13 +192,9 @@ def repeat_sum(dims: Iterable[Dim], tiles: Mapping[str, int], step: Mapping[str,
     return int(np.sum(np.where(same, size, 0)))
 
 
-# One moving loop (any other tiled loop has a single tile): the blocks along a line. Every bound
-# is then an affine function of the tile index i wherever nothing is clipped (a derived loop with
-# one use, sums of such), and a bound's lo and hi move by the same slope, so an unclipped block spans as much as any other. The set
-# of i at which nothing is clipped is an interval (each clip is a half-line of an affine
-# function, taken on the interval where the bounds inside it are affine), so the blocks split
-# into clipped ones at either end, walked one by one, and a middle run of equal blocks that is
-# counted, not walked: a few blocks' arithmetic instead of a numpy pass over the grid.
+# One moving loop: every bound is affine in the tile index where nothing is clipped, so the
+# blocks split into clipped ones at either end, walked one by one, and a middle run of equal
+# blocks that is counted, not walked (docs/design.md, "What a level moves").
 
 
 def _single_use(dims: tuple[Dim, ...]) -> bool:

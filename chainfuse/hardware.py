@@ -83,10 +83,9 @@ class Isa(enum.Enum):
 
 
 # -- defaults for detect() ------------------------------------------------------------------------
-# Nothing is measured at import or detect time (a probe will replace these). Bytes per cycle that
-# one core reads from each cache level, by level number: L1 = two 32-byte loads per cycle, L2 = half
-# a line per cycle, L3 ~ 10 B/cycle per core; conservative for recent x86 and Arm server cores. A
-# deeper level (L4) uses the L3 figure.
+# Bytes per cycle one core reads from each cache level (L1 two 32-byte loads, L2 half a line, L3
+# ~10): conservative for recent server cores; nothing is measured at detect time, a deeper level
+# uses L3's figure.
 DEFAULT_BYTES_PER_CYCLE = MappingProxyType({1: 64.0, 2: 32.0, 3: 10.0})
 # One core streaming from DRAM, and all cores together: typical of a one- or two-channel slice of
 # a server or a desktop (one core cannot saturate a multi-channel controller).
@@ -101,18 +100,14 @@ DEFAULT_CACHES: tuple[tuple[int, int, bool], ...] = (
 DEFAULT_CLOCK_HZ = 2.0e9
 DEFAULT_DRAM_BYTES = 8 * 1024**3
 
-# Peak-FLOP assumptions for detect(): two FMA pipes per core, each lane doing a multiply and an add
-# (2 flops) per cycle. AVX512_BF16's VDPBF16PS does two bf16 products per fp32 lane, so bf16 runs at
-# twice the fp32 rate; AMX-BF16 is 1024 bf16 flops per cycle per core (Intel's figure for Sapphire
-# Rapids: 16x32 by 32x16 tile products, i.e. 512 multiply-adds per cycle).
+# Peak-FLOP assumptions for detect(): two FMA pipes per core (2 flops a lane a cycle); VDPBF16PS
+# twice the fp32 rate; AMX-BF16 1024 flops a cycle a core (16x32 by 32x16 tiles, Intel's figure).
 FMA_UNITS = 2
 AMX_BF16_FLOPS_PER_CYCLE = 1024.0
 
-# Cores whose FP pipes are narrower than their widest vector ISA split each wide instruction into
-# halves, so one FMA instruction per pipe per cycle does only the pipes' width in lanes:
-# (vendor_id, cpu family, first model, last model) -> pipe width in bytes. AMD's Zen and Zen+
-# (family 0x17 below model 0x30) and Hygon's Dhyana run 256-bit AVX2 as two 128-bit halves;
-# Zen 4 (family 0x19 from model 0x10) runs AVX-512 as two 256-bit halves.
+# Cores whose FP pipes are narrower than their widest vector ISA run each wide instruction in
+# halves: (vendor_id, family, first model, last model) -> pipe bytes (Zen/Zen+ and Dhyana: AVX2
+# as two 128-bit halves; Zen 4: AVX-512 as two 256-bit halves).
 FP_PIPE_BYTES: tuple[tuple[str, int, int, int, int], ...] = (
     ("AuthenticAMD", 0x17, 0x00, 0x2F, 16),
     ("HygonGenuine", 0x18, 0x00, 0xFF, 16),

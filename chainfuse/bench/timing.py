@@ -4,11 +4,9 @@ A shared 2-core machine drifts by tens of percent within seconds, so implementat
 in rounds (one call each per round) rather than one after another: a slow moment then slows
 every contender alike, and ratios stay meaningful even when absolute times do not.
 
-Each round calls them in a new order (a seeded shuffle, the same sequence every run). In a fixed
-order each contender always follows the same one, and what that one leaves in the caches is
-part of its time: after PyTorch's unfused attention (its score matrices evict the inputs from
-L2) the next call ran 2-12 % slower than the one after it on the same inputs, measured here.
-Shuffled, every contender follows every other about equally often.
+Each round calls them in a new order (a seeded shuffle, the same sequence every run): in a fixed
+order each contender would always inherit the caches the same other one leaves (measured in
+docs/performance.md); shuffled, every contender follows every other about equally often.
 """
 
 from __future__ import annotations
