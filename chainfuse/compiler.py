@@ -143,8 +143,10 @@ class AmxKernel(Kernel):
         self, make_source: Callable[[], str], recipe: str, name: str, cflags: tuple[str, ...]
     ) -> ctypes.CDLL:
         spec, header, path = self.spec, self._amx_header, self.amx_path
-        source = lambda: emit_amx_chain(spec, header, path)  # noqa: E731
-        return super()._build(source, f"{path.value}\n{recipe}", name, path.cflags)
+        return super()._build(
+            lambda: emit_amx_chain(spec, header, path), f"{path.value}\n{recipe}", name,
+            path.cflags,
+        )  # fmt: skip
 
     def describe(self) -> str:
         return amx_describe(self.schedule, self.amx_path)

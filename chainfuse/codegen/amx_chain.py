@@ -88,9 +88,10 @@ def amx_schedule(schedule: CodeSchedule) -> CodeSchedule:
         before = getattr(spec, tile)
         if value != before:
             changes.append(TileChange(tile, before, value, why[tile]))
-    return dataclasses.replace(
-        schedule, spec=dataclasses.replace(spec, **code), changes=tuple(changes), a_k=K
+    spec = dataclasses.replace(
+        spec, T_M=code["T_M"], T_L=code["T_L"], T_K=code["T_K"], T_N=code["T_N"]
     )
+    return dataclasses.replace(schedule, spec=spec, changes=tuple(changes), a_k=K)
 
 
 def amx_arithmetic(path: AmxPath) -> str:
@@ -170,8 +171,12 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         w.line("CF_AMX_REGIONS(tiles, K, N)")
         w.line("return SCRATCH;")
     w.line("")
-    w.line("/* sizes: batch0, batch1, M, N, K, L; strides (elements) of A, B, D, E: batch0, batch1,")
-    w.line("   row (the last dim is contiguous); B's row is k (or l when B is stored transposed) */")
+    w.line(
+        "/* sizes: batch0, batch1, M, N, K, L; strides (elements) of A, B, D, E: batch0, batch1,"
+    )
+    w.line(
+        "   row (the last dim is contiguous); B's row is k (or l when B is stored transposed) */"
+    )
     with w.block(
         f"void {name}(const uint16_t* restrict A, const uint16_t* restrict B,\n"
         "    const uint16_t* restrict D, uint16_t* restrict E, const long* sizes,\n"
@@ -192,7 +197,9 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         with per_thread(w):
             w.line("float* restrict base = work + (long)t * work_per_thread;")
             w.line("uint16_t* restrict Bp = (uint16_t*)base; /* B's l block, VNNI tiles */")
-            w.line("uint16_t* restrict Dp = (uint16_t*)(base + AT_DP); /* D's l block, VNNI tiles */")
+            w.line(
+                "uint16_t* restrict Dp = (uint16_t*)(base + AT_DP); /* D's l block, VNNI tiles */"
+            )
             w.line("uint16_t* restrict Ap = (uint16_t*)(base + AT_AP); /* A's rows, when packed */")
             w.line("float* restrict S = base + AT_S; /* op1's fp32 block: 32 rows of TLP */")
             w.line("uint16_t* restrict P = (uint16_t*)(base + AT_P); /* bf16 f(S): op2's A */")
@@ -222,7 +229,9 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
 
 def _emit_config(w: Writer) -> None:
     """`cf_amx_config`: every tile 16 rows of 64 bytes (palette 1)."""
-    w.line("/* the tile configuration: all 8 tiles 16 rows x 64 bytes (16 x 32 bf16, 16 x 16 fp32) */")
+    w.line(
+        "/* the tile configuration: all 8 tiles 16 rows x 64 bytes (16 x 32 bf16, 16 x 16 fp32) */"
+    )
     with w.block("static void cf_amx_config(void)"):
         w.line("cf_tilecfg cfg;")
         w.line("memset(&cfg, 0, sizeof cfg);")
@@ -236,7 +245,9 @@ def _emit_config(w: Writer) -> None:
 def _emit_pack_vnni(w: Writer) -> None:
     """`cf_amx_pack_vnni`: a panel of a bf16 matrix packed as VNNI tiles, zeros past its end."""
     w.line("/* X(r, c) = X[r * rs + c * cs], `rows` x `cols` of it, packed as kb x ct VNNI tiles")
-    w.line("   (kb blocks of 32 rows, ct tiles of 16 columns; zeros past rows and cols): tile (p, c)")
+    w.line(
+        "   (kb blocks of 32 rows, ct tiles of 16 columns; zeros past rows and cols): tile (p, c)"
+    )
     w.line("   at out + (c * kb + p) * 512, its row q holding X(32p + 2q, 16c + j) and")
     w.line("   X(32p + 2q + 1, 16c + j) at 2j and 2j + 1 (TDPBF16PS's layout of its B) */")
     with w.block(
@@ -313,14 +324,18 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("const long LB = CF_R32(lc) / 32, LT = 2 * LB; /* blocks of 32 keys, tiles of 16 */")
         w.line("/* this l block of B (k x l) and of D (l x n) as VNNI tiles */")
         if spec.b_transposed:
-            w.line("cf_amx_pack_vnni(B_b + l0 * sBr, 1, sBr, K, lc, KB, LT, Bp); /* B stored [l][k] */")
+            w.line(
+                "cf_amx_pack_vnni(B_b + l0 * sBr, 1, sBr, K, lc, KB, LT, Bp); /* B stored [l][k] */"
+            )
         else:
             w.line("cf_amx_pack_vnni(B_b + l0, sBr, 1, K, lc, KB, LT, Bp);")
         w.line("cf_amx_pack_vnni(D_b + l0 * sDl, sDl, 1, lc, N, LB, NT, Dp);")
         with w.block("for (long r0 = 0; r0 < mc; r0 += 32)"):
             w.line("const long rows = mc - r0 < 32 ? mc - r0 : 32;")
             w.line("const long rt16 = rows > 16 ? 32 : 16; /* the rows the tiles compute */")
-            w.line("const uint16_t* restrict a = (const uint16_t*)((const char*)a_rows + r0 * lda);")
+            w.line(
+                "const uint16_t* restrict a = (const uint16_t*)((const char*)a_rows + r0 * lda);"
+            )
             w.line("/* op1: S = A[rows, :] . B[:, l0 : l0 + lc], fp32 tiles over all of k */")
             with w.block("for (long c0 = 0; c0 < LT; c0 += 2)"):
                 w.line("const uint16_t* restrict b = Bp + c0 * KB * 512;")
@@ -339,7 +354,10 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
                             f"if (c0 + 1 < NT) cf_amx_r{rt}c2(LB, P, 2 * TLP, d, LB, e, 4 * LDE, acc);"
                         )
                         w.line(f"else cf_amx_r{rt}c1(LB, P, 2 * TLP, d, LB, e, 4 * LDE, acc);")
-    w.line("/* E = bf16(Eacc), rounded once" + (", each row divided by its sum */" if softmax else " */"))
+    w.line(
+        "/* E = bf16(Eacc), rounded once"
+        + (", each row divided by its sum */" if softmax else " */")
+    )
     with w.block("for (long i = 0; i < mc; ++i)"):
         w.line("const float* restrict src = Eacc + i * LDE;")
         w.line("uint16_t* restrict dst = E_b + i * sEm;")
@@ -365,7 +383,9 @@ def _emit_epilogue(w: Writer, spec: GemmChainSpec) -> None:
             if ep is Epilogue.RELU:
                 w.line("const float v = s[j] < 0.0f ? 0.0f : s[j]; /* NaN stays NaN */")
             elif ep is Epilogue.GELU:
-                w.line("const float v = 0.5f * s[j] * (1.0f + cf_erf(s[j] * 0.70710678118654752f));")
+                w.line(
+                    "const float v = 0.5f * s[j] * (1.0f + cf_erf(s[j] * 0.70710678118654752f));"
+                )
             else:
                 w.line("const float v = s[j];")
             w.line("p[j] = cf_to_bf16(v);")

@@ -33,8 +33,8 @@ from chainfuse.kernels.contract import MicroKernel
 __all__ = [
     "AMX_BF16_32X32",
     "AMX_CFLAGS",
-    "ENV_AMX",
     "EMULATE_CFLAGS",
+    "ENV_AMX",
     "AmxMode",
     "AmxPath",
     "amx_mode",
@@ -133,17 +133,19 @@ def _request_tile_permission() -> tuple[bool, str]:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name, use_errno=True)
-    except OSError as err:
-        return False, f"cannot load libc to ask for the tile state ({err})"
+    except OSError as error:
+        return False, f"cannot load libc to ask for the tile state ({error})"
     syscall = libc.syscall
     syscall.restype = ctypes.c_long
-    if syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
-        err = ctypes.get_errno()
-        return False, f"arch_prctl(ARCH_REQ_XCOMP_PERM) refused: {os.strerror(err)} (errno {err})"
+    number = ctypes.c_long(_SYS_ARCH_PRCTL)  # (64-bit arguments: syscall is variadic)
+    request = ctypes.c_ulong(_XFEATURE_XTILEDATA)
+    if syscall(number, ctypes.c_long(_ARCH_REQ_XCOMP_PERM), request) != 0:
+        code = ctypes.get_errno()
+        return False, f"arch_prctl(ARCH_REQ_XCOMP_PERM) refused: {os.strerror(code)} (errno {code})"
     mask = ctypes.c_ulong(0)
-    if syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
-        err = ctypes.get_errno()
-        return False, f"arch_prctl(ARCH_GET_XCOMP_PERM) failed: {os.strerror(err)} (errno {err})"
+    if syscall(number, ctypes.c_long(_ARCH_GET_XCOMP_PERM), ctypes.byref(mask)) != 0:
+        code = ctypes.get_errno()
+        return False, f"arch_prctl(ARCH_GET_XCOMP_PERM) failed: {os.strerror(code)} (errno {code})"
     if not mask.value >> _XFEATURE_XTILEDATA & 1:
         return False, f"tile data not among the permitted features (mask {mask.value:#x})"
     return True, ""
