@@ -19,8 +19,11 @@ from hypothesis import strategies as st
 
 import chainfuse
 from chainfuse import reference
+from chainfuse.codegen.amx_chain import emit_amx_chain
+from chainfuse.compiled import ALONE_S
 from chainfuse.compiler import AmxKernel, compile
 from chainfuse.kernels.amx import ENV_AMX, AmxPath, amx_status
+from chainfuse.runtime import CompileError, build, requested_num_threads, set_num_threads
 from tests.checks import check_against_reference
 
 torch = pytest.importorskip("torch")
@@ -111,6 +114,35 @@ def test_amx_batch_dims_broadcast_and_strided_rows(between: str | None) -> None:
          "D": np.broadcast_to(D.float().numpy(), (6, 35, 9))}  # fmt: skip
     want = reference.run(chain, x)["E"].reshape(2, 3, 19, 9)
     reference.assert_close(E.float().numpy(), want, chain)
+
+
+@pytest.mark.parametrize("between", [None, "softmax"])
+def test_amx_threads_claim_blocks_with_their_own_tiles(between: str | None) -> None:
+    # each OpenMP thread configures its own tiles (the emulation's tile state is per thread)
+    chain = chainfuse.gemm_chain(4, 96, 64, 64, 128, between, dtype="bfloat16")
+    kernel = _amx(chain, {"m": 32, "l": 32})
+    assert kernel.plan.predicted_time_s >= ALONE_S  # (not run on the calling thread alone)
+    before = requested_num_threads()
+    set_num_threads(3)
+    try:
+        check_against_reference(kernel, chain, seed=4, convert=_bf16)
+    finally:
+        set_num_threads(before)
+
+
+@pytest.mark.parametrize("between", BETWEEN)
+def test_amx_source_builds_for_the_unit(between: str | None) -> None:
+    # the tile instructions' build compiles on any host whose compiler takes -mamx-tile (no run)
+    chain = chainfuse.gemm_chain(2, 9, 9, 9, 9, between, dtype="bfloat16")
+    spec = _amx(chain).spec
+    source = emit_amx_chain(spec, f"{spec.name} for the unit", AmxPath.REAL)
+    assert "-mamx-tile -mamx-bf16" in source
+    try:
+        build(source, spec.name, AmxPath.REAL.cflags)
+    except CompileError as err:
+        if "amx" in err.stderr and "unrecognized" in err.stderr:
+            pytest.skip(f"the compiler has no AMX flags: {err.stderr.strip()[:200]}")
+        raise
 
 
 def _torch_unfused(A: Any, B: Any, D: Any, between: str | None) -> Any:
