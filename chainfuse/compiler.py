@@ -9,9 +9,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from chainfuse.codegen.amx_chain import (
+    amx_arithmetic,
+    amx_describe,
+    amx_header,
+    amx_schedule,
+    amx_unsupported,
+    emit_amx_chain,
+)
 from chainfuse.codegen.conv import (
     ConvChainSpec,
     ConvTiles,
@@ -20,18 +29,19 @@ from chainfuse.codegen.conv import (
     code_tiles,
     match_conv_chain,
 )
-from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, match_gemm_chain
-from chainfuse.codegen.schedule import schedule_gemm_chain
+from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec, match_gemm_chain
+from chainfuse.codegen.schedule import CodeSchedule, schedule_gemm_chain
 from chainfuse.compiled import ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType, Role
 from chainfuse.kernels import Problem, select_weighted
+from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath, amx_path
 from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError
 from chainfuse.runtime import get_num_threads
 from chainfuse.runtime.plans import remembered_plan
 
-__all__ = ["ConvKernel", "Kernel", "arithmetic", "compile", "compile_conv"]
+__all__ = ["AmxKernel", "ConvKernel", "Kernel", "arithmetic", "compile", "compile_conv"]
 
 
 def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
@@ -82,6 +92,15 @@ def compile(
             )
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
+    path = amx_path(chain.dtype)
+    if path is not None and not amx_unsupported(shape):
+        uk = AMX_BF16_32X32
+        quanta = {m: uk.nr, l_: uk.mr, n: uk.mr}
+        planned_for = threads if threads is not None else get_num_threads()
+        chosen = remembered_plan(chain, hw, planned_for, (order, depth), quanta, None)
+        schedule = amx_schedule(schedule_gemm_chain(chain, shape, chosen, uk, hw, tiles))
+        header = amx_header(chain, chosen, schedule.spec, path)
+        return AmxKernel(chain, chosen, schedule, shape, header, path)
     # the generated code computes the transposed chain: m runs along the micro-kernel's nr
     # columns, l and n along its mr rows; both GEMMs run with the kernel, weighed by flops
     op1, op2 = (
@@ -101,6 +120,36 @@ def compile(
     spec = schedule.spec
     header = _header(chain, chosen, spec)
     return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec))
+
+
+class AmxKernel(Kernel):
+    """A bf16 GEMM chain on AMX tiles (`codegen.amx_chain`): `Kernel`'s calling convention and
+    caches, its own source and build flags (`path`: the tile unit, or its emulation)."""
+
+    def __init__(
+        self,
+        chain: Chain,
+        plan_: Plan,
+        schedule: CodeSchedule,
+        shape: GemmChainShape,
+        header: str,
+        path: AmxPath,
+    ) -> None:
+        self.amx_path = path
+        self._amx_header = header
+        super().__init__(chain, plan_, schedule, shape, header, amx_arithmetic(path))
+
+    def _build(
+        self, make_source: Callable[[], str], recipe: str, name: str, cflags: tuple[str, ...]
+    ) -> ctypes.CDLL:
+        spec, header, path = self.spec, self._amx_header, self.amx_path
+        return super()._build(
+            lambda: emit_amx_chain(spec, header, path), f"{path.value}\n{recipe}", name,
+            path.cflags,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        return amx_describe(self.schedule, self.amx_path)
 
 
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:

@@ -1,0 +1,422 @@
+"""Lower a bf16 GEMM chain onto AMX tiles: `E = f(A . B) . D`, bf16 in and out, fp32 in tiles.
+
+One source, two builds: the C calls the `CF_TILE_*` macros of `csrc/amx_tiles.c`, which are the
+AMX instructions (`-mamx-tile -mamx-bf16`) or, with `-DCF_AMX_EMULATE`, their bit-exact plain-C
+emulation (any host; `kernels.amx.AmxPath`). The blocks::
+
+    for (b, m_o) claimed by this thread:          # MB rows of m (T_M), parallel
+        A's rows: in place (k whole 32s, whole 16-row tiles), else packed once, zero-padded
+        for l_o:                                   # blocks of T_L keys (whole 32s)
+            pack B[:, l_o] and D[l_o, :] as VNNI tiles (zeros past k, l and n)
+            for m_i in m_o, 32 rows at a time:
+                S = A[m_i, :] . B[:, l_o]          # op1: fp32 tiles over all of k
+                P = bf16(f(S))                     # fp32 f (softmax: online, per row)
+                Eacc[m_i, :] (+)= P . D[l_o, :]    # op2: fp32 tiles, kept in scratch
+        E[m_o, :] = bf16(Eacc)                     # (softmax: Eacc / the rows' sums)
+
+The intermediate is rounded to bf16 before op2, as PyTorch's unfused bf16 chain rounds it (f
+itself runs on the fp32 scores, one rounding fewer than PyTorch's bf16 C then bf16 f(C)); E is
+rounded once. Every size, stride and tile is a run-time argument, and the entry points are
+those of `gemm_chain.emit_gemm_chain` (`<name>_packed` over the `PACKED` array, and
+`<name>_workspace`), so `compiled.Kernel` calls either alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from chainfuse.codegen.common import ALIGN16, c_source, header_comment, per_thread
+from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
+from chainfuse.codegen.schedule import CodeSchedule, TileChange
+from chainfuse.codegen.writer import Writer
+from chainfuse.ir import Chain, MaskKind, Role
+from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath
+from chainfuse.planner import Plan
+
+__all__ = [
+    "AMX_MAX_L",
+    "AMX_MAX_M",
+    "amx_arithmetic",
+    "amx_describe",
+    "amx_header",
+    "amx_schedule",
+    "amx_unsupported",
+    "emit_amx_chain",
+]
+
+#: Rows of m per parallel block at most: the block's fp32 E accumulator and packed A stay small
+AMX_MAX_M = 256
+#: Keys per l block at most: its packed B and D panels and the fp32 scores of 32 rows
+AMX_MAX_L = 512
+
+
+def amx_unsupported(shape: GemmChainShape) -> str:
+    """Why the AMX generator does not take a chain of `shape` ("" when it does)."""
+    if shape.mask is not MaskKind.NONE:
+        return "a masked softmax"
+    if shape.causal:
+        return "a causal softmax"
+    return ""
+
+
+def _r32(x: int) -> int:
+    return -(-x // 32) * 32
+
+
+def amx_schedule(schedule: CodeSchedule) -> CodeSchedule:
+    """`schedule` (made with `AMX_BF16_32X32`) with the tiles the AMX code runs: T_M rows of m
+    per parallel block and T_L keys per l block, each whole 32s (two tiles) and bounded
+    (`AMX_MAX_M`, `AMX_MAX_L`); k and n run whole (T_K = K, T_N = N)."""
+    spec = schedule.spec
+    if spec.kernel is not AMX_BF16_32X32:
+        raise ValueError(f"amx_schedule: {spec.name} was scheduled for {spec.kernel.name}")
+    _, _, M, N, K, L = schedule.sizes
+    code = {
+        "T_M": min(_r32(spec.T_M), AMX_MAX_M, _r32(M)),
+        "T_L": min(_r32(spec.T_L), AMX_MAX_L, _r32(L)),
+        "T_K": K,
+        "T_N": N,
+    }
+    why = {
+        "T_M": "AMX row blocks: whole 32 rows (two tiles), at most the rows there are",
+        "T_L": "AMX l blocks: whole 32 keys (one VNNI block), at most the keys there are",
+        "T_K": "AMX: op1 runs all of k in tiles",
+        "T_N": "AMX: op2 runs all of n in tiles",
+    }
+    changes = list(schedule.changes)
+    for tile, value in code.items():
+        before = getattr(spec, tile)
+        if value != before:
+            changes.append(TileChange(tile, before, value, why[tile]))
+    spec = dataclasses.replace(
+        spec, T_M=code["T_M"], T_L=code["T_L"], T_K=code["T_K"], T_N=code["T_N"]
+    )
+    return dataclasses.replace(schedule, spec=spec, changes=tuple(changes), a_k=K)
+
+
+def amx_arithmetic(path: AmxPath) -> str:
+    """`Kernel.arithmetic` of an AMX kernel: what it computes in, said plainly."""
+    return (
+        f"{path.value}: bf16 inputs, fp32 accumulation in AMX tiles (TDPBF16PS), f in fp32, "
+        "the intermediate rounded to bf16 before the second GEMM, output rounded to bf16 once"
+    )
+
+
+def amx_header(chain: Chain, chosen: Plan, spec: GemmChainSpec, path: AmxPath) -> str:
+    """The source's opening comment: the chain's structure and the path (no sizes, no tiles:
+    those are arguments)."""
+    ops = "\n".join(f"  {op}" for op in chain.ops)
+    roles = ", ".join(
+        f"{t.name} ({t.role.value})" for t in chain.tensors if t.role is not Role.INTERMEDIATE
+    )
+    return (
+        f"chainfuse generated kernel {spec.name} ({path.value})\n"
+        f"chain:\n{ops}\n"
+        f"tensors: {roles}\n"
+        f"order {' > '.join(chosen.order)}; tiles T_M (rows per parallel block) and T_L "
+        "(keys per l block): run-time arguments\n"
+        f"micro-kernel {spec.kernel.name}: 2x2 fp32 tiles of 16x16, A and B in bf16 tiles; "
+        f"epilogue {spec.epilogue.value}; parallel over the batch and m\n"
+        f"arithmetic: {amx_arithmetic(path)}"
+    )
+
+
+def amx_describe(schedule: CodeSchedule, path: AmxPath) -> str:
+    """What the compiled AMX code runs (`Kernel.describe`)."""
+    m, l_, k, n = schedule.loops
+    spec = schedule.spec
+    lines = [
+        f"  {path.value}: parallel blocks of {spec.T_M} rows of {m}, l blocks of {spec.T_L}"
+        f" keys; all of {k} and {n} in tiles",
+        *(f"  {c.tile} {c.planned} -> {c.code}: {c.reason}" for c in schedule.changes),
+        f"  micro-kernel {spec.kernel.name}: 32 rows of {m} by 32 of {l_} (op1) or of {n}"
+        " (op2), 16-row and 16-column tails in single tiles",
+        f"  B and D packed as VNNI tiles per l block; A read in place where {k} is whole 32s",
+    ]
+    return "\n".join(lines)
+
+
+def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
+    """C source of `void <name>(...)`, `void <name>_packed(const long*)` (its arguments laid out
+    as `gemm_chain.PACKED`) and `long <name>_workspace(K, N, tiles, code_schedule)` for `spec`
+    on AMX tiles; built with `path.cflags`."""
+    if spec.kernel is not AMX_BF16_32X32:
+        raise ValueError(f"emit_amx_chain: {spec.name} is for {spec.kernel.name}")
+    name = spec.name
+    softmax = spec.epilogue is Epilogue.SOFTMAX
+    w = Writer()
+    header_comment(w, header)
+    w.line(f"/* {path.value}: built with {' '.join(path.cflags)} */")
+    w.lines(c_source("math.c"))
+    w.line("/* half.c's widening helpers read these; only its bf16 conversions are used here */")
+    w.line("#define CF_LOAD(x) cf_from_bf16(x)")
+    w.line("#define MR 16")
+    w.line("#define NR 16")
+    w.lines(c_source("half.c"))
+    w.lines(c_source("amx_tiles.c"))
+    w.lines(c_source("claim.c"))
+    w.line(ALIGN16)
+    w.line("#define CF_R32(x) (((x) + 31) / 32 * 32) /* rounded up to whole 32s */")
+    w.lines(spec.kernel.full_tile(spec.kernel))
+    w.line("")
+    _emit_config(w)
+    w.line("")
+    _emit_pack_vnni(w)
+    w.line("")
+    _emit_regions(w)
+    with w.block(
+        f"long {name}_workspace(long K, long N, const long* tiles, const long* code_schedule)"
+    ):
+        w.line("(void)code_schedule;")
+        w.line("CF_AMX_REGIONS(tiles, K, N)")
+        w.line("return SCRATCH;")
+    w.line("")
+    w.line(
+        "/* sizes: batch0, batch1, M, N, K, L; strides (elements) of A, B, D, E: batch0, batch1,"
+    )
+    w.line(
+        "   row (the last dim is contiguous); B's row is k (or l when B is stored transposed) */"
+    )
+    with w.block(
+        f"void {name}(const uint16_t* restrict A, const uint16_t* restrict B,\n"
+        "    const uint16_t* restrict D, uint16_t* restrict E, const long* sizes,\n"
+        "    const long* strides, float scale, float* restrict work, long work_per_thread,\n"
+        "    int nthreads, const long* tiles)"
+    ):
+        w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
+        w.line("const long K = sizes[4], L = sizes[5];")
+        w.line("const long sA0 = strides[0], sA1 = strides[1], sAm = strides[2];")
+        w.line("const long sB0 = strides[3], sB1 = strides[4], sBr = strides[5];")
+        w.line("const long sD0 = strides[6], sD1 = strides[7], sDl = strides[8];")
+        w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
+        w.line("CF_AMX_REGIONS(tiles, K, N)")
+        w.line("(void)scale;")
+        w.line("const long KB = KP / 32; /* k blocks of 32: op1's tile steps */")
+        w.line("const long mblocks = (M + MB - 1) / MB, blocks = nb0 * nb1 * mblocks;")
+        w.line("long next_blk = 0; /* the next block to claim: see cf_claim */")
+        with per_thread(w):
+            w.line("float* restrict base = work + (long)t * work_per_thread;")
+            w.line("uint16_t* restrict Bp = (uint16_t*)base; /* B's l block, VNNI tiles */")
+            w.line(
+                "uint16_t* restrict Dp = (uint16_t*)(base + AT_DP); /* D's l block, VNNI tiles */"
+            )
+            w.line("uint16_t* restrict Ap = (uint16_t*)(base + AT_AP); /* A's rows, when packed */")
+            w.line("float* restrict S = base + AT_S; /* op1's fp32 block: 32 rows of TLP */")
+            w.line("uint16_t* restrict P = (uint16_t*)(base + AT_P); /* bf16 f(S): op2's A */")
+            w.line("float* restrict Eacc = base + AT_E; /* fp32 E of the row block */")
+            if softmax:
+                w.line("float* restrict row_max = base + AT_STATS; /* online softmax, per row */")
+                w.line("float* restrict row_sum = row_max + ALIGN16(MB);")
+            w.line("cf_amx_config(); /* once per call and thread */")
+            with w.block(
+                "for (long blk = cf_claim(&next_blk); blk < blocks; blk = cf_claim(&next_blk))"
+            ):
+                _emit_block(w, spec)
+            w.line("CF_TILE_RELEASE();")
+    w.line("")
+    w.line("/* the same with every argument in one array (gemm_chain.PACKED's layout): what")
+    w.line("   compiled.Kernel calls; the mask, outer_m and code_schedule slots are not read */")
+    with w.block(f"void {name}_packed(const long* a)"):
+        w.line("const uint32_t bits = (uint32_t)a[8];")
+        w.line("float scale;")
+        w.line("memcpy(&scale, &bits, sizeof scale);")
+        w.line(
+            f"{name}((const uint16_t*)a[0], (const uint16_t*)a[1], (const uint16_t*)a[2],"
+            " (uint16_t*)a[3], a + 9, a + 15, scale, (float*)a[5], a[6], (int)a[7], a + 32);"
+        )
+    return w.text()
+
+
+def _emit_config(w: Writer) -> None:
+    """`cf_amx_config`: every tile 16 rows of 64 bytes (palette 1)."""
+    w.line(
+        "/* the tile configuration: all 8 tiles 16 rows x 64 bytes (16 x 32 bf16, 16 x 16 fp32) */"
+    )
+    with w.block("static void cf_amx_config(void)"):
+        w.line("cf_tilecfg cfg;")
+        w.line("memset(&cfg, 0, sizeof cfg);")
+        w.line("cfg.palette_id = 1;")
+        with w.block("for (int t = 0; t < 8; ++t)"):
+            w.line("cfg.colsb[t] = 64;")
+            w.line("cfg.rows[t] = 16;")
+        w.line("CF_TILE_LOADCONFIG(&cfg);")
+
+
+def _emit_pack_vnni(w: Writer) -> None:
+    """`cf_amx_pack_vnni`: a panel of a bf16 matrix packed as VNNI tiles, zeros past its end."""
+    w.line("/* X(r, c) = X[r * rs + c * cs], `rows` x `cols` of it, packed as kb x ct VNNI tiles")
+    w.line(
+        "   (kb blocks of 32 rows, ct tiles of 16 columns; zeros past rows and cols): tile (p, c)"
+    )
+    w.line("   at out + (c * kb + p) * 512, its row q holding X(32p + 2q, 16c + j) and")
+    w.line("   X(32p + 2q + 1, 16c + j) at 2j and 2j + 1 (TDPBF16PS's layout of its B) */")
+    with w.block(
+        "static void cf_amx_pack_vnni(const uint16_t* restrict X, long rs, long cs, long rows,\n"
+        "    long cols, long kb, long ct, uint16_t* restrict out)"
+    ):
+        with w.block("for (long c = 0; c < ct; ++c)"):
+            w.line("const long c0 = 16 * c, nc = cols - c0 < 16 ? cols - c0 : 16;")
+            with w.block("for (long p = 0; p < kb; ++p)"):
+                w.line("uint16_t* restrict tile = out + (c * kb + p) * 512;")
+                with w.block("for (long q = 0; q < 16; ++q)"):
+                    w.line("const long r = 32 * p + 2 * q;")
+                    w.line("const uint16_t* restrict x0 = X + r * rs + c0 * cs;")
+                    w.line("uint16_t* restrict row = tile + 32 * q;")
+                    w.line("long j = 0;")
+                    with w.block("if (r + 1 < rows)"):
+                        with w.block("for (; j < nc; ++j)"):
+                            w.line("row[2 * j] = x0[j * cs];")
+                            w.line("row[2 * j + 1] = x0[rs + j * cs];")
+                    with w.block("else if (r < rows)"):
+                        with w.block("for (; j < nc; ++j)"):
+                            w.line("row[2 * j] = x0[j * cs];")
+                            w.line("row[2 * j + 1] = 0;")
+                    w.line("for (; j < 16; ++j) row[2 * j] = row[2 * j + 1] = 0;")
+
+
+def _emit_regions(w: Writer) -> None:
+    """`CF_AMX_REGIONS(tiles, K, N)`: the run-time tiles and the workspace's regions (floats
+    from a thread's base, each whole 64-byte lines)."""
+    w.line("/* the tiles (run-time arguments): MB rows of m per parallel block, TLP keys per l")
+    w.line("   block, both whole 32s; K and N padded to whole tiles; a thread's workspace regions")
+    w.line("   (floats from its base): B's and D's VNNI panels, A's rows (when packed), op1's fp32")
+    w.line("   block S, its bf16 f(S) P, the row block's fp32 E and the softmax's row stats */")
+    lines = [
+        "const long MB = CF_R32((tiles)[0]), TLP = CF_R32((tiles)[1]);",
+        "const long KP = CF_R32(K), NT = ((N) + 15) / 16, LDE = NT * 16;",
+        "const long AT_DP = ALIGN16(KP * TLP / 2), AT_AP = AT_DP + ALIGN16(TLP * NT * 8);",
+        "const long AT_S = AT_AP + ALIGN16(MB * KP / 2), AT_P = AT_S + ALIGN16(32 * TLP);",
+        "const long AT_E = AT_P + ALIGN16(16 * TLP), AT_STATS = AT_E + ALIGN16(MB * LDE);",
+        "const long SCRATCH = AT_STATS + 2 * ALIGN16(MB);",
+        "(void)AT_STATS;",
+    ]
+    w.line("#define CF_AMX_REGIONS(tiles, K, N) \\")
+    for i, text in enumerate(lines):
+        w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
+
+
+def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
+    """One parallel block: MB rows of m of one batch, through every l block."""
+    softmax = spec.epilogue is Epilogue.SOFTMAX
+    w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
+    w.line("const long m0 = (blk % mblocks) * MB, mc = M - m0 < MB ? M - m0 : MB;")
+    w.line("const uint16_t* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
+    w.line("const uint16_t* restrict B_b = B + b0 * sB0 + b1 * sB1;")
+    w.line("const uint16_t* restrict D_b = D + b0 * sD0 + b1 * sD1;")
+    w.line("uint16_t* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
+    w.line("/* A's rows straight into tiles where k is whole 32s and every row tile whole; else")
+    w.line("   packed once for the block, zeros past k and past its rows (to whole 16s) */")
+    w.line("const int direct = K % 32 == 0 && mc % 16 == 0;")
+    w.line("const uint16_t* restrict a_rows = direct ? A_b : Ap;")
+    w.line("const long lda = 2 * (direct ? sAm : KP); /* bytes */")
+    with w.block("if (!direct)"):
+        with w.block("for (long i = 0; i < (mc + 15) / 16 * 16; ++i)"):
+            w.line("uint16_t* restrict row = Ap + i * KP;")
+            w.line("const long kc = i < mc ? K : 0;")
+            w.line("for (long p = 0; p < kc; ++p) row[p] = A_b[i * sAm + p];")
+            w.line("for (long p = kc; p < KP; ++p) row[p] = 0;")
+    if softmax:
+        with w.block("for (long i = 0; i < mc; ++i)"):
+            w.line("row_max[i] = -INFINITY;")
+            w.line("row_sum[i] = 0.0f;")
+    with w.block("for (long l0 = 0; l0 < L; l0 += TLP)"):
+        w.line("const long lc = L - l0 < TLP ? L - l0 : TLP;")
+        w.line("const long LB = CF_R32(lc) / 32, LT = 2 * LB; /* blocks of 32 keys, tiles of 16 */")
+        w.line("/* this l block of B (k x l) and of D (l x n) as VNNI tiles */")
+        if spec.b_transposed:
+            w.line(
+                "cf_amx_pack_vnni(B_b + l0 * sBr, 1, sBr, K, lc, KB, LT, Bp); /* B stored [l][k] */"
+            )
+        else:
+            w.line("cf_amx_pack_vnni(B_b + l0, sBr, 1, K, lc, KB, LT, Bp);")
+        w.line("cf_amx_pack_vnni(D_b + l0 * sDl, sDl, 1, lc, N, LB, NT, Dp);")
+        with w.block("for (long r0 = 0; r0 < mc; r0 += 32)"):
+            w.line("const long rows = mc - r0 < 32 ? mc - r0 : 32;")
+            w.line("const long rt16 = rows > 16 ? 32 : 16; /* the rows the tiles compute */")
+            w.line(
+                "const uint16_t* restrict a = (const uint16_t*)((const char*)a_rows + r0 * lda);"
+            )
+            w.line("/* op1: S = A[rows, :] . B[:, l0 : l0 + lc], fp32 tiles over all of k */")
+            with w.block("for (long c0 = 0; c0 < LT; c0 += 2)"):
+                w.line("const uint16_t* restrict b = Bp + c0 * KB * 512;")
+                w.line("if (rows > 16) cf_amx_r2c2(KB, a, lda, b, KB, S + c0 * 16, 4 * TLP, 0);")
+                w.line("else cf_amx_r1c2(KB, a, lda, b, KB, S + c0 * 16, 4 * TLP, 0);")
+            _emit_epilogue(w, spec)
+            w.line("/* op2: Eacc[rows, :] (+)= P . D[l0 : l0 + lc, :], fp32 tiles */")
+            with w.block("for (long c0 = 0; c0 < NT; c0 += 2)"):
+                w.line("const uint16_t* restrict d = Dp + c0 * LB * 512;")
+                w.line("float* restrict e = Eacc + r0 * LDE + c0 * 16;")
+                w.line("const int acc = l0 > 0;")
+                for rt in (2, 1):
+                    head = "if (rows > 16)" if rt == 2 else "else"
+                    with w.block(head):
+                        w.line(
+                            f"if (c0 + 1 < NT) cf_amx_r{rt}c2(LB, P, 2 * TLP, d, LB, e, 4 * LDE, acc);"
+                        )
+                        w.line(f"else cf_amx_r{rt}c1(LB, P, 2 * TLP, d, LB, e, 4 * LDE, acc);")
+    w.line(
+        "/* E = bf16(Eacc), rounded once"
+        + (", each row divided by its sum */" if softmax else " */")
+    )
+    with w.block("for (long i = 0; i < mc; ++i)"):
+        w.line("const float* restrict src = Eacc + i * LDE;")
+        w.line("uint16_t* restrict dst = E_b + i * sEm;")
+        if softmax:
+            w.line("const float inv = 1.0f / row_sum[i];")
+            w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j] * inv);")
+        else:
+            w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j]);")
+
+
+def _emit_epilogue(w: Writer, spec: GemmChainSpec) -> None:
+    """P = bf16(f(S)) on the rows the tiles computed, zeros past the l block's keys."""
+    ep = spec.epilogue
+    if ep is Epilogue.SOFTMAX:
+        _emit_online_softmax(w)
+        return
+    w.line(f"/* P = bf16({ep.value if ep is not Epilogue.NONE else 'S'}), f in fp32; zeros past"
+           " lc (D's rows there are zero too) */")  # fmt: skip
+    with w.block("for (long i = 0; i < rt16; ++i)"):
+        w.line("const float* restrict s = S + i * TLP;")
+        w.line("uint16_t* restrict p = P + i * TLP;")
+        with w.block("for (long j = 0; j < lc; ++j)"):
+            if ep is Epilogue.RELU:
+                w.line("const float v = s[j] < 0.0f ? 0.0f : s[j]; /* NaN stays NaN */")
+            elif ep is Epilogue.GELU:
+                w.line(
+                    "const float v = 0.5f * s[j] * (1.0f + cf_erf(s[j] * 0.70710678118654752f));"
+                )
+            else:
+                w.line("const float v = s[j];")
+            w.line("p[j] = cf_to_bf16(v);")
+        w.line("for (long j = lc; j < LB * 32; ++j) p[j] = 0;")
+
+
+def _emit_online_softmax(w: Writer) -> None:
+    """The online softmax of the block's scores: per row the running max and sum; a row's E
+    so far rescaled when its max grows; P = bf16(exp(s - max)), its sum of the rounded values
+    (the weights op2 really applies)."""
+    w.line("/* online softmax in fp32 per row: a new max rescales the row's E and sum so far;")
+    w.line("   P = bf16(exp(scale s - max)), summed as rounded (the weights op2 applies) */")
+    with w.block("for (long i = 0; i < rt16; ++i)"):
+        w.line("const float* restrict s = S + i * TLP;")
+        w.line("uint16_t* restrict p = P + i * TLP;")
+        with w.block("if (i >= rows)"):
+            w.line("for (long j = 0; j < LB * 32; ++j) p[j] = 0; /* rows past the block's */")
+            w.line("continue;")
+        w.line("const long r = r0 + i;")
+        w.line("float mx = row_max[r];")
+        w.line("for (long j = 0; j < lc; ++j) mx = scale * s[j] > mx ? scale * s[j] : mx;")
+        with w.block("if (mx > row_max[r] && l0 > 0)"):
+            w.line("const float alpha = cf_exp_neg(row_max[r] - mx);")
+            w.line("float* restrict e = Eacc + r * LDE;")
+            w.line("for (long j = 0; j < N; ++j) e[j] *= alpha;")
+            w.line("row_sum[r] *= alpha;")
+        w.line("row_max[r] = mx;")
+        w.line("float sum = 0.0f;")
+        with w.block("for (long j = 0; j < lc; ++j)"):
+            w.line("const uint16_t h = cf_to_bf16(cf_exp_neg(scale * s[j] - mx));")
+            w.line("p[j] = h;")
+            w.line("sum += cf_from_bf16(h);")
+        w.line("row_sum[r] += sum;")
+        w.line("for (long j = lc; j < LB * 32; ++j) p[j] = 0;")
