@@ -9,12 +9,11 @@ for the permission once, and confirms it with ``ARCH_GET_XCOMP_PERM``.
 
 ``CHAINFUSE_AMX`` (`amx_mode`) chooses what bf16 GEMM chains run on:
 
-- ``auto`` (default): the AMX kernels where `amx_status` says the unit is usable, else the fp32
-  path;
+- ``off`` (default until the kernels are measured on an AMX machine): never the AMX kernels;
+- ``auto``: the AMX kernels where `amx_status` says the unit is usable, else the fp32 path;
 - ``emulate``: the same generated kernels built with the plain-C emulation of the tile
   instructions (``csrc/amx_tiles.c``), on any host: bit for bit what an AMX host computes,
-  slowly; how tests and users without AMX run the AMX code;
-- ``off``: never the AMX kernels.
+  slowly; how tests and users without AMX run the AMX code.
 """
 
 from __future__ import annotations
@@ -76,10 +75,10 @@ class AmxPath(enum.Enum):
 
 
 def amx_mode() -> AmxMode:
-    """``CHAINFUSE_AMX``, read on each call (default ``auto``); another value is an error."""
+    """``CHAINFUSE_AMX``, read on each call (default ``off``); another value is an error."""
     raw = os.environ.get(ENV_AMX, "").strip().lower()
     if not raw:
-        return AmxMode.AUTO
+        return AmxMode.OFF
     try:
         return AmxMode(raw)
     except ValueError:

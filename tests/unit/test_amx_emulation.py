@@ -98,7 +98,8 @@ def test_the_unit_matches_the_vectors() -> None:
 
 def test_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(amx.ENV_AMX, raising=False)
-    assert amx_mode() is AmxMode.AUTO
+    assert amx_mode() is AmxMode.OFF and amx_path(DType.BFLOAT16) is None  # opt-in for now
+    monkeypatch.setenv(amx.ENV_AMX, "auto")
     assert amx_path(DType.BFLOAT16) is (AmxPath.REAL if amx_status()[0] else None)
     monkeypatch.setenv(amx.ENV_AMX, "emulate")
     assert amx_path(DType.BFLOAT16) is AmxPath.EMULATED
