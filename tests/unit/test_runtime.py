@@ -15,6 +15,7 @@ import pytest
 
 import chainfuse
 from chainfuse import config
+from chainfuse.runtime import cache as cache_module
 from chainfuse.runtime import (
     BASE_FLAGS,
     CompileError,
@@ -29,6 +30,7 @@ from chainfuse.runtime import (
     load,
     set_num_threads,
 )
+from tests.checks import check_against_reference
 
 REPO = Path(chainfuse.__file__).resolve().parents[1]
 
@@ -151,13 +153,13 @@ def test_system_headers_are_precompiled_once_and_reused(
     (gch,) = _headers(_private_cache)
     assert gch.stat().st_size > 0
     commands: list[tuple[str, ...]] = []
-    real_run = subprocess.run
+    real_run = cache_module.run_compiler
 
-    def spy(command: tuple[str, ...], **kwargs: object) -> object:
+    def spy(command: tuple[str, ...]) -> object:
         commands.append(tuple(command))
-        return real_run(command, **kwargs)  # type: ignore[call-overload]
+        return real_run(command)
 
-    monkeypatch.setattr(subprocess, "run", spy)
+    monkeypatch.setattr(cache_module, "run_compiler", spy)
     second = build(WITH_HEADERS.replace("+ 1", "+ 2"), "add_two")
     assert not second.cached and load(second.path).add_one(1) == 3
     assert len(commands) == 1 and "-include" in commands[0]
@@ -429,3 +431,18 @@ def test_a_child_forked_after_threaded_kernels_runs_them_on_one_thread() -> None
         assert get_num_threads() == 2
     finally:
         set_num_threads(None)
+
+
+def test_kernels_differing_only_in_their_header_compile_once(_private_cache: Path) -> None:
+    """Head dims 16 and 32 give the same code (the softmax scale is an argument; only the header
+    comment says it): one compiled object, the second a cache hit, each header its own."""
+    from chainfuse.compiler import compile
+
+    chains = [chainfuse.attention_chain(1, 2, 33, 40, d, d) for d in (16, 32)]
+    first, second = (compile(chain) for chain in chains)
+    assert first.spec.name == second.spec.name  # (the same structure: the premise)
+    assert not first.cached and second.cached
+    assert second.path == first.path and len(_entries(_private_cache)) == 1
+    assert "scale=0.25" in first.source and "scale=0.176777" in second.source
+    for chain, kernel in zip(chains, (first, second), strict=True):
+        check_against_reference(kernel, chain, seed=3)
