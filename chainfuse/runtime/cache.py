@@ -31,11 +31,13 @@ digest does not match (truncated, emptied, corrupted on disk) is rebuilt. The di
 instead of trying ``dlopen``: a truncated ELF can map and then fault (SIGBUS) on first use.
 
 A cache directory that cannot be written falls back to a private temporary directory, with one
-warning per process and path; a read-only directory that already holds the entry is still used.
+warning per process and path, removed when the process exits (or, if it was killed, by the next
+process that falls back); a read-only directory that already holds the entry is still used.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -43,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -423,9 +426,16 @@ def _writable_root(preferred: Path) -> Path:
     return preferred
 
 
+_FALLBACK = "chainfuse-fallback-"
+
+
 @functools.cache
 def _fallback_root(unwritable: str) -> Path:
-    root = Path(tempfile.mkdtemp(prefix="chainfuse-"))
+    """A private temporary cache for this process, removed when it exits; those left by
+    processes that died without exiting (killed) are removed here, by the next one."""
+    _remove_stale_fallbacks()
+    root = Path(tempfile.mkdtemp(prefix=f"{_FALLBACK}{os.getpid()}-"))
+    atexit.register(_remove_fallback, root, os.getpid())
     warnings.warn(
         f"chainfuse cache directory {unwritable} is not writable; compiled kernels go to {root} "
         f"for this process (set {config.ENV_CACHE_DIR} to a writable directory to keep them)",
@@ -433,6 +443,34 @@ def _fallback_root(unwritable: str) -> Path:
         stacklevel=4,
     )
     return root
+
+
+def _remove_fallback(root: Path, owner: int) -> None:
+    if os.getpid() == owner:  # (not in a forked child, which inherits the exit handler)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _remove_stale_fallbacks() -> None:
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(_FALLBACK):
+            continue
+        pid = entry.name[len(_FALLBACK) :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # (another user's process: not ours to judge)
+    return True
 
 
 @functools.cache

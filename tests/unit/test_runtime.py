@@ -410,7 +410,7 @@ def test_a_child_forked_after_threaded_kernels_runs_them_on_one_thread() -> None
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     got = [kernel(*args), chainfuse.ops.attention(*args)]
-                forked = [x for x in caught if "was forked after" in str(x.message)]
+                forked = [x for x in caught if "was forked while" in str(x.message)]
                 reference.assert_close(got[0], want, chain)
                 reference.assert_close(got[1], want, chain)
                 ok = len(forked) == 1 and get_num_threads() == 1
