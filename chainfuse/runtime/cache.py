@@ -151,7 +151,7 @@ def build_recipe(
     docstring). With ``CHAINFUSE_DUMP`` set the source is always generated, to be dumped."""
     start = time.perf_counter()
     extra = tuple(extra_flags)
-    cc, build_flags, _ = _toolchain(compiler, extra)
+    cc, build_flags, missing = _toolchain(compiler, extra)
     payload = {
         "recipe": recipe,
         "generator": _generator_fingerprint(),
@@ -173,7 +173,7 @@ def build_recipe(
             so = entry_path(preferred, name, key)
             if _valid(so):
                 return BuildResult(so, key, True, time.perf_counter() - start)
-    result = build(make_source(), name, extra, compiler=cc)
+    result = build(make_source(), name, extra, compiler=None if missing else cc)
     if result.path.parent.parent == preferred:  # (not an entry of the fallback directory)
         try:
             index.parent.mkdir(parents=True, exist_ok=True)

@@ -40,12 +40,12 @@ def remembered_plan(
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     path = config.cache_dir() / "plans" / key[:2] / f"{key[:32]}.json"
     try:
-        text = path.read_text()
-    except (OSError, ValueError):
-        text = None
-    if text is not None:
+        data = path.read_bytes()
+    except OSError:
+        data = None  # (none yet)
+    if data is not None:
         try:
-            remembered = Plan.from_json(text)
+            remembered = Plan.from_json(data.decode())
             problem = _unsound(remembered, chain, hw, threads or hw.cores)
         except (
             ValueError,

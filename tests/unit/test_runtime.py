@@ -446,3 +446,49 @@ def test_kernels_differing_only_in_their_header_compile_once(_private_cache: Pat
     assert "scale=0.25" in first.source and "scale=0.176777" in second.source
     for chain, kernel in zip(chains, (first, second), strict=True):
         check_against_reference(kernel, chain, seed=3)
+
+
+def test_set_num_threads_changed_while_other_threads_call() -> None:
+    """Three threads call one kernel while a fourth flips the thread count: every result
+    matches the reference, and nothing deadlocks (each caller keeps a workspace per count)."""
+    import threading
+
+    from chainfuse import reference
+    from chainfuse.compiler import compile
+
+    chain = chainfuse.attention_chain(2, 4, 256, 256, 64, 64)  # (long enough for 2 threads)
+    kernel = compile(chain, threads=2)
+    inputs = reference.random_inputs(chain, seed=2)
+    args = [inputs[t.name] for t in chain.inputs]
+    want = reference.run(chain, inputs)[chain.outputs[0].name]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            for _ in range(15):
+                reference.assert_close(kernel(*args), want, chain)
+        except BaseException as err:  # (reported by the main thread)
+            failures.append(err)
+
+    def flip() -> None:
+        counts = [1, 2, None, 3]
+        i = 0
+        while not stop.is_set():
+            set_num_threads(counts[i % len(counts)])
+            i += 1
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    callers = [threading.Thread(target=call, daemon=True) for _ in range(3)]
+    flipper.start()
+    try:
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in callers), "a caller deadlocked"
+    finally:
+        stop.set()
+        flipper.join(timeout=10)
+        set_num_threads(None)
+    assert not failures, failures[0]
