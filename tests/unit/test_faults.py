@@ -172,7 +172,7 @@ def test_cc_with_arguments_is_split_like_a_shell_would(
     source = "int arg(void) { return CHAINFUSE_TEST_ARG + 1; }\n"
     assert load(build(source, "arg").path).arg() == 2
     monkeypatch.setenv("CC", "gcc 'unbalanced")
-    with pytest.raises(CompilerNotFoundError, match="CC=\"gcc 'unbalanced\""):
+    with pytest.raises(CompilerNotFoundError, match='CC="gcc \'unbalanced"'):
         find_compiler()
 
 

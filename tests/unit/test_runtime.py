@@ -15,7 +15,6 @@ import pytest
 
 import chainfuse
 from chainfuse import config
-from chainfuse.runtime import cache as cache_module
 from chainfuse.runtime import (
     BASE_FLAGS,
     CompileError,
@@ -30,6 +29,7 @@ from chainfuse.runtime import (
     load,
     set_num_threads,
 )
+from chainfuse.runtime import cache as cache_module
 from tests.checks import check_against_reference
 
 REPO = Path(chainfuse.__file__).resolve().parents[1]
