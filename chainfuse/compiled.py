@@ -70,6 +70,8 @@ class _Built:
     def _build(
         self, make_source: Callable[[], str], recipe: str, name: str, cflags: tuple[str, ...]
     ) -> ctypes.CDLL:
+        """`recipe` is the spec's name, every field that shapes the code; not the header
+        comment, so kernels that differ only there (sizes, scale) share one object."""
         start = time.perf_counter()
         self._make_source = make_source
         result = build_recipe(recipe, name, self._generate, cflags)
@@ -108,7 +110,7 @@ class Kernel(_Built):
         self.spec = spec = schedule.spec
         self.arithmetic = arithmetic  # what it computes in, said plainly
         lib = self._build(
-            lambda: emit_gemm_chain(spec, header), f"{spec.name}\n{header}", spec.name,
+            lambda: emit_gemm_chain(spec, header), spec.name, spec.name,
             spec.kernel.cflags,
         )  # fmt: skip
         # one pointer argument: ctypes converts each argument of a call, at a cost apiece
@@ -391,7 +393,7 @@ class ConvKernel(_Built):
         self.halo_reason = halo_reason
         self.name = spec.name
         lib = self._build(
-            lambda: emit_conv_chain(spec, header), f"{spec.name}\n{header}", spec.name,
+            lambda: emit_conv_chain(spec, header), spec.name, spec.name,
             spec.kernel.cflags,
         )  # fmt: skip
         self._fn = getattr(lib, spec.name)

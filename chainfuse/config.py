@@ -9,8 +9,15 @@ variable                 meaning
 =======================  ========================================================================
 ``CHAINFUSE_CACHE_DIR``  where compiled kernels are cached (default: the user cache directory)
 ``CHAINFUSE_DUMP``       a directory that receives a copy of every generated source
-``CC``                   the C compiler (default: the first of cc, gcc, clang on ``PATH``)
-``OMP_NUM_THREADS``      default thread count of generated kernels (else the CPUs we may run on)
+``CC``                   the C compiler, with arguments if any (``CC="gcc -O2"``; default: the
+                         first of cc, gcc, clang on ``PATH``)
+``CHAINFUSE_CC_TIMEOUT`` seconds a compiler run may take before it is killed and the build fails
+                         (default 300)
+``CHAINFUSE_SANITIZE``   sanitizers to build kernels with, e.g. ``address,undefined``: adds
+                         ``-fsanitize=...`` (a separate cache entry); loading such a kernel needs
+                         the sanitizer runtime preloaded (``scripts/sanitize.sh``)
+``OMP_NUM_THREADS``      default thread count of generated kernels (else the CPUs we may run on);
+                         a value that is not a positive integer is ignored with a warning
 ``OMP_WAIT_POLICY``      set to ``PASSIVE`` by the runtime unless already set (`runtime.toolchain`)
 =======================  ========================================================================
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import platformdirs
@@ -26,14 +34,18 @@ import platformdirs
 __all__ = [
     "ENV_CACHE_DIR",
     "ENV_CC",
+    "ENV_CC_TIMEOUT",
     "ENV_DUMP",
     "ENV_NUM_THREADS",
+    "ENV_SANITIZE",
     "ENV_WAIT_POLICY",
     "VERSION",
     "cache_dir",
     "cc_override",
+    "cc_timeout",
     "default_num_threads",
     "dump_dir",
+    "sanitizers",
 ]
 
 #: chainfuse's version (pyproject.toml's): part of every cache key, so a release builds anew
@@ -42,6 +54,8 @@ VERSION = "0.1.0"
 ENV_CACHE_DIR = "CHAINFUSE_CACHE_DIR"
 ENV_DUMP = "CHAINFUSE_DUMP"
 ENV_CC = "CC"
+ENV_CC_TIMEOUT = "CHAINFUSE_CC_TIMEOUT"
+ENV_SANITIZE = "CHAINFUSE_SANITIZE"
 ENV_NUM_THREADS = "OMP_NUM_THREADS"
 ENV_WAIT_POLICY = "OMP_WAIT_POLICY"
 
@@ -69,11 +83,46 @@ def cc_override() -> str | None:
     return _env(ENV_CC)
 
 
+def cc_timeout() -> float:
+    """Seconds one run of the compiler may take (``CHAINFUSE_CC_TIMEOUT``, default 300): a hung
+    compiler fails the build instead of hanging the process."""
+    value = _env(ENV_CC_TIMEOUT)
+    if value is None:
+        return 300.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{ENV_CC_TIMEOUT}={value!r} is not a positive number of seconds")
+    return seconds
+
+
+#: what ``CHAINFUSE_SANITIZE`` may name (gcc's and clang's ``-fsanitize=`` spellings)
+SANITIZERS = ("address", "undefined")
+
+
+def sanitizers() -> tuple[str, ...]:
+    """The sanitizers ``CHAINFUSE_SANITIZE`` asks kernels to be built with (comma-separated)."""
+    value = _env(ENV_SANITIZE)
+    if value is None:
+        return ()
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    unknown = [n for n in names if n not in SANITIZERS]
+    if unknown:
+        raise ValueError(
+            f"{ENV_SANITIZE}={value!r}: unknown sanitizer(s) {unknown}; expected a comma list of"
+            f" {', '.join(SANITIZERS)}"
+        )
+    return names
+
+
 def default_num_threads() -> int:
     """Threads a generated kernel uses unless told otherwise.
 
     ``OMP_NUM_THREADS`` when it is set (its first entry: OpenMP allows a comma list of nested
-    levels), else the number of CPUs this process may run on (its affinity mask, which is what a
+    levels) to a positive integer (another value is ignored, with a warning once per value: every
+    kernel call would fail otherwise, and OpenMP ignores it too), else the number of CPUs this process may run on (its affinity mask, which is what a
     container or ``taskset`` gives us, not the machine's core count).
     """
     data = getattr(os.environ, "_data", None)
@@ -99,10 +148,15 @@ def _threads_from(raw: str | None) -> int:
         try:
             n = int(first)
         except ValueError:
-            raise ValueError(f"{ENV_NUM_THREADS}={value!r} is not a positive integer") from None
-        if n < 1:
-            raise ValueError(f"{ENV_NUM_THREADS}={value!r} is not a positive integer")
-        return n
+            n = 0
+        if n >= 1:
+            return n
+        warnings.warn(
+            f"chainfuse: {ENV_NUM_THREADS}={value!r} is not a positive integer; ignored (kernels"
+            f" use {_usable_cpus()} threads, the CPUs this process may run on)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return _usable_cpus()
 
 

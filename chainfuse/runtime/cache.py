@@ -14,8 +14,11 @@ flags say ``-march=native``). Layout::
                                                         with compiler and flags h, precompiled
                                                         by gcc (`_SystemHeader`)
 
+An entry is keyed on the code only: a source's opening comment is left out of the key (a
+generated kernel's header names the chain's sizes and scale, which are run-time arguments).
+
 `build_recipe` is `build` for a source that a recipe determines (the generated kernels: a spec's
-name, which spells every field the code depends on, and the source's header): a process that
+name, which spells every field the code depends on; not the header comment): a process that
 finds the recipe's entry loads it without generating the source again (a cost of every warm
 start) and generates it only to compile. The recipe's digest also covers the generator's own
 files (their sizes and modification times, as Python's bytecode cache does), so a changed
@@ -28,11 +31,13 @@ digest does not match (truncated, emptied, corrupted on disk) is rebuilt. The di
 instead of trying ``dlopen``: a truncated ELF can map and then fault (SIGBUS) on first use.
 
 A cache directory that cannot be written falls back to a private temporary directory, with one
-warning per process and path; a read-only directory that already holds the entry is still used.
+warning per process and path, removed when the process exits (or, if it was killed, by the next
+process that falls back); a read-only directory that already holds the entry is still used.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -40,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -56,8 +62,11 @@ from chainfuse.runtime.toolchain import (
     CompileError,
     Compiler,
     CompilerFamily,
-    find_compiler,
+    CompilerNotFoundError,
+    CompilerTimeoutError,
     flags,
+    run_compiler,
+    toolchain,
 )
 
 __all__ = [
@@ -65,6 +74,7 @@ __all__ = [
     "build",
     "build_recipe",
     "cache_key",
+    "code_of",
     "entry_path",
     "files_fingerprint",
 ]
@@ -104,8 +114,7 @@ def build(
     start = time.perf_counter()
     if not _NAME.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must be a C identifier of at most 128 characters")
-    cc = compiler if compiler is not None else find_compiler()
-    build_flags = flags(cc, extra_flags)
+    cc, build_flags, missing = _toolchain(compiler, extra_flags)
     key = cache_key(source, cc, build_flags)
     dump = config.dump_dir()
     if dump is not None:
@@ -116,6 +125,8 @@ def build(
     so = entry_path(preferred, name, key)
     if _valid(so):
         return BuildResult(so, key, True, time.perf_counter() - start)
+    if missing is not None:
+        raise missing  # (a cached entry needs no compiler)
     root = _writable_root(preferred)
     if root != preferred:
         so = entry_path(root, name, key)
@@ -139,13 +150,12 @@ def build_recipe(
     ``make_source`` when the entry the recipe names is already valid in the cache (module
     docstring). With ``CHAINFUSE_DUMP`` set the source is always generated, to be dumped."""
     start = time.perf_counter()
-    cc = compiler if compiler is not None else find_compiler()
     extra = tuple(extra_flags)
-    build_flags = flags(cc, extra)
+    cc, build_flags, missing = _toolchain(compiler, extra)
     payload = {
         "recipe": recipe,
         "generator": _generator_fingerprint(),
-        "compiler": [cc.path, cc.family.value, cc.version],
+        "compiler": [*cc.command, cc.family.value, cc.version],
         "flags": list(build_flags) + list(_LIBS),
         "host": _host_fingerprint(),
     }
@@ -163,7 +173,7 @@ def build_recipe(
             so = entry_path(preferred, name, key)
             if _valid(so):
                 return BuildResult(so, key, True, time.perf_counter() - start)
-    result = build(make_source(), name, extra, compiler=cc)
+    result = build(make_source(), name, extra, compiler=None if missing else cc)
     if result.path.parent.parent == preferred:  # (not an entry of the fallback directory)
         try:
             index.parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +181,14 @@ def build_recipe(
         except OSError:
             pass  # an unwritable cache only costs generating the source next time
     return BuildResult(result.path, result.key, result.cached, time.perf_counter() - start)
+
+
+def _toolchain(
+    compiler: Compiler | None, extra_flags: Iterable[str]
+) -> tuple[Compiler, tuple[str, ...], CompilerNotFoundError | None]:
+    if compiler is not None:
+        return compiler, flags(compiler, extra_flags), None
+    return toolchain(extra_flags)
 
 
 @functools.cache
@@ -203,15 +221,26 @@ def files_fingerprint(files: Iterable[Path]) -> str:
 
 
 def cache_key(source: str, compiler: Compiler, build_flags: Iterable[str]) -> str:
-    """Hex sha256 of everything the compiled object depends on."""
+    """Hex sha256 of everything the compiled object depends on: the source without its opening
+    comment (a generated kernel's header names sizes and scales the code does not depend on,
+    so one structure compiles once), the compiler, the flags, the version and the host."""
     payload = {
-        "source": source,
-        "compiler": [compiler.path, compiler.family.value, compiler.version],
+        "source": code_of(source),
+        "compiler": [*compiler.command, compiler.family.value, compiler.version],
         "flags": list(build_flags) + list(_LIBS),
         "chainfuse": config.VERSION,
         "host": _host_fingerprint(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def code_of(source: str) -> str:
+    """`source` without the block comment it opens with, if any: what the compiler reads."""
+    if source.startswith("/*"):
+        end = source.find("*/")
+        if end >= 0:
+            return source[end + 2 :]
+    return source
 
 
 def entry_path(root: Path, name: str, key: str) -> Path:
@@ -245,14 +274,14 @@ def _compile(cc: Compiler, build_flags: tuple[str, ...], source: str, so: Path) 
     tmp = Path(tmp_name)
     header = _SystemHeader(cc, build_flags, source, so.parent.parent)
     output = ("-o", str(tmp), str(src), *_LIBS)
-    command = (cc.path, *build_flags, *header.flags(), *output)
+    command = (*cc.command, *build_flags, *header.flags(), *output)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = _run(command, src)
         if done.returncode != 0 and header.flags():
             # again without the precompiled header; if that builds, gcc could not read the
             # header (corrupted on disk): drop it
-            command = (cc.path, *build_flags, *output)
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            command = (*cc.command, *build_flags, *output)
+            done = _run(command, src)
             if done.returncode == 0:
                 header.discard()
         if done.returncode != 0:
@@ -268,6 +297,14 @@ def _compile(cc: Compiler, build_flags: tuple[str, ...], source: str, so: Path) 
     finally:
         tmp.unlink(missing_ok=True)
         header.finish()
+
+
+def _run(command: tuple[str, ...], src: Path) -> subprocess.CompletedProcess[str]:
+    try:
+        return run_compiler(command)
+    except CompilerTimeoutError as err:
+        raise CompileError(f"{err} (source {src})", stderr="", source_path=src,
+                           command=command) from None  # fmt: skip
 
 
 _INCLUDE = re.compile(r"^#include <[A-Za-z0-9_./]+>$", re.MULTILINE)
@@ -298,7 +335,7 @@ class _SystemHeader:
         if cc.family is not CompilerFamily.GCC or not includes or _RESERVED.search(source):
             return
         text = "\n".join(includes) + "\n"
-        payload = [cc.path, cc.version, list(build_flags), text, _host_fingerprint()]
+        payload = [*cc.command, cc.version, list(build_flags), text, _host_fingerprint()]
         key = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:24]
         self._header = root / "pch" / key / "cf_system.h"
         self._gch = self._header.with_name(self._header.name + ".gch")
@@ -327,7 +364,7 @@ class _SystemHeader:
             os.close(fd)
             tmp = Path(name)
             flags = [f for f in build_flags if f != "-shared"]
-            command = [cc.path, *flags, "-x", "c-header", "-o", name, str(self._header)]
+            command = [*cc.command, *flags, "-x", "c-header", "-o", name, str(self._header)]
             process = subprocess.Popen(
                 command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
@@ -364,11 +401,14 @@ class _SystemHeader:
         process, tmp, lock = self._making
         self._making = None
         try:
-            if process.wait() == 0:
+            if process.wait(timeout=config.cc_timeout()) == 0:
                 os.replace(tmp, self._gch)
                 write_atomic(self._size, str(self._gch.stat().st_size).encode())
         except OSError:
             pass
+        except subprocess.TimeoutExpired:
+            process.kill()  # (a hung compiler: the build itself already failed or finished)
+            process.wait()
         finally:
             tmp.unlink(missing_ok=True)
             lock.release()
@@ -386,9 +426,16 @@ def _writable_root(preferred: Path) -> Path:
     return preferred
 
 
+_FALLBACK = "chainfuse-fallback-"
+
+
 @functools.cache
 def _fallback_root(unwritable: str) -> Path:
-    root = Path(tempfile.mkdtemp(prefix="chainfuse-"))
+    """A private temporary cache for this process, removed when it exits; those left by
+    processes that died without exiting (killed) are removed here, by the next one."""
+    _remove_stale_fallbacks()
+    root = Path(tempfile.mkdtemp(prefix=f"{_FALLBACK}{os.getpid()}-"))
+    atexit.register(_remove_fallback, root, os.getpid())
     warnings.warn(
         f"chainfuse cache directory {unwritable} is not writable; compiled kernels go to {root} "
         f"for this process (set {config.ENV_CACHE_DIR} to a writable directory to keep them)",
@@ -396,6 +443,34 @@ def _fallback_root(unwritable: str) -> Path:
         stacklevel=4,
     )
     return root
+
+
+def _remove_fallback(root: Path, owner: int) -> None:
+    if os.getpid() == owner:  # (not in a forked child, which inherits the exit handler)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _remove_stale_fallbacks() -> None:
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(_FALLBACK):
+            continue
+        pid = entry.name[len(_FALLBACK) :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # (another user's process: not ours to judge)
+    return True
 
 
 @functools.cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -38,9 +40,29 @@ def remembered_plan(
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     path = config.cache_dir() / "plans" / key[:2] / f"{key[:32]}.json"
     try:
-        return Plan.from_json(path.read_text())
-    except (OSError, ValueError, KeyError):
-        pass
+        data = path.read_bytes()
+    except OSError:
+        data = None  # (none yet)
+    if data is not None:
+        try:
+            remembered = Plan.from_json(data.decode())
+            problem = _unsound(remembered, chain, hw, threads or hw.cores)
+        except (
+            ValueError,
+            LookupError,
+            TypeError,
+            AttributeError,
+            ArithmeticError,
+            RecursionError,
+        ) as err:
+            problem = f"unreadable ({type(err).__name__}: {err})"
+        if problem is None:
+            return remembered
+        warnings.warn(
+            f"chainfuse: ignoring the remembered plan {path}: {problem}; planning again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     chosen = plan(chain, hw, threads=threads, fuse=True, structures=[structure], quanta=quanta,
                   split=split)  # fmt: skip
     try:
@@ -49,6 +71,34 @@ def remembered_plan(
     except OSError:
         pass
     return chosen
+
+
+def _unsound(p: Plan, chain: Chain, hw: Hardware, threads: int) -> str | None:
+    """What makes a plan read from disk unfit for `chain` on `hw` (a damaged or foreign file),
+    or None: its tiles become loop bounds and workspace sizes, so a tile out of 1..extent would
+    divide by zero, never end or allocate without bound."""
+    ext = chain.extents
+    if p.chain != chain.name or p.hardware != hw.name:
+        return f"it is for {p.chain!r} on {p.hardware!r}"
+    if sorted(p.order) != sorted(ext) or not 0 <= p.depth <= len(p.order):
+        return f"its loop order {p.order} (depth {p.depth}) is not of the loops {sorted(ext)}"
+    levels = {lv.name for lv in hw.levels}
+    for level, tiles in p.tiles:
+        if level not in levels:
+            return f"it has tiles for an unknown level {level!r}"
+        for loop, t in tiles:
+            if not 1 <= t <= ext[loop]:
+                return f"its tile {t} of {loop!r} at {level} is not within 1..{ext[loop]}"
+    if p.split is not None and (p.split[0] not in ext or not 1 <= p.split[1] <= ext[p.split[0]]):
+        return f"its split {p.split} is not of a loop"
+    if not set(p.parallel) <= set(ext) or p.threads != threads:
+        return f"its parallel loops {p.parallel} or threads {p.threads} do not fit"
+    if min(p.register_block) < 1 or not all(
+        math.isfinite(x) and x >= 0
+        for x in (p.predicted_time_s, p.compute_time_s, p.unfused_time_s)
+    ):
+        return "its register block or predicted times are out of range"
+    return None
 
 
 @functools.cache

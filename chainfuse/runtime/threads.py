@@ -3,13 +3,15 @@
 Generated kernels take the count as an argument (``num_threads(nt)`` clauses), so no OpenMP
 runtime call is needed and two calls may use different counts. State kept on purpose and small:
 the `set_num_threads` override, a front end's count per context (`call_threads`), and whether a
-kernel may have started OpenMP's workers before this process was forked (then it runs on one).
+kernel or another library may have had threads running when this process was forked (then it runs
+on one).
 """
 
 from __future__ import annotations
 
 import contextvars
 import os
+import threading
 import warnings
 
 from chainfuse import config
@@ -29,17 +31,28 @@ _call_threads: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "chainfuse_call_threads", default=None
 )
 _threads_ran = False  # a kernel call was given more than one thread (OpenMP workers may exist)
-_forked = False  # ... and this process is a child forked after that (`_after_fork_in_child`)
+_threads_at_fork = 1  # OS threads of this process when it last forked (`_before_fork`)
+_forked = False  # this process was forked after either (`_after_fork_in_child`)
 _fork_warned = False
+
+
+def _before_fork() -> None:
+    """Count the parent's threads: any OpenMP team (PyTorch's runs on the same libgomp as our
+    kernels) or other thread alive at the fork is gone in the child."""
+    global _threads_at_fork
+    try:
+        _threads_at_fork = len(os.listdir("/proc/self/task"))
+    except OSError:  # (no /proc: the threads Python knows of, and our own kernels' below)
+        _threads_at_fork = threading.active_count()
 
 
 def _after_fork_in_child() -> None:
     global _forked, _fork_warned
-    _forked = _forked or _threads_ran
+    _forked = _forked or _threads_ran or _threads_at_fork > 1
     _fork_warned = False
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def set_num_threads(n: int | None) -> None:
@@ -64,10 +77,11 @@ def get_num_threads() -> int:
     `call_threads` (chainfuse.torch's functions: ``torch.get_num_threads()``) its count comes
     before the default, after an explicit `set_num_threads`.
 
-    In a process forked after a kernel ran on several threads (a ``fork`` start method's worker,
-    a PyTorch DataLoader's) it is 1, with a RuntimeWarning the first time: GNU OpenMP's workers
-    do not survive a fork, and the child's next parallel region would wait for them forever
-    (PyTorch runs such a child's own ops on one thread too). Start the workers with ``spawn`` or
+    In a process forked while its parent had other threads (after a kernel or another library,
+    e.g. PyTorch, ran OpenMP workers; a ``fork`` start method's worker, a PyTorch DataLoader's)
+    it is 1, with a RuntimeWarning the first time: GNU OpenMP's workers do not survive a fork,
+    and the child's next parallel region would wait for them forever (PyTorch runs such a
+    child's own ops on one thread too). Start the workers with ``spawn`` or
     ``forkserver`` to give them threads.
     """
     return threads_for(_call_threads.get())
@@ -105,8 +119,9 @@ def _warn_forked(n: int) -> None:
     if not _fork_warned:
         _fork_warned = True
         warnings.warn(
-            f"chainfuse: this process was forked after chainfuse's kernels ran on several threads; "
-            f"the OpenMP workers do not survive a fork (GNU OpenMP would hang), so its kernels "
+            f"chainfuse: this process was forked while its parent ran other threads (OpenMP "
+            f"workers of chainfuse's kernels or of another library, e.g. PyTorch); they do not "
+            f"survive a fork (GNU OpenMP would hang), so its kernels "
             f"run on 1 thread, not {n} (start worker processes with 'spawn' or 'forkserver' to "
             "give them threads)",
             RuntimeWarning,

@@ -12,12 +12,15 @@ per path (a shared object cannot be unloaded safely anyway).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import functools
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import warnings
@@ -35,9 +38,13 @@ __all__ = [
     "Compiler",
     "CompilerFamily",
     "CompilerNotFoundError",
+    "CompilerTimeoutError",
     "find_compiler",
     "flags",
     "load",
+    "run_compiler",
+    "sanitize_flags",
+    "toolchain",
 ]
 
 INSTALL_HINT = (
@@ -68,6 +75,10 @@ class CompilerNotFoundError(RuntimeError):
     """No usable C compiler; the message says how to get one."""
 
 
+class CompilerTimeoutError(RuntimeError):
+    """A compiler run took longer than ``CHAINFUSE_CC_TIMEOUT`` seconds and was killed."""
+
+
 class CompileError(RuntimeError):
     """The compiler rejected a generated source; carries its stderr and the saved source."""
 
@@ -87,11 +98,18 @@ class CompilerFamily(enum.Enum):
 
 @dataclass(frozen=True)
 class Compiler:
-    """One C compiler: its absolute path, family and ``major.minor.patch`` version."""
+    """One C compiler: its absolute path, family, ``major.minor.patch`` version, and the
+    arguments ``CC`` gave it (``CC="gcc -O2"``), passed before every build's own flags."""
 
     path: str
     family: CompilerFamily
     version: str
+    args: tuple[str, ...] = ()
+
+    @property
+    def command(self) -> tuple[str, ...]:
+        """The command line's start: the path and `args`."""
+        return (self.path, *self.args)
 
 
 def find_compiler() -> Compiler:
@@ -102,12 +120,19 @@ def find_compiler() -> Compiler:
     """
     override = config.cc_override()
     if override is not None:
-        path = shutil.which(override)
+        try:
+            words = shlex.split(override)
+        except ValueError as err:
+            raise CompilerNotFoundError(f"{config.ENV_CC}={override!r}: {err}") from None
+        path = shutil.which(words[0]) if words else None
         if path is None:
             raise CompilerNotFoundError(
                 f"{config.ENV_CC}={override!r} is not an executable on PATH; {INSTALL_HINT}"
             )
-        return _identify(os.path.abspath(path))
+        try:
+            return _identify(os.path.abspath(path), tuple(words[1:]))
+        except CompilerNotFoundError as err:
+            raise CompilerNotFoundError(f"{config.ENV_CC}={override!r}: {err}") from None
     for candidate in ("cc", "gcc", "clang"):
         path = shutil.which(candidate)
         if path is None:
@@ -119,60 +144,133 @@ def find_compiler() -> Compiler:
     raise CompilerNotFoundError(f"no C compiler (cc, gcc or clang) found on PATH; {INSTALL_HINT}")
 
 
+def toolchain(
+    isa_flags: Iterable[str] = (),
+) -> tuple[Compiler, tuple[str, ...], CompilerNotFoundError | None]:
+    """The compiler and `flags` of a build, and None; or, when no compiler is found, the last one
+    found for this ``CC`` (remembered in the cache) and the error: a kernel already cached under
+    its key still loads, and only a build needing the compiler raises the error."""
+    override = config.cc_override() or ""
+    try:
+        cc = find_compiler()
+    except CompilerNotFoundError as err:
+        last = _facts().get(f"last:{override}")
+        if not (isinstance(last, list) and len(last) == 5 and isinstance(last[4], bool)):
+            raise
+        try:
+            cc = Compiler(str(last[0]), CompilerFamily(last[2]), str(last[3]),
+                          tuple(str(a) for a in last[1]))  # fmt: skip
+        except (TypeError, ValueError):
+            raise err from None
+        return cc, _flags(last[4], isa_flags), err
+    omp = _openmp_works(cc)
+    _note_last(override, cc, omp)
+    return cc, _flags(omp, isa_flags), None
+
+
+@functools.cache
+def _note_last(override: str, cc: Compiler, omp: bool) -> None:
+    value = [cc.path, list(cc.args), cc.family.value, cc.version, omp]
+    if _facts().get(f"last:{override}") != value:
+        _store(f"last:{override}", value)
+
+
+def run_compiler(command: Iterable[str]) -> subprocess.CompletedProcess[str]:
+    """Run a compiler command, killed (with its children: gcc's cc1, as) after
+    ``CHAINFUSE_CC_TIMEOUT`` seconds, which raises `CompilerTimeoutError`."""
+    command = tuple(command)
+    timeout = config.cc_timeout()
+    with subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, to kill the compiler's children too
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise CompilerTimeoutError(
+                f"the C compiler did not finish within {timeout:g} s and was killed (set "
+                f"{config.ENV_CC_TIMEOUT} to allow longer); command: {shlex.join(command)}"
+            ) from None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def _facts_path() -> Path:
     return config.cache_dir() / "toolchain.json"
 
 
-def _remembered(key: str, compute: Callable[[], Any]) -> Any:
-    """A fact about the toolchain, kept on disk so a new process need not run the compiler.
-
-    `key` names the compiler binary by real path, size and modification time, so an upgraded
-    compiler is probed again. An unreadable or unwritable cache just means probing again.
-    """
-    path = _facts_path()
+def _facts() -> dict[str, Any]:
+    """toolchain.json's facts; {} when it is missing, unreadable or not a JSON object."""
     try:
-        facts = json.loads(path.read_text())
-    except (OSError, ValueError):
-        facts = {}
-    if key in facts:
-        return facts[key]
-    value = compute()
+        facts = json.loads(_facts_path().read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return facts if isinstance(facts, dict) else {}
+
+
+def _store(key: str, value: Any) -> None:
+    facts = _facts()
     facts[key] = value
+    path = _facts_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(facts).encode())
     except OSError:
-        pass
+        pass  # an unwritable cache just means probing again
+
+
+def _remembered(key: str, compute: Callable[[], Any], valid: Callable[[Any], bool]) -> Any:
+    """A fact about the toolchain, kept on disk so a new process need not run the compiler.
+
+    `key` names the compiler binary by real path, size and modification time, so an upgraded
+    compiler is probed again. A missing, damaged or foreign fact (`valid` says) is probed again
+    and rewritten; an unreadable or unwritable cache just means probing again.
+    """
+    value = _facts().get(key)
+    if value is not None and valid(value):
+        return value
+    value = compute()
+    _store(key, value)
     return value
 
 
-def _binary_key(path: str, what: str) -> str:
+def _binary_key(path: str, what: str, args: tuple[str, ...] = ()) -> str:
     real = os.path.realpath(path)
     st = os.stat(real)
-    return f"{what}:{real}:{st.st_size}:{st.st_mtime_ns}"
+    spelled = f" {shlex.join(args)}" if args else ""
+    return f"{what}:{real}{spelled}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _an_identity(value: Any) -> bool:
+    families = {f.value for f in CompilerFamily}
+    return isinstance(value, list) and len(value) == 2 and value[0] in families and (
+        isinstance(value[1], str)
+    )  # fmt: skip
 
 
 @functools.cache
-def _identify(path: str) -> Compiler:
+def _identify(path: str, args: tuple[str, ...] = ()) -> Compiler:
     """Family and version from the compiler's predefined macros (works for gcc and clang)."""
     try:
-        key = _binary_key(path, "identify")
+        key = _binary_key(path, "identify", args)
     except OSError as err:
         raise CompilerNotFoundError(f"cannot run {path!r} ({err}); {INSTALL_HINT}") from err
-    found = _remembered(key, lambda: _probe_identity(path))
-    return Compiler(path=path, family=CompilerFamily(found[0]), version=found[1])
+    found = _remembered(key, lambda: list(_probe_identity(path, args)), _an_identity)
+    return Compiler(path=path, family=CompilerFamily(found[0]), version=found[1], args=args)
 
 
-def _probe_identity(path: str) -> tuple[str, str]:
+def _probe_identity(path: str, args: tuple[str, ...] = ()) -> tuple[str, str]:
     try:
-        done = subprocess.run(
-            [path, "-dM", "-E", "-x", "c", os.devnull],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError) as err:
+        done = run_compiler([path, *args, "-dM", "-E", "-x", "c", os.devnull])
+    except CompilerTimeoutError as err:
+        raise CompilerNotFoundError(f"{path!r} did not answer as a C compiler: {err}") from None
+    except OSError as err:
         raise CompilerNotFoundError(f"cannot run {path!r} ({err}); {INSTALL_HINT}") from err
     macros: dict[str, str] = {}
     for line in done.stdout.splitlines():
@@ -180,7 +278,11 @@ def _probe_identity(path: str) -> tuple[str, str]:
         if len(parts) >= 2 and parts[0] == "#define":
             macros[parts[1]] = parts[2] if len(parts) == 3 else ""
     if done.returncode != 0 or "__GNUC__" not in macros:
-        raise CompilerNotFoundError(f"{path!r} is not a GCC-compatible C compiler; {INSTALL_HINT}")
+        said = (done.stderr.strip() or done.stdout.strip())[:200]
+        raise CompilerNotFoundError(
+            f"{path!r} is not a GCC-compatible C compiler: `-dM -E` exited {done.returncode} "
+            f"without defining __GNUC__ (it said {said!r}); {INSTALL_HINT}"
+        )
     if "__clang__" in macros:
         family = CompilerFamily.CLANG
         parts3 = ("__clang_major__", "__clang_minor__", "__clang_patchlevel__")
@@ -198,8 +300,23 @@ def flags(compiler: Compiler, isa_flags: Iterable[str] = ()) -> tuple[str, ...]:
     compile for another machine). A compiler without OpenMP (Apple clang without libomp) loses
     ``-fopenmp`` with one warning; the kernels then run serially, since they only use pragmas.
     """
-    omp = (OPENMP_FLAG,) if _openmp_works(compiler) else ()
-    return BASE_FLAGS + omp + tuple(isa_flags)
+    return _flags(_openmp_works(compiler), isa_flags)
+
+
+def _flags(openmp: bool, isa_flags: Iterable[str]) -> tuple[str, ...]:
+    omp = (OPENMP_FLAG,) if openmp else ()
+    return BASE_FLAGS + omp + tuple(isa_flags) + sanitize_flags()
+
+
+def sanitize_flags() -> tuple[str, ...]:
+    """``-fsanitize=...`` flags of ``CHAINFUSE_SANITIZE`` (none when it is unset): frame
+    pointers for readable reports, undefined behaviour aborts instead of printing on, and -O1
+    (instrumented -O3 compiles several times slower; every load and store is checked either way)."""
+    names = config.sanitizers()
+    if not names:
+        return ()
+    extra = ("-fno-sanitize-recover=undefined",) if "undefined" in names else ()
+    return ("-O1", f"-fsanitize={','.join(names)}", "-fno-omit-frame-pointer", *extra)
 
 
 _OPENMP_PROBE = """\
@@ -214,7 +331,8 @@ int chainfuse_openmp_probe(int n) {
 
 @functools.cache
 def _openmp_works(compiler: Compiler) -> bool:
-    ok = bool(_remembered(_binary_key(compiler.path, "openmp"), lambda: _probe_openmp(compiler)))
+    key = _binary_key(compiler.path, "openmp", compiler.args)
+    ok = bool(_remembered(key, lambda: _probe_openmp(compiler), lambda v: isinstance(v, bool)))
     if not ok:
         warnings.warn(
             f"{compiler.path} ({compiler.family.value} {compiler.version}) cannot build OpenMP "
@@ -229,12 +347,10 @@ def _probe_openmp(compiler: Compiler) -> bool:
     with tempfile.TemporaryDirectory(prefix="chainfuse-omp-") as tmp:
         src = Path(tmp) / "probe.c"
         src.write_text(_OPENMP_PROBE)
-        command = [compiler.path, *BASE_FLAGS, OPENMP_FLAG, "-o", str(Path(tmp) / "probe.so")]
+        command = [*compiler.command, *BASE_FLAGS, OPENMP_FLAG, "-o", str(Path(tmp) / "probe.so")]
         try:
-            done = subprocess.run(
-                [*command, str(src)], capture_output=True, text=True, timeout=120, check=False
-            )
-        except (OSError, subprocess.SubprocessError):
+            done = run_compiler([*command, str(src)])
+        except OSError:
             ok = False
         else:
             ok = done.returncode == 0

@@ -29,6 +29,8 @@ from chainfuse.runtime import (
     load,
     set_num_threads,
 )
+from chainfuse.runtime import cache as cache_module
+from tests.checks import check_against_reference
 
 REPO = Path(chainfuse.__file__).resolve().parents[1]
 
@@ -151,13 +153,13 @@ def test_system_headers_are_precompiled_once_and_reused(
     (gch,) = _headers(_private_cache)
     assert gch.stat().st_size > 0
     commands: list[tuple[str, ...]] = []
-    real_run = subprocess.run
+    real_run = cache_module.run_compiler
 
-    def spy(command: tuple[str, ...], **kwargs: object) -> object:
+    def spy(command: tuple[str, ...]) -> object:
         commands.append(tuple(command))
-        return real_run(command, **kwargs)  # type: ignore[call-overload]
+        return real_run(command)
 
-    monkeypatch.setattr(subprocess, "run", spy)
+    monkeypatch.setattr(cache_module, "run_compiler", spy)
     second = build(WITH_HEADERS.replace("+ 1", "+ 2"), "add_two")
     assert not second.cached and load(second.path).add_one(1) == 3
     assert len(commands) == 1 and "-include" in commands[0]
@@ -408,7 +410,7 @@ def test_a_child_forked_after_threaded_kernels_runs_them_on_one_thread() -> None
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     got = [kernel(*args), chainfuse.ops.attention(*args)]
-                forked = [x for x in caught if "was forked after" in str(x.message)]
+                forked = [x for x in caught if "was forked while" in str(x.message)]
                 reference.assert_close(got[0], want, chain)
                 reference.assert_close(got[1], want, chain)
                 ok = len(forked) == 1 and get_num_threads() == 1
@@ -429,3 +431,64 @@ def test_a_child_forked_after_threaded_kernels_runs_them_on_one_thread() -> None
         assert get_num_threads() == 2
     finally:
         set_num_threads(None)
+
+
+def test_kernels_differing_only_in_their_header_compile_once(_private_cache: Path) -> None:
+    """Head dims 16 and 32 give the same code (the softmax scale is an argument; only the header
+    comment says it): one compiled object, the second a cache hit, each header its own."""
+    from chainfuse.compiler import compile
+
+    chains = [chainfuse.attention_chain(1, 2, 33, 40, d, d) for d in (16, 32)]
+    first, second = (compile(chain) for chain in chains)
+    assert first.spec.name == second.spec.name  # (the same structure: the premise)
+    assert not first.cached and second.cached
+    assert second.path == first.path and len(_entries(_private_cache)) == 1
+    assert "scale=0.25" in first.source and "scale=0.176777" in second.source
+    for chain, kernel in zip(chains, (first, second), strict=True):
+        check_against_reference(kernel, chain, seed=3)
+
+
+def test_set_num_threads_changed_while_other_threads_call() -> None:
+    """Three threads call one kernel while a fourth flips the thread count: every result
+    matches the reference, and nothing deadlocks (each caller keeps a workspace per count)."""
+    import threading
+
+    from chainfuse import reference
+    from chainfuse.compiler import compile
+
+    chain = chainfuse.attention_chain(2, 4, 256, 256, 64, 64)  # (long enough for 2 threads)
+    kernel = compile(chain, threads=2)
+    inputs = reference.random_inputs(chain, seed=2)
+    args = [inputs[t.name] for t in chain.inputs]
+    want = reference.run(chain, inputs)[chain.outputs[0].name]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            for _ in range(15):
+                reference.assert_close(kernel(*args), want, chain)
+        except BaseException as err:  # (reported by the main thread)
+            failures.append(err)
+
+    def flip() -> None:
+        counts = [1, 2, None, 3]
+        i = 0
+        while not stop.is_set():
+            set_num_threads(counts[i % len(counts)])
+            i += 1
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    callers = [threading.Thread(target=call, daemon=True) for _ in range(3)]
+    flipper.start()
+    try:
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in callers), "a caller deadlocked"
+    finally:
+        stop.set()
+        flipper.join(timeout=10)
+        set_num_threads(None)
+    assert not failures, failures[0]
