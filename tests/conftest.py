@@ -4,7 +4,7 @@
 temporary directory before collection (collecting already probes the compiler, which writes to
 the cache) and `pytest_unconfigure` restores the variable and deletes the directory. Subprocesses
 inherit it. ``CHAINFUSE_TEST_CACHE_DIR=path`` reuses `path` instead (kept between runs, so a
-second run skips compiling); the autouse `kernel_cache` fixture checks every test sees it.
+second run skips compiling); the autouse `kernel_cache` fixture checks no test leaves it changed.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def pytest_configure(config: pytest.Config) -> None:
         path = Path(tempfile.mkdtemp(prefix="chainfuse-test-cache-")).resolve()
     _isolated.update(path=path, previous=os.environ.get(_ENV), temporary=not persistent)
     os.environ[_ENV] = str(path)
+    assert cache_dir() == path, f"{_ENV} points at {cache_dir()}, not {path}"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -51,10 +52,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def kernel_cache() -> Iterator[Path]:
-    """The run's kernel cache; fails a test if chainfuse would build anywhere else, or if the
-    test leaves the variable changed."""
+    """The run's kernel cache (tests that need their own point the variable elsewhere through a
+    fixture); fails a test that leaves ``CHAINFUSE_CACHE_DIR`` other than it found it."""
     path = _isolated["path"]
     assert isinstance(path, Path)
-    assert cache_dir() == path, f"{_ENV} points at {cache_dir()}, not {path}"
+    before = os.environ.get(_ENV)
     yield path
-    assert os.environ.get(_ENV) == str(path), f"a test left {_ENV} changed"
+    assert os.environ.get(_ENV) == before, f"a test left {_ENV} changed"
