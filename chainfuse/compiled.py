@@ -58,7 +58,7 @@ _KEYS = PACKED["sizes"] + 5  # L: what a call with another number of keys change
 class _Built:
     """Build (or find in the cache) and load a generated source; what both kernels record.
 
-    The source is generated from the spec and the header (`recipe`) only when the cache does
+    The source is generated (from the spec, `recipe` its name) only when the cache does
     not already hold its object (`build_recipe`), or when `source` is read."""
 
     compile_seconds: float
