@@ -310,7 +310,9 @@ class Kernel(_Built):
         if given:  # (a new out shares memory with nothing)
             found = self.layouts(inputs, out, keys)
             ins = [p for i, p in enumerate(pointers) if i != 3]  # (A, B, D [, the mask])
-            apart((e_ptr, found[-1][1]), [(n, p, at) for (n, at), p in zip(found, ins)])
+            apart(
+                (e_ptr, found[-1][1]), [(n, p, at) for (n, at), p in zip(found, ins, strict=False)]
+            )
         return out, pointers, strides, mask_strides
 
     def layouts(
@@ -502,7 +504,7 @@ class ConvKernel(_Built):
         if given:  # (a new out shares memory with nothing)
             found = self.layouts((x, w1, w2, b1, b2, out))
             apart((ao[0], found[-1][1]),
-                  [(n, p, at) for (n, at), p in zip(found, pointers) if p is not None])  # fmt: skip
+                  [(n, p, at) for (n, at), p in zip(found[:-1], pointers, strict=False) if p is not None])  # fmt: skip
         return out, pointers, strides, channels_last
 
     def layouts(self, operands: tuple[Any, ...]) -> list[tuple[str, Layout]]:

@@ -258,7 +258,8 @@ def overlap(p: int, a: Layout, q: int, b: Layout) -> bool:
     if not (p + a[0] < q + b[1] and q + b[0] < p + a[1]) or a[0] == a[1] or b[0] == b[1]:
         return False
     try:
-        return bool(np.shares_memory(_bytes_at(p, a), _bytes_at(q, b), max_work=1 << 16))
+        shares: Any = np.shares_memory  # (its stubs take only max_work -1 or 0)
+        return bool(shares(_bytes_at(p, a), _bytes_at(q, b), max_work=1 << 16))
     except np.exceptions.TooHardError:  # (too costly to decide exactly: taken as overlapping)
         return True
 
@@ -266,7 +267,8 @@ def overlap(p: int, a: Layout, q: int, b: Layout) -> bool:
 def _bytes_at(ptr: int, at: Layout) -> Any:
     """A numpy view of the bytes an operand covers (a uint8 dim for each element's bytes)."""
     lo, hi, shape, steps = at
-    buf = np.frombuffer((ctypes.c_char * (hi - lo)).from_address(ptr + lo), np.uint8)
+    memory: Any = (ctypes.c_char * (hi - lo)).from_address(ptr + lo)
+    buf = np.frombuffer(memory, np.uint8)
     item = hi - lo - sum(abs((n - 1) * s) for n, s in zip(shape, steps, strict=True))
     return np.lib.stride_tricks.as_strided(buf[-lo:], (*shape, item), (*steps, 1))
 

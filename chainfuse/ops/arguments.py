@@ -25,8 +25,8 @@ __all__ = [
     "operands_of",
     "out_apart",
     "plain",
-    "subclassed",
     "shape_of",
+    "subclassed",
 ]
 
 

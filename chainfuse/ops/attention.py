@@ -19,10 +19,10 @@ from chainfuse.ops.arguments import (
     new_result,
     no_work,
     on_cpu,
-    plain,
-    subclassed,
     operands_of,
+    plain,
     shape_of,
+    subclassed,
 )
 from chainfuse.ops.calls import bucket_key, bucketed, calls, replay, replay_keys, run, signature
 from chainfuse.ops.sdpa import attention_dims, attention_shape

@@ -258,9 +258,12 @@ def disjoint(e: int, inputs: list[Any], layouts: tuple[tuple[str, Layout], ...])
     they meet (`operands.apart` then decides, and names the input)."""
     out = layouts[-1][1]
     lo, hi = e + out[0], e + out[1]
-    for p, (_, at) in zip(inputs, layouts):
+    for p, (_, at) in zip(inputs, layouts, strict=False):  # (layouts end with out's)
         if p is not None and p + at[0] < hi and lo < p + at[1]:
-            apart((e, out), [(n, q, a) for q, (n, a) in zip(inputs, layouts) if q is not None])
+            apart(
+                (e, out),
+                [(n, q, a) for q, (n, a) in zip(inputs, layouts, strict=False) if q is not None],
+            )
             return
 
 

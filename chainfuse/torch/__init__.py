@@ -200,10 +200,7 @@ class SDPAPatch:
         ours = any(functional.scaled_dot_product_attention == p._sdpa for p in _ACTIVE)
         _ACTIVE[:] = [p for p in _ACTIVE if p is not self]
         if ours:  # (exited in any order: the innermost patch still active, or SDPA as it was)
-            functional.scaled_dot_product_attention = (
-                _ACTIVE[-1]._sdpa if _ACTIVE else self._saved
-            )
-
+            functional.scaled_dot_product_attention = _ACTIVE[-1]._sdpa if _ACTIVE else self._saved
 
     def _sdpa(
         self,
