@@ -148,7 +148,7 @@ def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
     if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
                              for v in pair):  # fmt: skip
         raise ValueError(
-            f"{name}: expected an integer or two (first conv, second conv), got {value!r}"
+            f"{name}: expected two integers (first conv, second conv) or one for both, got {value!r}"
         )
     if any(v < least for v in pair):
         raise ValueError(f"{name}: expected integers >= {least}, got {value!r}")

@@ -332,7 +332,7 @@ def test_conv_stride_and_padding_take_numpy_integers() -> None:
                                    torch.from_numpy(w2), stride=np.int64(1)),
         torch.from_numpy(ops.conv_chain(x, w1, w2)),
     )  # fmt: skip
-    with pytest.raises(ValueError, match="stride: expected an integer or two"):
+    with pytest.raises(ValueError, match="stride: expected two integers"):
         ops.conv_chain(x, w1, w2, stride=2.0)
 
 
