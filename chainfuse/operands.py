@@ -296,6 +296,8 @@ def _self_overlapping(shape: tuple[int, ...], steps: tuple[int, ...]) -> bool:
     """Whether two elements may share a byte: each dim's stride, smallest first, must step over
     everything the dims inside it span (a sufficient test; every dense or sliced layout
     passes it)."""
+    if 0 in shape:  # (no elements: none overlap)
+        return False
     span = 0
     for step, n in sorted((abs(s), n) for n, s in zip(shape, steps, strict=True) if n > 1):
         if step <= span:
