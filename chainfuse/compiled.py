@@ -32,11 +32,14 @@ from chainfuse.codegen.gemm_spec import GemmChainShape
 from chainfuse.codegen.schedule import CodeSchedule
 from chainfuse.ir import Affine, Chain, MaskKind, Softmax
 from chainfuse.operands import (
+    Layout,
+    apart,
     check,
     dense_in,
     dense_strides,
     empty_like_input,
     is_torch,
+    layout_of,
     recheck,
     torch_empty,
 )
@@ -286,6 +289,7 @@ class Kernel(_Built):
         b_ptr, b_st = check(b_name, inputs[b_at], shapes[b_name], dtype=dt)
         d_ptr, d_st = check(d_name, inputs[d_at], shapes[d_name], dtype=dt)
         out_shape = shapes[e_name]
+        given = out is not None
         if out is None:
             first = inputs[0]
             out = (
@@ -305,7 +309,28 @@ class Kernel(_Built):
         if self._mask_index is not None:
             mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes)
             pointers.append(mask_ptr)
+        if given:  # (a new out shares memory with nothing)
+            found = self.layouts(inputs, out, keys)
+            ins = [p for i, p in enumerate(pointers) if i != 3]  # (A, B, D [, the mask])
+            apart(
+                (e_ptr, found[-1][1]), [(n, p, at) for (n, at), p in zip(found, ins, strict=False)]
+            )
         return out, pointers, strides, mask_strides
+
+    def layouts(
+        self, inputs: tuple[Any, ...], out: Any, keys: int | None = None
+    ) -> list[tuple[str, Layout]]:
+        """The names and `Layout`s of A, B, D [and the mask] among checked `inputs`, then the
+        result's (named "out"): what `bind` checks an `out=` against, and `ops` on a replay."""
+        shapes = self._shapes if keys is None else self._shapes_for(keys)
+        names = [*self.spec.tensors[:3]]
+        at = [*self._at]
+        if self._mask_index is not None:
+            names.append(self._mask_index[0])
+            at.append(self._mask_at)
+        found = [(n, layout_of(inputs[i], shapes[n])) for n, i in zip(names, at, strict=True)]
+        found.append(("out", layout_of(out, shapes[self.spec.tensors[3]])))
+        return found
 
     def bind_keys(
         self, strides: tuple[int, ...], inputs: tuple[Any, ...], keys: int | None
@@ -469,6 +494,7 @@ class ConvKernel(_Built):
         bias1 = None if b1 is None else dense_strides("b1", b1, shapes["b1"])[0]
         bias2 = None if b2 is None else dense_strides("b2", b2, shapes["b2"])[0]
         channels_last = None
+        given = out is not None
         if out is None:
             # channels-last: C innermost (with C = 1 both orders are dense; strides decide)
             xs = ax[1]
@@ -476,7 +502,20 @@ class ConvKernel(_Built):
             out = empty_like_input(x, shapes["out"], channels_last)
         ao = dense_strides("out", out, shapes["out"], writable=True)
         strides = (*ax[1], *a1[1], *a2[1], *ao[1])
-        return out, [ax[0], a1[0], a2[0], bias1, bias2, ao[0]], strides, channels_last
+        pointers = [ax[0], a1[0], a2[0], bias1, bias2, ao[0]]
+        if given:  # (a new out shares memory with nothing)
+            found = self.layouts((x, w1, w2, b1, b2, out))
+            apart((ao[0], found[-1][1]),
+                  [(n, p, at) for (n, at), p in zip(found[:-1], pointers, strict=False) if p is not None])  # fmt: skip
+        return out, pointers, strides, channels_last
+
+    def layouts(self, operands: tuple[Any, ...]) -> list[tuple[str, Layout]]:
+        """The names and `Layout`s of checked x, w1, w2, b1, b2 (an absent bias: empty) and
+        out: what `bind` checks an `out=` against, and `ops` on a replay."""
+        names = ("x", "w1", "w2", "b1", "b2", "out")
+        shapes = self._shapes
+        return [(n, (0, 0, (), ()) if x is None else layout_of(x, shapes[n]))
+                for n, x in zip(names, operands, strict=True)]  # fmt: skip
 
     def launch(
         self, pointers: Sequence[int | None], strides: tuple[int, ...], threads: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -18,12 +19,17 @@ __all__ = [
     "NP_DTYPES",
     "TORCH_TYPES",
     "Arg",
+    "Layout",
+    "apart",
     "check",
     "contiguous",
     "dense_in",
     "dense_strides",
     "empty_like_input",
     "is_torch",
+    "layout",
+    "layout_of",
+    "overlap",
     "pointer",
     "recheck",
     "torch_dtype",
@@ -43,7 +49,9 @@ def is_torch(x: object) -> bool:
     kind = type(x)
     if kind in TORCH_TYPES:
         return True
-    if kind.__module__.split(".")[0] == "torch":
+    if kind.__module__.split(".")[0] == "torch" or any(
+        k.__name__ == "Tensor" and k.__module__ == "torch" for k in kind.__mro__
+    ):  # (a subclass of torch.Tensor defined anywhere: nn.Parameter, a user's own)
         TORCH_TYPES.add(kind)
         return True
     return False
@@ -86,6 +94,8 @@ def check(
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
         if t.requires_grad and writable:
             raise ValueError(f"{name}: the output must not require grad")
+        if t.layout is not sys.modules["torch"].strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
         strides = tuple(t.stride())
         ptr = int(t.data_ptr())
     elif isinstance(x, np.ndarray):  # a subclass: the same checks, the slow way
@@ -216,3 +226,81 @@ def empty_like_input(x: Any, shape: tuple[int, ...], channels_last: bool) -> Any
         N, K, P, Q = shape
         return np.empty((N, P, Q, K), dtype=np.float32).transpose(0, 3, 1, 2)
     return np.empty(shape, dtype=np.float32)
+
+
+#: Where an operand's elements lie: (first byte, one past the last byte) relative to its data
+#: pointer, its shape, and its strides in bytes; a call's spans are fixed by its replay key
+Layout = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> Layout:
+    """The `Layout` of an operand of `shape` and element `strides` (which may be negative)."""
+    steps = tuple(s * itemsize for s in strides)
+    if 0 in shape:
+        return 0, 0, shape, steps
+    ends = [(n - 1) * s for n, s in zip(shape, steps, strict=True)]
+    lo = sum(e for e in ends if e < 0)
+    return lo, sum(e for e in ends if e > 0) + itemsize, shape, steps
+
+
+def layout_of(x: Any, shape: tuple[int, ...]) -> Layout:
+    """The `Layout` of a numpy array or tensor that `check` took as `shape`."""
+    if isinstance(x, np.ndarray):
+        size = x.itemsize
+        return layout(shape, tuple(s // size for s in x.strides), size)
+    return layout(shape, tuple(x.stride()), x.element_size())
+
+
+def overlap(p: int, a: Layout, q: int, b: Layout) -> bool:
+    """Whether operands at pointers `p` and `q` with layouts `a` and `b` share a byte: their
+    spans first (a few integer comparisons), then numpy's exact test where the spans meet
+    (interleaved views, such as the halves of one buffer, share none)."""
+    if not (p + a[0] < q + b[1] and q + b[0] < p + a[1]) or a[0] == a[1] or b[0] == b[1]:
+        return False
+    try:
+        shares: Any = np.shares_memory  # (its stubs take only max_work -1 or 0)
+        return bool(shares(_bytes_at(p, a), _bytes_at(q, b), max_work=1 << 16))
+    except np.exceptions.TooHardError:  # (too costly to decide exactly: taken as overlapping)
+        return True
+
+
+def _bytes_at(ptr: int, at: Layout) -> Any:
+    """A numpy view of the bytes an operand covers (a uint8 dim for each element's bytes)."""
+    lo, hi, shape, steps = at
+    memory: Any = (ctypes.c_char * (hi - lo)).from_address(ptr + lo)
+    buf = np.frombuffer(memory, np.uint8)
+    item = hi - lo - sum(abs((n - 1) * s) for n, s in zip(shape, steps, strict=True))
+    return np.lib.stride_tricks.as_strided(buf[-lo:], (*shape, item), (*steps, 1))
+
+
+def apart(out: tuple[int, Layout], inputs: Sequence[tuple[str, int, Layout]]) -> None:
+    """Raise a ValueError naming `out` and the first input it overlaps in memory (the kernel
+    would read what it has already written), or `out` alone when its own elements overlap (a
+    stride of 0, an expanded view: two results would land on one element)."""
+    e, at = out
+    _, _, shape, steps = at
+    if _self_overlapping(shape, steps):
+        raise ValueError(
+            f"out: its elements overlap each other (shape {shape}, byte strides {steps}: an "
+            "expanded or self-overlapping view); pass an array with one element per result"
+        )
+    for name, p, layout_ in inputs:
+        if overlap(e, at, p, layout_):
+            raise ValueError(
+                f"out: overlaps the input {name} in memory (the kernel would read results it "
+                f"has written); pass an out that shares no memory with {name}"
+            )
+
+
+def _self_overlapping(shape: tuple[int, ...], steps: tuple[int, ...]) -> bool:
+    """Whether two elements may share a byte: each dim's stride, smallest first, must step over
+    everything the dims inside it span (a sufficient test; every dense or sliced layout
+    passes it)."""
+    if 0 in shape:  # (no elements: none overlap)
+        return False
+    span = 0
+    for step, n in sorted((abs(s), n) for n, s in zip(shape, steps, strict=True) if n > 1):
+        if step <= span:
+            return True
+        span += step * (n - 1)
+    return False

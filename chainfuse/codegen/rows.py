@@ -146,8 +146,8 @@ def emit_rows(w: Writer, spec: GemmChainSpec) -> None:
                 if softmax:
                     _rows_softmax(w, spec)
                 elif spec.epilogue is Epilogue.RELU:
-                    w.line("/* as the micro-kernel's max(x, 0) (which gives 0 for NaN) */")
-                    w.line("for (int l = 0; l < lb; ++l) si[l] = si[l] > 0.0f ? si[l] : 0.0f;")
+                    w.line("/* as the micro-kernel's relu: NaN stays NaN, as torch.relu's */")
+                    w.line("for (int l = 0; l < lb; ++l) si[l] = si[l] < 0.0f ? 0.0f : si[l];")
                 elif spec.epilogue is Epilogue.GELU:
                     w.line("#pragma omp simd")
                     with w.block("for (int l = 0; l < lb; ++l)"):

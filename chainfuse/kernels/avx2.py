@@ -28,7 +28,7 @@ AVX2 = VectorOps(
     broadcast="_mm256_broadcast_ss({ptr})",
     fma="_mm256_fmadd_ps({a}, {b}, {c})",
     add="_mm256_add_ps({a}, {b})",
-    relu="_mm256_max_ps({v}, _mm256_setzero_ps())",  # (maxps returns its second operand on NaN)
+    relu="_mm256_max_ps(_mm256_setzero_ps(), {v})",  # (maxps gives its second operand on NaN: v)
 )
 
 

@@ -49,7 +49,7 @@ AVX512 = VectorOps(
     broadcast="_mm512_set1_ps(*({ptr}))",  # one vbroadcastss from memory (load port, no ALU)
     fma="_mm512_fmadd_ps({a}, {b}, {c})",
     add="_mm512_add_ps({a}, {b})",
-    relu="_mm512_max_ps({v}, _mm512_setzero_ps())",  # (maxps returns its second operand on NaN)
+    relu="_mm512_max_ps(_mm512_setzero_ps(), {v})",  # (maxps gives its second operand on NaN: v)
 )
 
 

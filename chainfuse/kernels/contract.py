@@ -11,7 +11,7 @@ any of them the same way::
 - ``Bp`` holds ``kc`` steps of ``nr`` contiguous floats: ``B[p, j] = Bp[p*nr + j]``;
 - ``C`` is row-major with leading dimension ``ldc``; ``accumulate`` bit 0 clear overwrites it
   (without reading it, so NaN garbage there is harmless), set adds to it; bit 1 (``RELU_AT_STORE``)
-  stores ``v > 0 ? v : 0`` of what it would store (a ReLU on the finished block while it is in
+  stores ``v < 0 ? 0 : v`` of what it would store (NaN stays NaN, as torch.relu's) (a ReLU on the finished block while it is in
   registers, instead of a pass over it in memory).
 
 A kernel module supplies only the *full tile*, every accumulator in a register, in two forms:
@@ -268,7 +268,7 @@ class MicroKernel:
         for (int j = 0; j < n; ++j) {{
             const float v = C_tile[i * {nr} + j];
             const float r = accumulate & 1 ? C[i * ldc + j] + v : v;
-            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r > 0.0f ? r : 0.0f) : r;
+            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r < 0.0f ? 0.0f : r) : r;
         }}
     }}"""
         # (the copy again, one level deeper: inside a narrow block's early return)
@@ -415,7 +415,7 @@ static inline void {name}_strided(int kc, const float* restrict A, long rs, long
 }}
 {cols}"""
         flag = """#ifndef RELU_AT_STORE
-#define RELU_AT_STORE 2 /* accumulate's bit: v > 0 ? v : 0 of the block as it is stored */
+#define RELU_AT_STORE 2 /* accumulate's bit: v < 0 ? 0 : v (NaN kept) of the block as it is stored */
 #endif
 """
         tile = self.full_tile(self).rstrip("\n") + "\n"

@@ -40,7 +40,7 @@ static inline chainfuse_v8sf chainfuse_v8sf_splat(float x)
 }
 static inline chainfuse_v8sf chainfuse_v8sf_relu(chainfuse_v8sf v)
 {
-    for (int i = 0; i < 8; ++i) v[i] = v[i] > 0.0f ? v[i] : 0.0f;
+    for (int i = 0; i < 8; ++i) v[i] = v[i] < 0.0f ? 0.0f : v[i]; /* NaN stays NaN */
     return v;
 }
 #endif

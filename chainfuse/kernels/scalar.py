@@ -44,7 +44,7 @@ static inline void {name}_full_s(int kc, const float* restrict A, long rs, long 
     for (int i = 0; i < {mr}; ++i) {{
         for (int j = 0; j < {nr}; ++j) {{
             const float r = accumulate & 1 ? C[i * ldc + j] + acc[i][j] : acc[i][j];
-            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r > 0.0f ? r : 0.0f) : r;
+            C[i * ldc + j] = accumulate & RELU_AT_STORE ? (r < 0.0f ? 0.0f : r) : r;
         }}
     }}
 }}

@@ -21,7 +21,7 @@ class VectorOps:
 
     Each op is a C expression template: ``load``/``broadcast`` take ``{ptr}``, ``store`` takes
     ``{ptr}`` and ``{v}``, ``fma`` computes ``{a}*{b} + {c}``, ``add`` ``{a} + {b}``, ``relu``
-    ``{v} > 0 ? {v} : 0`` lane by lane (NaN gives 0).
+    ``{v} < 0 ? 0 : {v}`` lane by lane (NaN stays NaN, as torch.relu's).
     ``preamble`` holds the includes and (guarded) typedefs/helpers the templates rely on.
     """
 

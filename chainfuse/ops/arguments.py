@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from chainfuse.operands import is_torch
+from chainfuse.operands import apart, is_torch, layout_of
 
 __all__ = [
     "batch_dims",
@@ -23,7 +23,10 @@ __all__ = [
     "no_work",
     "on_cpu",
     "operands_of",
+    "out_apart",
+    "plain",
     "shape_of",
+    "subclassed",
 ]
 
 
@@ -174,10 +177,41 @@ def inner_contiguous(names: str, *xs: Any) -> None:
 
 
 def on_cpu(names: str, *xs: Any) -> None:
-    """torch operands on another device are an error naming the first by the caller's name (the
-    kernel's own check names its chain's tensors: Q, not q)."""
+    """torch operands on another device, or not dense (sparse, mkldnn), are an error naming the
+    first by the caller's name (the kernel's own check names its chain's tensors: Q, not q)."""
     for i, x in enumerate(xs):
-        if x is not None and is_torch(x) and not x.is_cpu:
-            raise ValueError(
-                f"{names.split(', ')[i]}: expected a CPU tensor, got device {x.device}"
-            )
+        if x is not None and is_torch(x):
+            if not x.is_cpu:
+                raise ValueError(
+                    f"{names.split(', ')[i]}: expected a CPU tensor, got device {x.device}"
+                )
+            if x.layout is not sys.modules["torch"].strided:  # sparse, mkldnn: no strides
+                raise TypeError(
+                    f"{names.split(', ')[i]}: expected a dense (strided) tensor, got layout "
+                    f"{x.layout}"
+                )
+
+
+def plain(x: Any) -> Any:
+    """A numpy array subclass (np.memmap, a user's own) as a plain ndarray over its memory;
+    anything else as it is."""
+    return np.asarray(x) if isinstance(x, np.ndarray) and type(x) is not np.ndarray else x
+
+
+def subclassed(*xs: Any) -> bool:
+    """Whether any of `xs` is a numpy array subclass (`plain` makes it one the kernels take)."""
+    return any(isinstance(x, np.ndarray) and type(x) is not np.ndarray for x in xs)
+
+
+def out_apart(names: str, out: Any, *xs: Any) -> None:
+    """An `out=` sharing memory with an operand (named by `names`), or whose own elements
+    overlap, is an error naming both: for calls that write `out` piece by piece themselves."""
+    if out is None:
+        return
+
+    def at(x: Any) -> int:
+        return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
+
+    named = [(n, at(x), layout_of(x, tuple(x.shape)))
+             for n, x in zip(names.split(", "), xs, strict=True) if x is not None]  # fmt: skip
+    apart((at(out), layout_of(out, tuple(out.shape))), named)

@@ -20,7 +20,9 @@ from chainfuse.ops.arguments import (
     no_work,
     on_cpu,
     operands_of,
+    plain,
     shape_of,
+    subclassed,
 )
 from chainfuse.ops.calls import bucket_key, bucketed, calls, replay, replay_keys, run, signature
 from chainfuse.ops.sdpa import attention_dims, attention_shape
@@ -116,6 +118,9 @@ def attention(
                                              threads)  # fmt: skip
         if done is not None:
             return done
+    if subclassed(q, k, v, attn_mask):  # (np.memmap and such: plain arrays over their memory)
+        return attention(plain(q), plain(k), plain(v), plain(attn_mask), is_causal, scale,
+                         dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
     # (identity tests first: each check costs a measurable share of a short call)
     if is_causal is not False and is_causal is not True and not isinstance(is_causal, np.bool_):
         raise TypeError(

@@ -19,7 +19,7 @@ from chainfuse import builders
 from chainfuse.compiled import ConvKernel, Kernel
 from chainfuse.compiler import compile, compile_conv
 from chainfuse.ir import Activation
-from chainfuse.operands import TORCH_TYPES, empty_like_input, is_torch, pointer
+from chainfuse.operands import TORCH_TYPES, Layout, apart, empty_like_input, is_torch, pointer
 from chainfuse.ops.arguments import empty_result
 
 __all__ = [
@@ -92,6 +92,9 @@ class Replay(NamedTuple):
     shape: tuple[int, ...]
     like: bool
     keys: int | None = None
+    #: the `Layout`s of A, B, D [, the mask] and the result, by name: an `out=` is checked
+    #: against them (`disjoint`)
+    layouts: tuple[tuple[str, Layout], ...] = ()
 
 
 class ConvReplay(NamedTuple):
@@ -103,6 +106,8 @@ class ConvReplay(NamedTuple):
     strides: tuple[int, ...]
     shape: tuple[int, ...]
     channels_last: bool | None
+    #: the `Layout`s of x, w1, w2, b1, b2 and out, by name (`disjoint`)
+    layouts: tuple[tuple[str, Layout], ...] = ()
 
 
 def signature(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -119,13 +124,16 @@ def signature(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
             else:
                 return None
     elif kind in TORCH_TYPES or is_torch(xs[0]):
-        for x in xs:
-            if x is None:
-                key.append(None)
-            elif type(x) is kind and x.is_cpu and not x.requires_grad:
-                key += (x.shape, x.stride(), x.dtype)
-            else:
-                return None
+        try:
+            for x in xs:
+                if x is None:
+                    key.append(None)
+                elif type(x) is kind and x.is_cpu and not x.requires_grad:
+                    key += (x.shape, x.stride(), x.dtype)
+                else:
+                    return None
+        except (RuntimeError, NotImplementedError):  # (no strides: sparse; the checks name it)
+            return None
     else:
         return None
     return tuple(key)
@@ -216,7 +224,8 @@ def run(
     if key is not None or by_keys is not None:
         at = kernel.positions + ((kernel.mask_at,) if mask_strides is not None else ())
         shape = tuple(int(s) for s in result.shape)
-        entry = Replay(kernel, at, strides, mask_strides, shape, like, keys)
+        layouts = tuple(kernel.layouts(inputs, out, keys))
+        entry = Replay(kernel, at, strides, mask_strides, shape, like, keys, layouts)
         if key is not None:
             calls.replays.remember(key, entry)
         if by_keys is not None:
@@ -225,6 +234,7 @@ def run(
 
 def replay(r: Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
     """Run a call `run` ran before with operands like these: their pointers, its strides."""
+    given = out is not None
     if out is None:
         out = empty_result(operands[0], r.shape, r.like)
     at = r.at
@@ -236,8 +246,25 @@ def replay(r: Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
                     operands[at[2]].data_ptr(), out.data_ptr()]  # fmt: skip
     if r.mask_strides is not None:
         pointers.append(pointer(operands[at[3]]))
+    if given:  # (a new result shares memory with nothing)
+        disjoint(pointers[3], [pointers[0], pointers[1], pointers[2], *pointers[4:]], r.layouts)
     r.kernel.launch(pointers, r.strides, r.mask_strides, threads, r.keys)
     return out
+
+
+def disjoint(e: int, inputs: list[Any], layouts: tuple[tuple[str, Layout], ...]) -> None:
+    """A replay's check of the caller's `out=` at `e` against its inputs at new pointers, with
+    the layouts its first call found (the key fixes them): the spans' comparisons only, unless
+    they meet (`operands.apart` then decides, and names the input)."""
+    out = layouts[-1][1]
+    lo, hi = e + out[0], e + out[1]
+    for p, (_, at) in zip(inputs, layouts, strict=False):  # (layouts end with out's)
+        if p is not None and p + at[0] < hi and lo < p + at[1]:
+            apart(
+                (e, out),
+                [(n, q, a) for q, (n, a) in zip(inputs, layouts, strict=False) if q is not None],
+            )
+            return
 
 
 def replay_keys(
@@ -267,11 +294,14 @@ def replay_keys(
 
 def replay_conv(r: ConvReplay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
     """Run a conv chain `conv_chain` ran before with operands like these."""
+    given = out is not None
     if out is None:
         assert r.channels_last is not None
         out = empty_like_input(operands[0], r.shape, r.channels_last)
     ptr = pointer
     pointers = [None if x is None else ptr(x) for x in operands]
+    if given:
+        disjoint(ptr(out), pointers, r.layouts)
     pointers.append(ptr(out))
     r.kernel.launch(pointers, r.strides, threads)
     return out

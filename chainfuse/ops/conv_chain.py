@@ -5,10 +5,18 @@ y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from chainfuse import builders
-from chainfuse.ops.arguments import inference_only, no_work, shape_of
+from chainfuse.ops.arguments import (
+    inference_only,
+    no_work,
+    on_cpu,
+    plain,
+    shape_of,
+    subclassed,
+)
 from chainfuse.ops.calls import ConvReplay, calls, replay_conv, signature
 from chainfuse.runtime import get_num_threads
 
@@ -61,7 +69,12 @@ def conv_chain(
                 replays.hits += 1
                 return replay_conv(hit, (x, w1, w2, b1, b2), out, threads)
             replays.misses += 1
+    if subclassed(x, w1, w2, b1, b2, out):  # (np.memmap and such: plain arrays over their memory)
+        found = conv_chain(plain(x), plain(w1), plain(w2), plain(b1), plain(b2), stride, padding,
+                           between, after, plain(out))  # fmt: skip
+        return found if out is None else out
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
+    on_cpu("x, w1, w2, b1, b2, out", x, w1, w2, b1, b2, out)
     inference_only("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
     K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
@@ -101,8 +114,9 @@ def conv_chain(
     out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
     kernel.launch(pointers, strides, threads)
     if key is not None:
+        layouts = tuple(kernel.layouts((x, w1, w2, b1, b2, out)))
         calls.conv_replays.remember(
-            key, ConvReplay(kernel, strides, kernel.out_shape, channels_last)
+            key, ConvReplay(kernel, strides, kernel.out_shape, channels_last, layouts)
         )
     return out
 
@@ -124,9 +138,18 @@ def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[in
 
 
 def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
-        raise ValueError(f"{name}: expected two integers (first conv, second conv), got {value!r}")
+    if isinstance(value, numbers.Integral):  # (numpy's integers too)
+        pair: tuple[Any, ...] = (value, value)
+    else:
+        try:
+            pair = tuple(value)
+        except TypeError:
+            pair = ()
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                             for v in pair):  # fmt: skip
+        raise ValueError(
+            f"{name}: expected two integers (first conv, second conv) or one for both, got {value!r}"
+        )
     if any(v < least for v in pair):
         raise ValueError(f"{name}: expected integers >= {least}, got {value!r}")
     return int(pair[0]), int(pair[1])

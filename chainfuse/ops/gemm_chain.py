@@ -20,6 +20,9 @@ from chainfuse.ops.arguments import (
     no_work,
     on_cpu,
     operands_of,
+    out_apart,
+    plain,
+    subclassed,
 )
 from chainfuse.ops.calls import calls, replay, run, signature
 from chainfuse.ops.views import lead_merged, stretched
@@ -57,6 +60,9 @@ def gemm_chain(
                 replays.hits += 1
                 return replay(hit, (A, B, D), out, threads)
             replays.misses += 1
+    if subclassed(A, B, D, out):  # (np.memmap and such: plain arrays over their memory)
+        found = gemm_chain(plain(A), plain(B), plain(D), between, plain(out))
+        return found if out is None else out
     dtype, (sa, sb, sd) = operands_of("A, B, D", A, B, D)
     if (
         not len(sa) == len(sb) == len(sd)
@@ -141,6 +147,7 @@ def _gemm_chain_broadcast(
     lead = shape[:n]
     if out is not None and tuple(out.shape) != shape:
         raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+    out_apart("A, B, D", out, A, B, D)  # (the calls below may write out a batch at a time)
     pa, pb, pd = ((1,) * (n + 2 - len(s)) + s for s in shapes)
     A, B, D = A.reshape(pa), B.reshape(pb), D.reshape(pd)  # (views: leading dims of 1)
     whole = out is not None and (out.is_contiguous() if is_torch(out) else out.flags.c_contiguous)

@@ -14,6 +14,7 @@ Their kernels run on ``torch.get_num_threads()`` threads, as PyTorch's own ops d
 from __future__ import annotations
 
 import collections
+import numbers
 import warnings
 from collections.abc import Callable
 from types import TracebackType
@@ -155,6 +156,10 @@ def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> st
     return None
 
 
+#: the active `SDPAPatch`es, outermost first
+_ACTIVE: list[SDPAPatch] = []
+
+
 class SDPAPatch:
     """While active (a `with` block), `torch.nn.functional.scaled_dot_product_attention` is
     chainfuse's attention: a model that calls SDPA through the module, as Hugging Face models
@@ -176,10 +181,12 @@ class SDPAPatch:
         self._saved: Any = None
 
     def __enter__(self) -> SDPAPatch:
-        if self._saved is not None:
+        if any(p is self for p in _ACTIVE):
             raise RuntimeError("patch_sdpa: this patch is already active (use a new one to nest)")
         functional = torch.nn.functional
-        self._saved = functional.scaled_dot_product_attention
+        # fallbacks go to SDPA as it was before the outermost active patch
+        self._saved = _ACTIVE[0]._saved if _ACTIVE else functional.scaled_dot_product_attention
+        _ACTIVE.append(self)
         functional.scaled_dot_product_attention = self._sdpa
         return self
 
@@ -189,8 +196,11 @@ class SDPAPatch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        torch.nn.functional.scaled_dot_product_attention = self._saved
-        self._saved = None
+        functional = torch.nn.functional
+        ours = any(functional.scaled_dot_product_attention == p._sdpa for p in _ACTIVE)
+        _ACTIVE[:] = [p for p in _ACTIVE if p is not self]
+        if ours:  # (exited in any order: the innermost patch still active, or SDPA as it was)
+            functional.scaled_dot_product_attention = _ACTIVE[-1]._sdpa if _ACTIVE else self._saved
 
     def _sdpa(
         self,
@@ -339,14 +349,14 @@ def _conv_chain_fake(
 
 def _pair(name: str, value: Any) -> list[int]:
     """stride or padding as the operator's two ints (one int serves both convs)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value, value]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return [int(value), int(value)]
     if (
         isinstance(value, tuple | list)
         and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
     ):
-        return [value[0], value[1]]
+        return [int(value[0]), int(value[1])]
     raise ValueError(f"{name}: expected an int or two ints (one per conv), got {value!r}")
 
 

@@ -145,7 +145,7 @@ static void cf_epilogue(float* out, long ldo, long npx, long K, const float* bia
             for (long k = 0; k < K; ++k) o[k] += bias[k];
         }
         if (relu) {
-            for (long k = 0; k < K; ++k) o[k] = o[k] > 0.0f ? o[k] : 0.0f;
+            for (long k = 0; k < K; ++k) o[k] = o[k] < 0.0f ? 0.0f : o[k]; /* NaN kept */
         }
     }
 }
