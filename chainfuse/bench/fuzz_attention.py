@@ -139,6 +139,8 @@ def attention_case(
             mask_values = keep
         else:
             masked = -1.0e4 if rng.random() < 0.5 else -np.inf  # (finite: as float16 masks are)
+            if masked > -np.inf:  # each row's first key kept: a row all at -1e4 is an ordinary
+                keep[..., 0] = True  # row shifted by 1e4, past what the tolerance rule covers
             mask_values = np.where(keep, rng.standard_normal(mshape), masked)
             if empty is not None:  # (all -1e4: an ordinary row, its scores shifted by 1e4)
                 mask_values[..., empty, :] = -np.inf
