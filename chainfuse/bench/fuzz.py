@@ -93,7 +93,7 @@ class Summary:
         features, and under "(all)"."""
         table: dict[tuple[str, str, str], collections.Counter[Outcome]] = {}
         for r in self.results:
-            for feature in ("(all)", *r.features):
+            for feature in dict.fromkeys(("(all)", *r.features)):  # (each once per case)
                 table.setdefault((r.op, r.dtype, feature), collections.Counter())[r.outcome] += 1
         return table
 
