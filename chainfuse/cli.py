@@ -5,6 +5,8 @@ chainfuse plan --gemm 12,512,64,64,512 --between softmax --json
 chainfuse plan --conv 64,56,56,64,64,1,1 --kernels 1,3 --between relu
 chainfuse hw [--hw PRESET]
 chainfuse bench [gemm-chain|attention|conv-chain|all] [--quick] [--threads 1,2] [--out DIR]
+chainfuse fuzz --cases 10000 [--seed S] [--ops gemm_chain,attention,conv_chain] [--dtypes ...]
+chainfuse fuzz --seed S --case N        # rerun one case, printing its operands
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def _bench(args: argparse.Namespace) -> int:
     return runner.main(rest[1:] if rest[:1] == ["--"] else rest)
 
 
+def _fuzz(args: argparse.Namespace) -> int:
+    from chainfuse.bench import fuzz
+
+    return fuzz.main(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chainfuse", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER,
                    help="[gemm-chain|attention|conv-chain|all] [--quick] ... (see --help)")  # fmt: skip
     b.set_defaults(run=_bench)
+
+    f = sub.add_parser("fuzz", help="run random cases of every op against the reference")
+    from chainfuse.bench.fuzz import add_arguments
+
+    add_arguments(f)
+    f.set_defaults(run=_fuzz)
 
     h = sub.add_parser("hw", help="print the detected (or a preset) hardware")
     h.add_argument("--hw", default="detect", help=hw_help)
