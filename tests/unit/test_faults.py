@@ -46,7 +46,7 @@ def _child_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def module_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One cache for this module's tests (a kernel compiled once), never the session's: they
+    """One cache for this module's tests (a kernel compiled once), never the run's: they
     damage what is in it."""
     cache = tmp_path_factory.mktemp("faults-cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -1,4 +1,4 @@
-"""The analytical model's closed forms: DESIGN.md's worked example, recompute, conv halos, legality."""
+"""The analytical model's closed forms: docs/design.md's worked example, recompute, conv halos, legality."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from chainfuse.model import (
 )
 from chainfuse.simulate import simulate_level
 
-EXAMPLE = ("b", "m", "l", "k", "n")  # DESIGN.md: m > l > {k (op1) | n (op2)}, b outermost
+EXAMPLE = ("b", "m", "l", "k", "n")  # docs/design.md: m > l > {k (op1) | n (op2)}, b outermost
 
 # (batch, M, N, K, L, T_M, T_L, T_K, T_N): T_M | M, T_L | L, T_K < K, T_N < N
 SIZES = [
