@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from chainfuse.codegen.amx_chain import amx_arithmetic, amx_describe, emit_amx_chain
 from chainfuse.codegen.conv import (
     GEOMETRY,
     ConvChainShape,
@@ -31,6 +32,7 @@ from chainfuse.codegen.gemm_chain import PACKED, emit_gemm_chain
 from chainfuse.codegen.gemm_spec import GemmChainShape
 from chainfuse.codegen.schedule import CodeSchedule
 from chainfuse.ir import Affine, Chain, MaskKind, Softmax
+from chainfuse.kernels.amx import AmxPath
 from chainfuse.operands import (
     Layout,
     apart,
@@ -46,7 +48,7 @@ from chainfuse.operands import (
 from chainfuse.planner import Plan
 from chainfuse.runtime import build_recipe, get_num_threads, load
 
-__all__ = ["ALONE_S", "ConvKernel", "Kernel"]
+__all__ = ["ALONE_S", "AmxKernel", "ConvKernel", "Kernel"]
 
 _A, _B, _D, _E = PACKED["A"], PACKED["B"], PACKED["D"], PACKED["E"]
 _STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
@@ -386,6 +388,36 @@ class Kernel(_Built):
             packed[_MASK] = pointers[4]
             packed[_MASK_STRIDES] = mask_strides
         self._fn(local.address)
+
+
+class AmxKernel(Kernel):
+    """A bf16 GEMM chain on AMX tiles (`codegen.amx_chain`): `Kernel`'s calling convention and
+    caches, its own source and build flags (`path`: the tile unit, or its emulation)."""
+
+    def __init__(
+        self,
+        chain: Chain,
+        plan_: Plan,
+        schedule: CodeSchedule,
+        shape: GemmChainShape,
+        header: str,
+        path: AmxPath,
+    ) -> None:
+        self.amx_path = path
+        self._amx_header = header
+        super().__init__(chain, plan_, schedule, shape, header, amx_arithmetic(path))
+
+    def _build(
+        self, make_source: Callable[[], str], recipe: str, name: str, cflags: tuple[str, ...]
+    ) -> ctypes.CDLL:
+        spec, header, path = self.spec, self._amx_header, self.amx_path
+        return super()._build(
+            lambda: emit_amx_chain(spec, header, path), f"{path.value}\n{recipe}", name,
+            path.cflags,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        return amx_describe(self.schedule, self.amx_path)
 
 
 class ConvKernel(_Built):

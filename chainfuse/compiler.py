@@ -9,18 +9,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from chainfuse.codegen.amx_chain import (
-    amx_arithmetic,
-    amx_describe,
     amx_header,
     amx_schedule,
     amx_unsupported,
-    emit_amx_chain,
 )
+from chainfuse.codegen.common import chain_lines
 from chainfuse.codegen.conv import (
     ConvChainSpec,
     ConvTiles,
@@ -29,13 +26,13 @@ from chainfuse.codegen.conv import (
     code_tiles,
     match_conv_chain,
 )
-from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec, match_gemm_chain
-from chainfuse.codegen.schedule import CodeSchedule, schedule_gemm_chain
-from chainfuse.compiled import ConvKernel, Kernel
+from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, match_gemm_chain
+from chainfuse.codegen.schedule import schedule_gemm_chain
+from chainfuse.compiled import AmxKernel, ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
-from chainfuse.ir import Chain, DType, Role
+from chainfuse.ir import Chain, DType
 from chainfuse.kernels import Problem, select_weighted
-from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath, amx_path
+from chainfuse.kernels.amx import AMX_BF16_32X32, amx_path
 from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError
 from chainfuse.runtime import get_num_threads
@@ -122,44 +119,11 @@ def compile(
     return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec))
 
 
-class AmxKernel(Kernel):
-    """A bf16 GEMM chain on AMX tiles (`codegen.amx_chain`): `Kernel`'s calling convention and
-    caches, its own source and build flags (`path`: the tile unit, or its emulation)."""
-
-    def __init__(
-        self,
-        chain: Chain,
-        plan_: Plan,
-        schedule: CodeSchedule,
-        shape: GemmChainShape,
-        header: str,
-        path: AmxPath,
-    ) -> None:
-        self.amx_path = path
-        self._amx_header = header
-        super().__init__(chain, plan_, schedule, shape, header, amx_arithmetic(path))
-
-    def _build(
-        self, make_source: Callable[[], str], recipe: str, name: str, cflags: tuple[str, ...]
-    ) -> ctypes.CDLL:
-        spec, header, path = self.spec, self._amx_header, self.amx_path
-        return super()._build(
-            lambda: emit_amx_chain(spec, header, path), f"{path.value}\n{recipe}", name,
-            path.cflags,
-        )  # fmt: skip
-
-    def describe(self) -> str:
-        return amx_describe(self.schedule, self.amx_path)
-
-
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
     """The source's opening comment: the chain's structure only (no sizes, no tiles: those are
     arguments, so the same source, and the same compiled object, serves every size and every
     plan; `Kernel.plan` says which one a kernel runs)."""
-    ops = "\n".join(f"  {op}" for op in chain.ops)
-    roles = ", ".join(
-        f"{t.name} ({t.role.value})" for t in chain.tensors if t.role is not Role.INTERMEDIATE
-    )
+    ops, roles = chain_lines(chain)
     return (
         f"chainfuse generated kernel {spec.name}\n"
         f"chain:\n{ops}\n"

@@ -25,11 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from chainfuse.codegen.common import ALIGN16, c_source, header_comment, per_thread
+from chainfuse.codegen.common import (
+    ALIGN16,
+    c_source,
+    chain_lines,
+    define_lines,
+    header_comment,
+    per_thread,
+)
 from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
 from chainfuse.codegen.schedule import CodeSchedule, TileChange
 from chainfuse.codegen.writer import Writer
-from chainfuse.ir import Chain, MaskKind, Role
+from chainfuse.ir import Chain, MaskKind
 from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath
 from chainfuse.planner import Plan
 
@@ -105,10 +112,7 @@ def amx_arithmetic(path: AmxPath) -> str:
 def amx_header(chain: Chain, chosen: Plan, spec: GemmChainSpec, path: AmxPath) -> str:
     """The source's opening comment: the chain's structure and the path (no sizes, no tiles:
     those are arguments)."""
-    ops = "\n".join(f"  {op}" for op in chain.ops)
-    roles = ", ".join(
-        f"{t.name} ({t.role.value})" for t in chain.tensors if t.role is not Role.INTERMEDIATE
-    )
+    ops, roles = chain_lines(chain)
     return (
         f"chainfuse generated kernel {spec.name} ({path.value})\n"
         f"chain:\n{ops}\n"
@@ -290,9 +294,7 @@ def _emit_regions(w: Writer) -> None:
         "const long SCRATCH = AT_STATS + 2 * ALIGN16(MB);",
         "(void)AT_STATS;",
     ]
-    w.line("#define CF_AMX_REGIONS(tiles, K, N) \\")
-    for i, text in enumerate(lines):
-        w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
+    define_lines(w, "CF_AMX_REGIONS(tiles, K, N)", lines)
 
 
 def _emit_block(w: Writer, spec: GemmChainSpec) -> None:

@@ -10,8 +10,18 @@ from contextlib import contextmanager
 from importlib import resources
 
 from chainfuse.codegen.writer import Writer
+from chainfuse.ir import Chain, Role
 
-__all__ = ["ALIGN16", "PROLOGUE_END", "c_source", "header_comment", "name_hash", "per_thread"]
+__all__ = [
+    "ALIGN16",
+    "PROLOGUE_END",
+    "c_source",
+    "chain_lines",
+    "define_lines",
+    "header_comment",
+    "name_hash",
+    "per_thread",
+]
 
 #: Rounds a count of floats up to whole 64-byte lines (the workspace's regions).
 ALIGN16 = "#define ALIGN16(x) (((x) + 15) & ~15L)"
@@ -37,6 +47,22 @@ def header_comment(w: Writer, header: str) -> None:
     for text in header.strip().split("\n"):
         w.line(f" * {text}".rstrip())
     w.line(" */")
+
+
+def define_lines(w: Writer, head: str, lines: list[str]) -> None:
+    """`#define head` whose body is `lines` (statements), one per continued line."""
+    w.line(f"#define {head} \\")
+    for i, text in enumerate(lines):
+        w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
+
+
+def chain_lines(chain: Chain) -> tuple[str, str]:
+    """A header's `chain:` body (one op a line) and its tensors line (name and role)."""
+    ops = "\n".join(f"  {op}" for op in chain.ops)
+    roles = ", ".join(
+        f"{t.name} ({t.role.value})" for t in chain.tensors if t.role is not Role.INTERMEDIATE
+    )
+    return ops, roles
 
 
 @contextmanager

@@ -31,7 +31,7 @@ shared counter (`claim.c`).
 
 from __future__ import annotations
 
-from chainfuse.codegen.common import ALIGN16, c_source, header_comment, per_thread
+from chainfuse.codegen.common import ALIGN16, c_source, define_lines, header_comment, per_thread
 from chainfuse.codegen.gemm_spec import HALF, Epilogue, GemmChainSpec, wide_heads, writes_e
 from chainfuse.codegen.row_block import emit_block, emit_store_e
 from chainfuse.codegen.rows import (
@@ -305,9 +305,7 @@ def _tiles_macro(w: Writer, spec: GemmChainSpec) -> None:
         "(void)T_M; (void)T_L; (void)T_K; (void)T_N; (void)MPN; (void)LDE; (void)LPM;",
         "(void)NPM; (void)NPN; (void)DTF;",
     ]
-    w.line("#define CF_TILES(t) \\")
-    for i, text in enumerate(lines):
-        w.line(f"    {text}" + (" \\" if i < len(lines) - 1 else ""))
+    define_lines(w, "CF_TILES(t)", lines)
 
 
 def _schedule(w: Writer, spec: GemmChainSpec) -> None:
