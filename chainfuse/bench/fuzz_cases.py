@@ -51,10 +51,6 @@ def pick(rng: np.random.Generator, options: Any, weights: Any = None) -> Any:
     return options[int(rng.choice(len(options), p=p))]
 
 
-def normal(rng: np.random.Generator, shape: tuple[int, ...], std: float = 1.0) -> np.ndarray:
-    return std * rng.standard_normal(shape)
-
-
 def layout_for(rng: np.random.Generator, kind: Kind, ndim: int, plain: bool) -> Layout:
     """A random layout an op takes as given (numpy: a negative stride too); `plain`: contiguous."""
     if plain:
