@@ -44,6 +44,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from chainfuse.gpu import GpuSpec, architecture_preset, gpu_properties
 from chainfuse.ir import DType
 
 __all__ = [
@@ -228,6 +229,7 @@ class Hardware:
     vector_registers: int
     peak_flops: tuple[tuple[DType, float], ...]
     clock_hz: float
+    gpu: GpuSpec | None = None  # a GPU's per-program limits and tensor-core peaks (`chainfuse.gpu`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -267,6 +269,8 @@ class Hardware:
         object.__setattr__(self, "isa", isa)
         object.__setattr__(self, "peak_flops", ordered)
         object.__setattr__(self, "clock_hz", _positive_float(self.clock_hz, f"{what} clock_hz"))
+        if self.gpu is not None and not isinstance(self.gpu, GpuSpec):
+            raise TypeError(f"{what}: gpu must be a GpuSpec or None, got {self.gpu!r}")
 
     # -- lookup -----------------------------------------------------------------------------------
     def peak(self, dtype: DType | str) -> float:
@@ -344,13 +348,21 @@ class Hardware:
                 k: _positive_float(v, f"{what} peak_flops_total.{k}") / cores
                 for k, v in totals.items()
             }
+        if "gpu" in data:
+            data["gpu"] = GpuSpec.from_data(data["gpu"], what, _parse_size)
         return _from_data(data, what)
 
     # -- sources ----------------------------------------------------------------------------------
     @classmethod
-    def detect(cls) -> Hardware:
-        """This host, read once per process (see the module docstring for what is assumed)."""
-        return _detect()
+    def detect(cls, device: str = "cpu") -> Hardware:
+        """This host's CPU, read once per process (see the module docstring for what is
+        assumed), or with `device="cuda"` (`"cuda:1"`) a CUDA device (`chainfuse.gpu`)."""
+        if device == "cpu":
+            return _detect()
+        index = device.removeprefix("cuda").removeprefix(":")
+        if not device.startswith("cuda") or not (index or "0").isdigit():
+            raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        return _detect_gpu(int(index or "0"))
 
     @classmethod
     def preset(cls, name: str) -> Hardware:
@@ -375,6 +387,8 @@ class Hardware:
             "".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + row[4] for row in rows
         ]
         lines.append(f"peak per core  {peaks}")
+        if self.gpu is not None:
+            lines.append(str(self.gpu))
         return "\n".join(lines)
 
 
@@ -409,7 +423,7 @@ def _to_data(hw: Hardware) -> dict[str, Any]:
         "vector_registers": hw.vector_registers,
         "peak_flops": {dtype.value: flops for dtype, flops in hw.peak_flops},
         "clock_hz": hw.clock_hz,
-    }
+    } | ({} if hw.gpu is None else {"gpu": hw.gpu.to_data()})
 
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -425,7 +439,7 @@ def _enum(cls: type[_E], value: object, what: str) -> _E:
 
 def _from_data(data: dict[str, Any], what: str) -> Hardware:
     """Build from plain data (parsed JSON or TOML); unknown or missing keys are errors."""
-    keys = set(data)
+    keys = set(data) | {"gpu"}
     if keys != _FIELDS:
         extra, missing = sorted(keys - _FIELDS), sorted(_FIELDS - keys)
         raise ValueError(f"{what}: unknown keys {extra}, missing keys {missing}")
@@ -462,7 +476,14 @@ def _from_data(data: dict[str, Any], what: str) -> Hardware:
         vector_registers=data["vector_registers"],
         peak_flops=tuple((DType.parse(k, f"{what} peak_flops"), v) for k, v in peaks.items()),
         clock_hz=data["clock_hz"],
+        gpu=_gpu_of(data.get("gpu"), what),
     )
+
+
+def _gpu_of(data: object, what: str) -> GpuSpec | None:
+    if data is None or isinstance(data, GpuSpec):
+        return data
+    return GpuSpec.from_data(data, what, _parse_size)
 
 
 # -- presets --------------------------------------------------------------------------------------
@@ -489,9 +510,12 @@ def _preset(name: str) -> Hardware:
 
 
 def resolve(hardware: Hardware | str | None) -> Hardware:
-    """The one way entry points accept a machine: None or "detect" = this host, a str = a preset."""
+    """The one way entry points accept a machine: None or "detect" = this host's CPU, "cuda" or
+    "cuda:N" = that GPU (`Hardware.detect`), another str = a preset."""
     if hardware is None or hardware == "detect":
         return Hardware.detect()
+    if isinstance(hardware, str) and hardware.startswith("cuda"):
+        return Hardware.detect(hardware)
     if isinstance(hardware, str):
         return Hardware.preset(hardware)
     if isinstance(hardware, Hardware):
@@ -706,3 +730,42 @@ def _detect_host() -> Hardware:
 
 
 _detect = functools.cache(_detect_host)
+
+
+@functools.cache
+def _detect_gpu(index: int) -> Hardware:
+    """CUDA device `index`: what the driver reports (SMs, memory, L2, shared memory, registers)
+    over the preset of its architecture (clocks, bandwidths and peaks per SM, scaled by the SM
+    count). An architecture without a preset is an error naming the known ones."""
+    props = gpu_properties(index)
+    if props is None:
+        raise RuntimeError(f"no CUDA device {index} (torch with CUDA and a GPU are needed)")
+    name = architecture_preset(props["compute_capability"], props["total_memory"])
+    if name is None:
+        major, minor = props["compute_capability"]
+        raise RuntimeError(
+            f"GPU {props['name']!r} (sm_{major}{minor}) has no preset to take its clocks and "
+            "peaks from; plan with --hw a100, h100 or h200"
+        )
+    base = _preset(name)
+    assert base.gpu is not None
+    sms, scale = props["sms"], props["sms"] / base.cores
+    levels = list(base.levels)
+    if props["smem_per_sm"]:
+        levels[0] = dataclasses.replace(levels[0], capacity=props["smem_per_sm"])
+    for i, lv in enumerate(levels[1:], 1):  # the per-SM share of a total stays the same
+        total = None if lv.total_bandwidth is None else lv.total_bandwidth * scale
+        size = props["l2"] if i == 1 and props["l2"] else lv.capacity
+        size = props["total_memory"] if i == len(levels) - 1 else size
+        levels[i] = dataclasses.replace(lv, capacity=size, total_bandwidth=total)
+    gpu = dataclasses.replace(
+        base.gpu,
+        compute_capability=props["compute_capability"],
+        registers_per_sm=props["registers_per_sm"] or base.gpu.registers_per_sm,
+        threads_per_sm=props["threads_per_sm"] or base.gpu.threads_per_sm,
+        smem_per_program=props["smem_per_program"] or base.gpu.smem_per_program,
+        tensor_flops=tuple((f, v * scale) for f, v in base.gpu.tensor_flops),
+    )
+    return dataclasses.replace(
+        base, name=f"cuda: {props['name']}", cores=sms, levels=tuple(levels), gpu=gpu
+    )
