@@ -19,9 +19,9 @@ FACADE = "chainfuse"
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
-        "ir builders hardware reference config",
+        "ir builders hardware reference config gpu",
         "kernels",  # micro-kernels: their register block is an input of the model
-        "model planner footprint simulate",
+        "model planner footprint simulate gpu_plan",
         "codegen",
         "runtime",
         "operands compiled compiler",
