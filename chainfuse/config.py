@@ -16,6 +16,8 @@ variable                 meaning
 ``CHAINFUSE_SANITIZE``   sanitizers to build kernels with, e.g. ``address,undefined``: adds
                          ``-fsanitize=...`` (a separate cache entry); loading such a kernel needs
                          the sanitizer runtime preloaded (``scripts/sanitize.sh``)
+``CHAINFUSE_BACKEND``    ``auto`` (default: CUDA tensors run the Triton kernels, CPU tensors the C
+                         ones) or ``triton`` (torch CPU tensors too, under Triton's interpreter)
 ``OMP_NUM_THREADS``      default thread count of generated kernels (else the CPUs we may run on);
                          a value that is not a positive integer is ignored with a warning
 ``OMP_WAIT_POLICY``      set to ``PASSIVE`` by the runtime unless already set (`runtime.toolchain`)
@@ -32,6 +34,8 @@ from pathlib import Path
 import platformdirs
 
 __all__ = [
+    "BACKENDS",
+    "ENV_BACKEND",
     "ENV_CACHE_DIR",
     "ENV_CC",
     "ENV_CC_TIMEOUT",
@@ -40,6 +44,7 @@ __all__ = [
     "ENV_SANITIZE",
     "ENV_WAIT_POLICY",
     "VERSION",
+    "backend",
     "cache_dir",
     "cc_override",
     "cc_timeout",
@@ -58,6 +63,8 @@ ENV_CC_TIMEOUT = "CHAINFUSE_CC_TIMEOUT"
 ENV_SANITIZE = "CHAINFUSE_SANITIZE"
 ENV_NUM_THREADS = "OMP_NUM_THREADS"
 ENV_WAIT_POLICY = "OMP_WAIT_POLICY"
+ENV_BACKEND = "CHAINFUSE_BACKEND"
+BACKENDS = ("auto", "triton")
 
 
 def _env(name: str) -> str | None:
@@ -167,3 +174,13 @@ def _usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+def backend() -> str:
+    """`CHAINFUSE_BACKEND`: "auto" (unset or empty) or "triton"; anything else is an error."""
+    value = (os.environ.get(ENV_BACKEND) or "auto").strip().lower()
+    if value not in BACKENDS:
+        raise ValueError(
+            f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND)!r}: expected one of {', '.join(BACKENDS)}"
+        )
+    return value

@@ -12,6 +12,7 @@ import numpy as np
 
 from chainfuse import builders
 from chainfuse.operands import is_torch
+from chainfuse.ops import gpu
 from chainfuse.ops.arguments import (
     batch_dims,
     inference_only,
@@ -111,6 +112,9 @@ def attention(
     that require grad are refused while grad mode is on: the kernel has no backward, and a
     result silently cut from the graph would be wrong later.
     """
+    if q.__class__ is not np.ndarray and gpu.routed(q, k, v, attn_mask):  # CUDA, or triton
+        return gpu.attention(q, k, v, attn_mask, is_causal, scale, dropout_p=dropout_p,
+                             enable_gqa=enable_gqa)  # fmt: skip
     threads = get_num_threads()
     key = by_keys = None
     if dropout_p.__class__ is float and dropout_p == 0.0:

@@ -13,6 +13,7 @@ import numpy as np
 from chainfuse import builders
 from chainfuse.ir import Activation
 from chainfuse.operands import is_torch
+from chainfuse.ops import gpu
 from chainfuse.ops.arguments import (
     batch_dims,
     inference_only,
@@ -48,6 +49,8 @@ def gemm_chain(
     An MLP's x [batch, tokens, dim] with 2-D weights is one call over batch x tokens rows (the
     weights read once), where x's rows lie evenly in memory (see `_gemm_chain_broadcast`).
     """
+    if A.__class__ is not np.ndarray and gpu.routed(A, B, D, out):  # CUDA, or triton asked for
+        return gpu.gemm_chain(A, B, D, between, out)
     threads = get_num_threads()
     key = None
     if between is None or between.__class__ is str or isinstance(between, Activation):
