@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 
 from chainfuse.bench import workloads
 from chainfuse.builders import conv_chain_spec, gemm_chain
 from chainfuse.hardware import presets, resolve
 from chainfuse.ir import Chain
-from chainfuse.planner import PlanningError, timed_plan
+from chainfuse.gpu_plan import TritonPlan, plan_triton
+from chainfuse.planner import Plan, PlanningError, timed_plan
 from chainfuse.simulate import simulate
 
 __all__ = ["main"]
@@ -56,13 +58,22 @@ def _chain(args: argparse.Namespace) -> Chain:
 def _plan(args: argparse.Namespace) -> int:
     chain = _chain(args)
     hw = resolve(args.hw)
-    result, seconds = timed_plan(chain, hw, threads=args.threads)
+    shown: Plan | TritonPlan
+    if hw.gpu is not None and len(chain.contractions) == 2 and {"m", "n", "k", "l"} <= set(
+        chain.extents
+    ):  # a GPU runs two-GEMM chains as Triton kernels: their blocks, warps and stages
+        start = time.perf_counter()
+        shown = plan_triton(chain, hw)
+        result, seconds = shown.plan, time.perf_counter() - start
+    else:
+        result, seconds = timed_plan(chain, hw, threads=args.threads)
+        shown = result
     if args.json:
-        print(result.to_json())
+        print(shown.to_json())
         return 0
     print(chain)
     print()
-    print(result)
+    print(shown)
     print(f"  planned in {seconds * 1e3:.1f} ms")
     if args.simulate:
         sim = simulate(chain, result, hw)

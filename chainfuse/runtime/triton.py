@@ -6,8 +6,10 @@ hash of its spec, so a file there is the same source) and imported from that fil
 binaries itself (`TRITON_CACHE_DIR`, default `~/.triton/cache`), one per block configuration.
 
 `interpret=True` loads the module with `TRITON_INTERPRET=1` in force while its decorators run,
-so the kernel runs on CPU tensors under Triton's interpreter whatever the process's environment
-says; the compiled and the interpreted function of one source are kept apart.
+so the kernel runs on CPU tensors under Triton's interpreter; the compiled and the interpreted
+function of one source are kept apart. Triton decides once, when it is first imported, whether
+its own language functions are interpreted: a process that imported triton without
+`TRITON_INTERPRET=1` (a GPU process, PyTorch's inductor) cannot interpret, and says so.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +25,7 @@ from typing import Any
 from chainfuse.config import cache_dir
 from chainfuse.runtime.files import write_atomic
 
-__all__ = ["INSTALL_HINT", "launch", "load_triton", "triton_available"]
+__all__ = ["INSTALL_HINT", "interpreter_ready", "launch", "load_triton", "triton_available"]
 
 INSTALL_HINT = "pip install 'chainfuse[gpu]' (triton==3.9.0)"
 
@@ -35,6 +38,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def interpreter_ready() -> bool:
+    """Whether Triton's interpreter can run here: triton is first imported now with
+    `TRITON_INTERPRET=1` (its standard library is decorated once, at import), or already was."""
+    if "triton" not in sys.modules:
+        with _interpreting(True):
+            import triton.language  # noqa: F401
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(sys.modules["triton.language"].sum, InterpretedFunction)
+
+
 def load_triton(source: str, name: str, interpret: bool) -> Callable[..., Any]:
     """The jitted kernel `name` defined by `source` (once per name, mode and process)."""
     key = (name, interpret)
@@ -44,6 +58,13 @@ def load_triton(source: str, name: str, interpret: bool) -> Callable[..., Any]:
             return found
         if not triton_available():
             raise ModuleNotFoundError(f"the GPU target needs Triton: {INSTALL_HINT}")
+        if interpret and not interpreter_ready():
+            raise RuntimeError(
+                "Triton was imported in this process without TRITON_INTERPRET=1, so its "
+                "interpreter cannot run (its language functions are compiled-mode ones): set "
+                "TRITON_INTERPRET=1 before anything imports triton to run the Triton kernels on "
+                "CPU tensors"
+            )
         folder = cache_dir() / "triton"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{name}.py"
