@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Sourced by scripts/main.sh and scripts/test.sh (and .ci/run): create the virtual environment
-# .venv at the repository root if it is missing, install chainfuse (editable, with its dev tools
-# and the benchmark's plotting) and PyTorch 2.13.0 into it, and activate it. A second run reuses
+# .venv at the repository root if it is missing, install chainfuse (editable, with its dev tools,
+# the benchmark's plotting and Triton for the GPU target, whose tests run interpreted on a CPU) and PyTorch 2.13.0 into it, and activate it. A second run reuses
 # .venv and skips the installs while pyproject.toml is unchanged and the packages still import.
 #
 #   PYTHON=python3.11 bash scripts/test.sh    # choose the interpreter that creates .venv
@@ -33,12 +33,12 @@ source "$CHAINFUSE_VENV/bin/activate"
 _stamp="$CHAINFUSE_VENV/.chainfuse-setup"
 _want="$(sha256sum "$CHAINFUSE_ROOT/pyproject.toml" | cut -d' ' -f1) $CHAINFUSE_TORCH"
 if [[ -f "$_stamp" && "$(cat "$_stamp")" == "$_want" ]] \
-    && python -c 'import chainfuse, torch, pytest, ruff, mypy, matplotlib' 2>/dev/null; then
+    && python -c 'import chainfuse, torch, pytest, ruff, mypy, matplotlib, triton' 2>/dev/null; then
     _setup_log "reusing $CHAINFUSE_VENV"
 else
-    _setup_log "installing $CHAINFUSE_TORCH and chainfuse[dev,bench] into $CHAINFUSE_VENV"
+    _setup_log "installing $CHAINFUSE_TORCH and chainfuse[dev,bench,gpu] into $CHAINFUSE_VENV"
     python -m pip install --no-input --quiet "$CHAINFUSE_TORCH"
-    python -m pip install --no-input --quiet -e "$CHAINFUSE_ROOT[dev,bench]"
+    python -m pip install --no-input --quiet -e "$CHAINFUSE_ROOT[dev,bench,gpu]"
     python -c 'import chainfuse, torch; print("setup: chainfuse", chainfuse.__version__, "torch", torch.__version__)' >&2
     echo "$_want" > "$_stamp"
 fi

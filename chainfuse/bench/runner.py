@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=15, help="timing rounds per case")
     p.add_argument("--top", type=int, default=10, help="plans per fidelity run (0: no fidelity)")
     p.add_argument("--out", default="bench-out", help="directory for report.md, plots, JSON")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the Triton kernels on the GPU against PyTorch (bench/gpu.py)")  # fmt: skip
     return p
 
 
@@ -133,6 +135,12 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"chainfuse bench: --dtype: unknown {exc.args[0]!r}; expected fp32, bf16, fp16 "
               "or a list of them (fp32,bf16)", file=sys.stderr)  # fmt: skip
         return 2
+    if args.device == "cuda":
+        from chainfuse.bench import gpu
+
+        chosen = ["gemm-chain", "attention", "mlp"] if args.suite == "all" else [args.suite]
+        half = [d for d in dtypes if d != "float32"] if args.dtype == "fp32" else dtypes
+        return gpu.main(chosen, args.quick, half or ["float16"], args.out)
     threads = _parse_threads(args.threads)
     betweens = [None if b == "none" else b for b in args.between.split(",")]
     suites = list(SUITES) if args.suite == "all" else [args.suite]
