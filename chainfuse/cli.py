@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from chainfuse.bench import workloads
 from chainfuse.builders import conv_chain_spec, gemm_chain
+from chainfuse.gpu_plan import TritonPlan, plan_triton
 from chainfuse.hardware import presets, resolve
 from chainfuse.ir import Chain
-from chainfuse.gpu_plan import TritonPlan, plan_triton
 from chainfuse.planner import Plan, PlanningError, timed_plan
 from chainfuse.simulate import simulate
 
@@ -59,8 +59,10 @@ def _plan(args: argparse.Namespace) -> int:
     chain = _chain(args)
     hw = resolve(args.hw)
     shown: Plan | TritonPlan
-    if hw.gpu is not None and len(chain.contractions) == 2 and {"m", "n", "k", "l"} <= set(
-        chain.extents
+    if (
+        hw.gpu is not None
+        and len(chain.contractions) == 2
+        and {"m", "n", "k", "l"} <= set(chain.extents)
     ):  # a GPU runs two-GEMM chains as Triton kernels: their blocks, warps and stages
         start = time.perf_counter()
         shown = plan_triton(chain, hw)

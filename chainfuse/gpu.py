@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +123,7 @@ class GpuSpec:
                     f"{what}: gpu.tensor_flops: unknown format {name!r}; expected {known}"
                 ) from None
         return cls(
-            compute_capability=tuple(data["compute_capability"]),  # type: ignore[arg-type]
+            compute_capability=tuple(data["compute_capability"]),
             registers_per_sm=data["registers_per_sm"],
             registers_per_thread=data["registers_per_thread"],
             threads_per_sm=data["threads_per_sm"],
@@ -151,7 +150,7 @@ ARCHITECTURES = {(8, 0): "a100", (9, 0): "h100"}
 def architecture_preset(compute_capability: tuple[int, int], total_memory: int) -> str | None:
     """The preset a detected GPU is scaled from: by architecture, an H100 with more than 100 GB
     of memory being an H200; None for an architecture without a preset."""
-    name = ARCHITECTURES.get(tuple(compute_capability))  # type: ignore[arg-type]
+    name = ARCHITECTURES.get((compute_capability[0], compute_capability[1]))
     if name == "h100" and total_memory > 100 * 1000**3:
         return "h200"
     return name
@@ -162,12 +161,10 @@ def gpu_properties(index: int = 0) -> dict[str, Any] | None:
 
     torch is imported here only when it is installed; a process that never asks for a GPU never
     imports it."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        try:
-            import torch
-        except ImportError:
-            return None
+    try:
+        import torch
+    except ImportError:
+        return None
     try:
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
             return None

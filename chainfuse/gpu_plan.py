@@ -235,6 +235,4 @@ def plan_triton(chain: Chain, hardware: Hardware | str | None = "h100") -> Trito
         bound=cost.bound,
         considered=1,
     )
-    return TritonPlan(
-        plan, blocks["m"], blocks["n"], blocks["k"], blocks["l"], warps, stages, grid
-    )
+    return TritonPlan(plan, blocks["m"], blocks["n"], blocks["k"], blocks["l"], warps, stages, grid)

@@ -24,12 +24,19 @@ from chainfuse.bench import workloads
 from chainfuse.bench.results import Result, geomean
 from chainfuse.hardware import Hardware
 from chainfuse.ops import gpu
+from chainfuse.runtime.triton import INSTALL_HINT, triton_available
 
 __all__ = ["main"]
 
 ATTENTION_SHAPED = tuple(w.name for w in workloads.GEMM if w.name.split("-")[0] in ("bert", "vit"))
 QUICK_GEMM = ("bert-base", "bert-large", "vit-huge-14")
 MLPS = tuple(w.name for w in workloads.GEMM if w.name.endswith("-c"))
+
+
+def _gemm_workload(name: str) -> workloads.GemmWorkload:
+    w = workloads.find(name)
+    assert isinstance(w, workloads.GemmWorkload)
+    return w
 
 
 def _bench(fn: Callable[[], Any]) -> float:
@@ -42,77 +49,92 @@ def _checked(got: Any, want: Any, chain: Any) -> None:
     reference.assert_close(got.double().cpu().numpy(), want.double().cpu().numpy(), chain)
 
 
-def _gemm_cases(torch: Any, names: Sequence[str], dtype: Any, dname: str) -> list[Result]:
+def _gemm_case(torch: Any, name: str, between: str, dtype: Any, dname: str) -> Result:
     F = torch.nn.functional
-    out = []
-    for name in names:
-        for between in ("none", "softmax"):
-            chain = workloads.chain_of(name, None if between == "none" else between, dname)
-            b, M, N, K, L = (chain.extents[n] for n in "bmnkl")
-            A, B, D = (torch.randn(s, device="cuda", dtype=dtype) / math.sqrt(s[-1])
-                       for s in ((b, M, K), (b, K, L), (b, L, N)))  # fmt: skip
-            f = (lambda c: c) if between == "none" else (lambda c: F.softmax(c, -1))
-            ours = lambda: gpu.gemm_chain(A, B, D, None if between == "none" else between)  # noqa: E731
-            two = lambda: torch.bmm(f(torch.bmm(A, B)), D)  # noqa: E731
-            _checked(ours(), f(A.double() @ B.double()) @ D.double(), chain)
-            ms = {"chainfuse": _bench(ours), "torch.bmm x2": _bench(two)}
-            out.append(Result("gemm-chain-gpu", name, between, 1, chain.flops() / 1e9, ms,
-                              ("torch.bmm x2",), dtype=dname))  # fmt: skip
-    return out
+    chain = workloads.chain_of(name, None if between == "none" else between, dname)
+    b, M, N, K, L = (chain.extents[n] for n in "bmnkl")
+    A, B, D = (
+        torch.randn(s, device="cuda", dtype=dtype) / math.sqrt(s[-1])
+        for s in ((b, M, K), (b, K, L), (b, L, N))
+    )
+
+    def f(c: Any) -> Any:
+        return c if between == "none" else F.softmax(c, -1)
+
+    def ours() -> Any:
+        return gpu.gemm_chain(A, B, D, None if between == "none" else between)
+
+    def two() -> Any:
+        return torch.bmm(f(torch.bmm(A, B)), D)
+
+    _checked(ours(), f(A.double() @ B.double()) @ D.double(), chain)
+    ms = {"chainfuse": _bench(ours), "torch.bmm x2": _bench(two)}
+    return Result("gemm-chain-gpu", name, between, 1, chain.flops() / 1e9, ms, ("torch.bmm x2",),
+                  dtype=dname)  # fmt: skip
 
 
-def _attention_cases(torch: Any, names: Sequence[str], dtype: Any, dname: str) -> list[Result]:
+def _attention_case(
+    torch: Any, compiled: Any, name: str, variant: str, dtype: Any, dname: str
+) -> Result:
     F = torch.nn.functional
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    compiled = torch.compile(F.scaled_dot_product_attention)
-    out = []
-    for name in names:
-        for variant in ("plain", "causal", "padding mask"):
-            w = workloads.find(name)
-            b, M, N, K, L = w.batch, w.M, w.N, w.K, w.L
-            q, k, v = (torch.randn(1, b, n, d, device="cuda", dtype=dtype)
-                       for n, d in ((M, K), (L, K), (L, N)))  # fmt: skip
-            mask = None
-            if variant == "padding mask":
-                mask = torch.ones(1, 1, 1, L, device="cuda", dtype=torch.bool)
-                mask[..., L - L // 8 :] = False
-            causal = variant == "causal"
-            chain = builders.attention_chain(1, b, M, L, K, N, causal, None if mask is None else "bool",
-                                             mask_shape=None if mask is None else (1, 1, 1, L),
-                                             dtype=dname)  # fmt: skip
-            ours = lambda: gpu.attention(q, k, v, mask, causal)  # noqa: E731,B023
-            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)  # noqa: E731,B023
-            _checked(ours(), F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                                            mask, is_causal=causal), chain)  # fmt: skip
-            ms = {"chainfuse": _bench(ours), "sdpa": _bench(sdpa),
-                  "sdpa compiled": _bench(lambda: compiled(q, k, v, mask, is_causal=causal))}  # noqa: B023  # fmt: skip
-            baselines = ("sdpa", "sdpa compiled")
-            if mask is None:
-                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                    ms["sdpa flash"] = _bench(sdpa)
-                baselines = ("sdpa flash", "sdpa", "sdpa compiled")
-            out.append(Result("attention-gpu", name, variant, 1, chain.flops() / 1e9, ms,
-                              baselines, dtype=dname))  # fmt: skip
-    return out
+    w = _gemm_workload(name)
+    b, M, N, K, L = w.batch, w.M, w.N, w.K, w.L
+    q, k, v = (
+        torch.randn(1, b, n, d, device="cuda", dtype=dtype) for n, d in ((M, K), (L, K), (L, N))
+    )
+    mask = None
+    if variant == "padding mask":  # the last eighth of the keys is padding
+        mask = torch.ones(1, 1, 1, L, device="cuda", dtype=torch.bool)
+        mask[..., L - L // 8 :] = False
+    causal = variant == "causal"
+    chain = builders.attention_chain(
+        1, b, M, L, K, N, causal, None if mask is None else "bool",
+        mask_shape=None if mask is None else (1, 1, 1, L), dtype=dname,
+    )  # fmt: skip
+
+    def ours() -> Any:
+        return gpu.attention(q, k, v, mask, causal)
+
+    def sdpa() -> Any:
+        return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+
+    def sdpa_compiled() -> Any:
+        return compiled(q, k, v, mask, is_causal=causal)
+
+    want = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), mask, is_causal=causal
+    )
+    _checked(ours(), want, chain)
+    ms = {"chainfuse": _bench(ours), "sdpa": _bench(sdpa), "sdpa compiled": _bench(sdpa_compiled)}
+    baselines: tuple[str, ...] = ("sdpa", "sdpa compiled")
+    if mask is None:  # flash takes no explicit mask: the masked case is against SDPA's choice
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            ms["sdpa flash"] = _bench(sdpa)
+        baselines = ("sdpa flash", *baselines)
+    return Result("attention-gpu", name, variant, 1, chain.flops() / 1e9, ms, baselines,
+                  dtype=dname)  # fmt: skip
 
 
-def _mlp_cases(torch: Any, names: Sequence[str], dtype: Any, dname: str) -> list[Result]:
+def _mlp_case(torch: Any, name: str, dtype: Any, dname: str) -> Result:
     F = torch.nn.functional
-    out = []
-    for name in names:
-        w = workloads.find(name)
-        x = torch.randn(w.batch * w.M, w.K, device="cuda", dtype=dtype)
-        w1 = torch.randn(w.L, w.K, device="cuda", dtype=dtype) / math.sqrt(w.K)
-        w2 = torch.randn(w.N, w.L, device="cuda", dtype=dtype) / math.sqrt(w.L)
-        chain = builders.mlp_chain(w.batch * w.M, w.K, w.L, w.N, "gelu", dname)
-        ours = lambda: gpu.mlp(x, w1.T, w2.T, activation="gelu")  # noqa: E731,B023
-        torch_mlp = lambda: F.linear(F.gelu(F.linear(x, w1)), w2)  # noqa: E731,B023
-        _checked(ours(), F.gelu(x.double() @ w1.double().T) @ w2.double().T, chain)
-        ms = {"chainfuse": _bench(ours), "F.linear/gelu/F.linear": _bench(torch_mlp)}
-        out.append(Result("mlp-gpu", name, "gelu", 1, chain.flops() / 1e9, ms,
-                          ("F.linear/gelu/F.linear",), dtype=dname))  # fmt: skip
-    return out
+    w = _gemm_workload(name)
+    x = torch.randn(w.batch * w.M, w.K, device="cuda", dtype=dtype)
+    w1 = torch.randn(w.L, w.K, device="cuda", dtype=dtype) / math.sqrt(w.K)
+    w2 = torch.randn(w.N, w.L, device="cuda", dtype=dtype) / math.sqrt(w.L)
+    chain = builders.mlp_chain(w.batch * w.M, w.K, w.L, w.N, "gelu", dname)
+
+    def ours() -> Any:
+        return gpu.mlp(x, w1.T, w2.T, activation="gelu")
+
+    def torch_mlp() -> Any:
+        return F.linear(F.gelu(F.linear(x, w1)), w2)
+
+    _checked(ours(), F.gelu(x.double() @ w1.double().T) @ w2.double().T, chain)
+    ms = {"chainfuse": _bench(ours), "F.linear/gelu/F.linear": _bench(torch_mlp)}
+    return Result("mlp-gpu", name, "gelu", 1, chain.flops() / 1e9, ms,
+                  ("F.linear/gelu/F.linear",), dtype=dname)  # fmt: skip
 
 
 def main(suites: Sequence[str], quick: bool, dtypes: Sequence[str], out_dir: str) -> int:
@@ -126,8 +148,8 @@ def main(suites: Sequence[str], quick: bool, dtypes: Sequence[str], out_dir: str
         print("chainfuse bench --device cuda: no CUDA device here (torch.cuda.is_available() "
               "is False)", file=sys.stderr)  # fmt: skip
         return 2
-    if not gpu.triton_available():
-        print(f"chainfuse bench --device cuda: {gpu.INSTALL_HINT}", file=sys.stderr)
+    if not triton_available():
+        print(f"chainfuse bench --device cuda: {INSTALL_HINT}", file=sys.stderr)
         return 2
     hw = Hardware.detect("cuda")
     print(hw)
@@ -140,11 +162,17 @@ def main(suites: Sequence[str], quick: bool, dtypes: Sequence[str], out_dir: str
         for dname in dtypes:
             dtype = kinds[dname]
             if "gemm-chain" in suites:
-                results += _gemm_cases(torch, gemm_names, dtype, dname)
+                for name in gemm_names:
+                    results += [
+                        _gemm_case(torch, name, b, dtype, dname) for b in ("none", "softmax")
+                    ]
             if "attention" in suites:
-                results += _attention_cases(torch, att_names, dtype, dname)
+                compiled = torch.compile(torch.nn.functional.scaled_dot_product_attention)
+                for name in att_names:
+                    results += [_attention_case(torch, compiled, name, v, dtype, dname)
+                                for v in ("plain", "causal", "padding mask")]  # fmt: skip
             if "mlp" in suites:
-                results += _mlp_cases(torch, mlp_names, dtype, dname)
+                results += [_mlp_case(torch, name, dtype, dname) for name in mlp_names]
     assert hw.gpu is not None
     for r in results:
         peak = hw.gpu.tensor_peak(r.dtype if r.dtype != "float32" else "tf32") or math.nan

@@ -118,8 +118,7 @@ def emit(spec: TritonSpec) -> str:
     """The Python module (Triton source) of `spec`: deterministic, named by `kernel_name`."""
     name = kernel_name(spec)
     soft = spec.between is Between.SOFTMAX
-    cast = ".to(tl.float32)" if spec.dot_f32 else ""
-    precision = "tf32" if spec.tf32 and spec.dtype is DType.FLOAT32 else "ieee"
+    cast, precision = _dot_args(spec)
     args = ["A", "B", "D", "E"]
     args += ["G"] if spec.gated else []
     args += ["BIAS1"] if spec.bias1 else []
@@ -133,12 +132,15 @@ def emit(spec: TritonSpec) -> str:
     out += ["", "@triton.jit", f"def {name}("]
     out += [f"    {', '.join(args)},", "    M, N, K, L, H, GROUP, TILES_M, TILES_N,"]
     out += [f"    {s}," for s in strides]
-    out += ["    scale,", "    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"]
-    out += ["    BLOCK_L: tl.constexpr,", "):"]
+    out += [
+        "    scale,",
+        "    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,",
+    ]
+    out += ["    BLOCK_L: tl.constexpr, A_RESIDENT: tl.constexpr,", "):"]
     body = [
         "# one program: rows m of one (batch, head), columns n of E; batch-major order",
         "pid = tl.program_id(0)",
-        "bh = pid // (TILES_M * TILES_N)",
+        "bh = (pid // (TILES_M * TILES_N)).to(tl.int64)  # (batch offsets in 64 bits)",
         "pid_m = (pid // TILES_N) % TILES_M",
         "pid_n = pid % TILES_N",
         "b = bh // H",
@@ -161,31 +163,33 @@ def emit(spec: TritonSpec) -> str:
             "m_i = tl.full((BLOCK_M,), float('-inf'), dtype=tl.float32)",
             "l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)",
         ]
+    body += [
+        "# one block of k (K <= BLOCK_K): A's block is loaded once and stays in registers",
+        "rk0 = tl.arange(0, BLOCK_K)",
+        "if A_RESIDENT:",
+        "    a_res = tl.load(a_row + rk0[None, :] * sa_k, mask=(rm[:, None] < M) & (rk0[None, :] < K), other=0.0)",
+    ]
     end = "tl.minimum(L, (pid_m + 1) * BLOCK_M)" if spec.causal else "L"
     body += [f"l_end = {end}", "for l0 in range(0, l_end, BLOCK_L):"]
-    loop = [
-        "rl = l0 + tl.arange(0, BLOCK_L)",
-        "c = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)",
-    ]
-    loop += ["gate = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)"] if spec.gated else []
+    gate = ["gate = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)"] if spec.gated else []
+    loop = ["rl = l0 + tl.arange(0, BLOCK_L)", "c = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)"]
+    loop += gate
+    loop += ["if A_RESIDENT:", *("    " + x for x in _products(spec, "a_res", "rk0"))]
     loop += [
-        "for k0 in range(0, K, BLOCK_K):",
-        "    rk = k0 + tl.arange(0, BLOCK_K)",
-        "    a = tl.load(a_row + rk[None, :] * sa_k, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)",
-        "    b_blk = tl.load(b_head + rk[:, None] * sb_k + rl[None, :] * sb_l, mask=(rk[:, None] < K) & (rl[None, :] < L), other=0.0)",
-        f"    c = tl.dot(a{cast}, b_blk{cast}, c, input_precision='{precision}')",
+        "else:",
+        "    for k0 in range(0, K, BLOCK_K):",
+        "        rk = k0 + tl.arange(0, BLOCK_K)",
     ]
-    if spec.gated:
-        loop += [
-            "    g_blk = tl.load(g_head + rk[:, None] * sg_k + rl[None, :] * sg_l, mask=(rk[:, None] < K) & (rl[None, :] < L), other=0.0)",
-            f"    gate = tl.dot(a{cast}, g_blk{cast}, gate, input_precision='{precision}')",
-        ]
+    loop += [
+        "        a = tl.load(a_row + rk[None, :] * sa_k, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)"
+    ]
+    loop += ["        " + x for x in _products(spec, "a", "rk")]
     if spec.bias1:
         loop += ["c += tl.load(BIAS1 + rl, mask=rl < L, other=0.0).to(tl.float32)[None, :]"]
     loop += _between(spec)
     loop += [
         "d_blk = tl.load(d_head + rl[:, None] * sd_l + rn[None, :] * sd_n, mask=(rl[:, None] < L) & (rn[None, :] < N), other=0.0)",
-        f"acc = tl.dot(p{cast}, d_blk{cast}, acc, input_precision='{precision}')",
+        f"acc = tl.dot(p{cast}, d_blk{cast}, acc{precision})",
     ]
     body += ["    " + line for line in loop]
     if soft:
@@ -242,4 +246,27 @@ def _between(spec: TritonSpec) -> list[str]:
         "m_i = m_new",
         f"p = pf{to_d}",
     ]
+    return lines
+
+
+def _dot_args(spec: TritonSpec) -> tuple[str, str]:
+    """(the operands' cast, tl.dot's precision argument): fp32 dots say ieee or tf32."""
+    if not spec.dot_f32:
+        return "", ""
+    tf32 = spec.tf32 and spec.dtype is DType.FLOAT32
+    return ".to(tl.float32)", f", input_precision='{'tf32' if tf32 else 'ieee'}'"
+
+
+def _products(spec: TritonSpec, a: str, rk: str) -> list[str]:
+    """The k block's products into `c` (and `gate`): B's (and G's) block times A's `a`."""
+    cast, precision = _dot_args(spec)
+    lines = [
+        f"b_blk = tl.load(b_head + {rk}[:, None] * sb_k + rl[None, :] * sb_l, mask=({rk}[:, None] < K) & (rl[None, :] < L), other=0.0)",
+        f"c = tl.dot({a}{cast}, b_blk{cast}, c{precision})",
+    ]
+    if spec.gated:
+        lines += [
+            f"g_blk = tl.load(g_head + {rk}[:, None] * sg_k + rl[None, :] * sg_l, mask=({rk}[:, None] < K) & (rl[None, :] < L), other=0.0)",
+            f"gate = tl.dot({a}{cast}, g_blk{cast}, gate{precision})",
+        ]
     return lines

@@ -15,6 +15,7 @@ import functools
 import math
 import numbers
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -100,7 +101,7 @@ def _launch(
     plan: TritonPlan,
     tensors: list[Any],
     sizes: tuple[int, int, int, int, int, int, int],
-    strides: list[tuple[int, ...]],
+    strides: Sequence[tuple[int, ...]],
     scale: float,
 ) -> None:
     kernel = load_triton(emit(spec), kernel_name(spec), spec.interpret)
@@ -108,8 +109,15 @@ def _launch(
     tiles_m, tiles_n = -(-M // plan.block_m), -(-N // plan.block_n)
     grid = (batch * heads * tiles_m * tiles_n,)
     flat = [s for four in strides for s in four]
-    meta = {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": plan.block_k,
-            "BLOCK_L": plan.block_l, "num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    meta = {
+        "BLOCK_M": plan.block_m,
+        "BLOCK_N": plan.block_n,
+        "BLOCK_K": plan.block_k,
+        "BLOCK_L": plan.block_l,
+        "A_RESIDENT": plan.block_k >= K,
+        "num_warps": plan.num_warps,
+        "num_stages": plan.num_stages,
+    }
     args = [*tensors, M, N, K, L, heads, group, tiles_m, tiles_n, *flat, scale]
     launch(kernel, grid, args, meta, spec.interpret)  # fmt: skip
 
@@ -144,7 +152,9 @@ def mlp(
     silu). `activation`: None, "relu", "gelu", "silu", "softmax" (over the hidden dim). Batch
     dims broadcast as numpy's matmul's."""
     names = _name.split(", ")
-    between = Between("none" if activation is None else str(getattr(activation, "value", activation)))
+    between = Between(
+        "none" if activation is None else str(getattr(activation, "value", activation))
+    )
     dtype, interpret = _checked(f"{_name}, b1, b2, gate, out", x, w1, w2, b1, b2, gate, out)
     torch = _torch()
     if min(x.dim(), w1.dim(), w2.dim()) < 2:
@@ -152,10 +162,14 @@ def mlp(
                          f"{tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}")  # fmt: skip
     M, K = x.shape[-2:]
     if w1.shape[-2] != K:
-        raise ValueError(f"{names[1]}: expected {K} rows ({names[0]}'s K), got shape {tuple(w1.shape[-2:])}")
+        raise ValueError(
+            f"{names[1]}: expected {K} rows ({names[0]}'s K), got shape {tuple(w1.shape[-2:])}"
+        )
     L = w1.shape[-1]
     if w2.shape[-2] != L:
-        raise ValueError(f"{names[2]}: expected {L} rows ({names[1]}'s L), got shape {tuple(w2.shape[-2:])}")
+        raise ValueError(
+            f"{names[2]}: expected {L} rows ({names[1]}'s L), got shape {tuple(w2.shape[-2:])}"
+        )
     N = w2.shape[-1]
     if gate is not None and tuple(gate.shape[-2:]) != (K, L):
         raise ValueError(f"gate: expected [..., {K}, {L}] as {names[1]}, got {tuple(gate.shape)}")
@@ -165,7 +179,9 @@ def mlp(
     if gate is not None and between not in (Between.SILU, Between.GELU):
         raise ValueError(f"gate: a gated MLP needs activation 'silu' or 'gelu', got {activation!r}")
     try:
-        lead = torch.broadcast_shapes(*(t.shape[:-2] for t in (x, w1, w2) + ((gate,) if gate is not None else ())))
+        lead = torch.broadcast_shapes(
+            *(t.shape[:-2] for t in (x, w1, w2) + ((gate,) if gate is not None else ()))
+        )
     except RuntimeError:
         raise ValueError(f"{_name}: batch dims {tuple(x.shape[:-2])}, {tuple(w1.shape[:-2])}, "
                          f"{tuple(w2.shape[:-2])} do not broadcast") from None  # fmt: skip
@@ -192,7 +208,9 @@ def mlp(
         except RuntimeError:
             xv = rv = None
         if xv is not None:
-            mlp(xv, w1, w2, b1, b2, activation=activation, gate=gate, out=rv, tf32=tf32, _name=_name)
+            mlp(
+                xv, w1, w2, b1, b2, activation=activation, gate=gate, out=rv, tf32=tf32, _name=_name
+            )
             return result
     n = len(lead)
     ops4 = []
@@ -211,7 +229,9 @@ def mlp(
     batch, heads = e.shape[0], e.shape[1]
     spec = TritonSpec(dtype, between, bias1=b1 is not None, bias2=b2 is not None,
                       gated=gate is not None, tf32=tf32, interpret=interpret)  # fmt: skip
-    plan_between = between.value if between in (Between.RELU, Between.GELU, Between.SOFTMAX) else None
+    plan_between = (
+        between.value if between in (Between.RELU, Between.GELU, Between.SOFTMAX) else None
+    )
     plan = _plan((batch * heads, M, N, K, L, plan_between, dtype.value), "gemm", _hardware(x))
     tensors = [xa, wb, wd, e] + ([ops4[4]] if gate is not None else [])
     tensors += [t for t in (b1, b2) if t is not None]
@@ -243,7 +263,13 @@ def attention(
                          "for inference (no dropout, no backward)")  # fmt: skip
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale: expected a real number or None, got {scale!r}")
-    dtype, interpret = _checked("q, k, v, attn_mask", q, k, v, None if attn_mask is None or attn_mask.dtype == _torch().bool else attn_mask)
+    dtype, interpret = _checked(
+        "q, k, v, attn_mask",
+        q,
+        k,
+        v,
+        None if attn_mask is None or attn_mask.dtype == _torch().bool else attn_mask,
+    )
     torch = _torch()
     if attn_mask is not None and attn_mask.device != q.device:
         raise ValueError(f"attn_mask: expected device {q.device} (q's), got {attn_mask.device}")
@@ -254,7 +280,9 @@ def attention(
     q4, k4, v4 = (t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (q, k, v))
     if rank > 4:  # batch dims before the heads: merged into one (a view where strides allow)
         lead = torch.broadcast_shapes(q4.shape[:-3], k4.shape[:-3], v4.shape[:-3])
-        q4, k4, v4 = (t.expand(*lead, *t.shape[-3:]).reshape(-1, *t.shape[-3:]) for t in (q4, k4, v4))
+        q4, k4, v4 = (
+            t.expand(*lead, *t.shape[-3:]).reshape(-1, *t.shape[-3:]) for t in (q4, k4, v4)
+        )
     sq, sk, sv = tuple(q4.shape), tuple(k4.shape), tuple(v4.shape)
     batch, heads, kv_heads = attention_dims(sq, sk, sv, bool(enable_gqa))
     if sk[3] != sq[3]:
@@ -277,15 +305,21 @@ def attention(
         mshape = tuple(attn_mask.shape)
         if rank > 4 and len(mshape) > 4:
             mshape = (-1, *mshape[-3:])
-            attn_mask = attn_mask.expand(*torch.broadcast_shapes(attn_mask.shape[:-3], q.shape[:-3]), *attn_mask.shape[-3:]).reshape(mshape)
+            attn_mask = attn_mask.expand(
+                *torch.broadcast_shapes(attn_mask.shape[:-3], q.shape[:-3]), *attn_mask.shape[-3:]
+            ).reshape(mshape)
         if not builders.broadcasts(tuple(attn_mask.shape), full):
-            raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to {full}")
+            raise ValueError(
+                f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to {full}"
+            )
         m4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(full)
         if attn_mask.dtype == torch.bool:
             mask_kind, m4 = Mask.BOOL, m4.view(torch.uint8)
         else:
             if attn_mask.dtype != q.dtype:
-                raise TypeError(f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}")
+                raise TypeError(
+                    f"attn_mask: expected dtype bool or {q.dtype} (q's), got {attn_mask.dtype}"
+                )
             mask_kind = Mask.ADDITIVE
     result = torch.empty((batch, heads, M, N), dtype=q.dtype, device=q.device)
     if 0 in (batch, heads, M, N):
@@ -294,7 +328,23 @@ def attention(
         return result.zero_().reshape(_result_shape(q, k, v, M, N))
     s = 1.0 / math.sqrt(K) if scale is None else float(scale)
     spec = TritonSpec(dtype, Between.SOFTMAX, mask_kind, bool(is_causal), interpret=interpret)
-    plan = _plan((batch, heads, M, L, K, N, bool(is_causal), None if mask_kind is Mask.NONE else mask_kind.value, None, None, dtype.value), "attention", _hardware(q))
+    plan = _plan(
+        (
+            batch,
+            heads,
+            M,
+            L,
+            K,
+            N,
+            bool(is_causal),
+            None if mask_kind is Mask.NONE else mask_kind.value,
+            None,
+            None,
+            dtype.value,
+        ),
+        "attention",
+        _hardware(q),
+    )
     tensors = [q4, k4.transpose(-1, -2), v4, result] + ([m4] if m4 is not None else [])
     strides = [_four(q4), _four(k4.transpose(-1, -2)), _four(v4), _four(result)]
     if m4 is not None:

@@ -40,7 +40,7 @@ def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         reset_call_threads(token)
 
 
-@torch.library.custom_op("chainfuse::attention", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("chainfuse::attention", mutates_args=(), device_types=("cpu", "cuda"))
 def _attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,7 +50,7 @@ def _attention_op(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """The operator's CPU kernel: `ops.attention`, which checks every argument."""
+    """The operator's CPU and CUDA kernel: `ops.attention` (CUDA: Triton), which checks everything."""
     out: torch.Tensor = _on_torch_threads(
         ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa,
@@ -248,11 +248,11 @@ def _refuse_grad(names: str, *xs: Any) -> None:
                 raise RuntimeError(grad_refused(name))
 
 
-@torch.library.custom_op("chainfuse::gemm_chain", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("chainfuse::gemm_chain", mutates_args=(), device_types=("cpu", "cuda"))
 def _gemm_chain_op(
     A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
 ) -> torch.Tensor:
-    """The operator's CPU kernel: `ops.gemm_chain`, which checks every argument."""
+    """The operator's CPU and CUDA kernel: `ops.gemm_chain` (CUDA: Triton), which checks everything."""
     out: torch.Tensor = _on_torch_threads(ops.gemm_chain, A, B, D, between=between)
     return out
 

@@ -83,7 +83,9 @@ def test_gemm_chain_broadcast_and_strides() -> None:
 def test_zero_sizes() -> None:
     A, B, D = torch.randn(2, 3, 0), torch.randn(2, 0, 4), torch.randn(2, 4, 5)
     assert torch.equal(ops.gemm_chain(A, B, D, "softmax"), D.mean(-2, keepdim=True).expand(2, 3, 5))
-    assert ops.gemm_chain(torch.randn(0, 3, 2), torch.randn(0, 2, 4), torch.randn(0, 4, 5)).shape == (0, 3, 5)
+    assert ops.gemm_chain(
+        torch.randn(0, 3, 2), torch.randn(0, 2, 4), torch.randn(0, 4, 5)
+    ).shape == (0, 3, 5)
 
 
 # (batch, heads, seq_q, seq_k, d_qk, d_v)
@@ -100,7 +102,7 @@ ATTENTION = [
 def test_attention(shape: tuple[int, ...], causal: bool, mask: str | None, dtype: str) -> None:
     if dtype != "float32" and shape[2] > 20:
         pytest.skip("16-bit: the small cases suffice (the interpreter's time)")
-    b, h, sq, sk = shape[:4]
+    b, _, sq, sk = shape[:4]
     mask_shape = None if mask is None else (sq, sk) if mask == "bool" else (b, 1, 1, sk)
     chain = builders.attention_chain(*shape, causal=causal, mask=mask, mask_shape=mask_shape,
                                      dtype=dtype)  # fmt: skip
@@ -164,7 +166,7 @@ def test_errors_name_the_argument(monkeypatch: pytest.MonkeyPatch) -> None:
         ops.gemm_chain(A, torch.randn(2, 3, 5), D)
     with pytest.raises(TypeError, match="A: expected float32, float16 or bfloat16"):
         ops.gemm_chain(A.double(), B.double(), D.double())
-    with pytest.raises(TypeError, match="B: expected torch.float32"):
+    with pytest.raises(TypeError, match=r"B: expected torch\.float32"):
         ops.gemm_chain(A, B.half(), D)
     with pytest.raises(ValueError, match="dropout_p"):
         ops.attention(A, A, A, dropout_p=0.1)

@@ -24,7 +24,7 @@ def _check(chain: Chain, hw: str) -> None:
         assert b >= 16 and b & (b - 1) == 0, tp.blocks
     assert launch_rule(tp.blocks, chain.dtype.itemsize, hardware) == (tp.num_warps, tp.num_stages)
     nest = Nest(chain, plan.order, plan.depth)
-    for level, tiles in plan.tiles:
+    for _level, tiles in plan.tiles:
         cost = level_cost(nest, dict(tiles))
         assert cost.total == simulate_level(chain, plan.order, plan.depth, dict(tiles)).bytes
     if not getattr(chain.ops[1], "causal", False):
