@@ -8,22 +8,21 @@ because the interpreter runs each program in numpy: the file stays within about 
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from chainfuse.runtime.triton import interpreter_ready
+from chainfuse.runtime.triton import interpreter_ready, triton_available
 
 torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()
-if not CUDA and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # (triton reads it once, when first imported)
-pytest.importorskip("triton")
-if not CUDA and not interpreter_ready():
+if not triton_available():
+    pytest.skip("triton is not installed (pip install 'chainfuse[gpu]')", allow_module_level=True)
+if not CUDA and not interpreter_ready():  # (imports triton for its interpreter if not yet)
     pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
 
 from chainfuse import builders, ops, reference  # noqa: E402
@@ -31,6 +30,7 @@ from chainfuse.ops import gpu  # noqa: E402
 from tests.checks import check_against_reference  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+AWKWARD = st.sampled_from([1, 2, 7, 16, 17, 31, 63, 65, 129])
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -80,6 +80,26 @@ def test_gemm_chain_broadcast_and_strides() -> None:
     reference.assert_close(got.cpu().numpy(), want.numpy(), chain)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2),
+    M=AWKWARD,
+    N=AWKWARD,
+    K=AWKWARD,
+    L=AWKWARD,
+    between=st.sampled_from([None, "relu", "gelu", "softmax"]),
+)
+def test_gemm_chain_awkward_sizes(
+    b: int, M: int, N: int, K: int, L: int, between: str | None
+) -> None:
+    chain = builders.gemm_chain(b, M, N, K, L, between=between)
+    kernel = _on_host(lambda x, y, z: ops.gemm_chain(x, y, z, between=between))
+    with pytest.MonkeyPatch.context() as mp:  # (hypothesis runs outside the fixture's scope)
+        mp.setenv("CHAINFUSE_BACKEND", "triton")
+        check_against_reference(kernel, chain, convert=_convert("float32"),
+                                softmax_term=between == "softmax")  # fmt: skip
+
+
 def test_zero_sizes() -> None:
     A, B, D = torch.randn(2, 3, 0), torch.randn(2, 0, 4), torch.randn(2, 4, 5)
     assert torch.equal(ops.gemm_chain(A, B, D, "softmax"), D.mean(-2, keepdim=True).expand(2, 3, 5))
@@ -88,20 +108,22 @@ def test_zero_sizes() -> None:
     ).shape == (0, 3, 5)
 
 
-# (batch, heads, seq_q, seq_k, d_qk, d_v)
+# (batch, heads, seq_q, seq_k, d_qk, d_v), causal, mask, dtype: ones, primes, more than one block
+# of keys, d_qk != d_v, head dims that are not powers of two
 ATTENTION = [
-    ((1, 1, 1, 1, 16, 16), False, None),
-    ((2, 3, 17, 29, 40, 24), True, None),
-    ((1, 2, 31, 67, 64, 64), False, "bool"),
-    ((2, 1, 13, 7, 8, 5), True, "additive"),
+    ((1, 1, 1, 1, 16, 16), False, None, "float32"),
+    ((2, 3, 17, 29, 40, 24), True, None, "float32"),
+    ((1, 2, 31, 67, 64, 64), False, "bool", "float32"),
+    ((2, 1, 13, 7, 8, 5), True, "additive", "float32"),
+    ((1, 1, 1, 37, 16, 16), False, "bool", "float16"),
+    ((2, 3, 17, 29, 40, 24), True, None, "float16"),
+    ((2, 1, 13, 7, 8, 5), True, "additive", "bfloat16"),
+    ((1, 2, 5, 19, 24, 8), False, "bool", "bfloat16"),
 ]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize(("shape", "causal", "mask"), ATTENTION)
+@pytest.mark.parametrize(("shape", "causal", "mask", "dtype"), ATTENTION)
 def test_attention(shape: tuple[int, ...], causal: bool, mask: str | None, dtype: str) -> None:
-    if dtype != "float32" and shape[2] > 20:
-        pytest.skip("16-bit: the small cases suffice (the interpreter's time)")
     b, _, sq, sk = shape[:4]
     mask_shape = None if mask is None else (sq, sk) if mask == "bool" else (b, 1, 1, sk)
     chain = builders.attention_chain(*shape, causal=causal, mask=mask, mask_shape=mask_shape,
@@ -111,6 +133,35 @@ def test_attention(shape: tuple[int, ...], causal: bool, mask: str | None, dtype
         return ops.attention(q, k, v, attn_mask=m, is_causal=causal).cpu()
 
     check_against_reference(kernel, chain, convert=_convert(dtype), softmax_term=True)
+
+
+def _sdpa64(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+    """PyTorch's SDPA in float64 (math backend) on the values the kernel reads."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.cpu().double(), k.cpu().double(), v.cpu().double(), **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("sq", "sk", "sv", "gqa"),
+    [
+        ((5, 16), (7, 16), (7, 8), False),  # 2-D
+        ((3, 5, 16), (3, 7, 16), (3, 7, 8), False),  # 3-D: [batch, seq, dim]
+        ((4, 5, 16), (2, 7, 16), (2, 7, 8), True),  # 3-D with GQA: dim 0 is the heads
+        ((2, 2, 3, 5, 16), (2, 1, 3, 7, 16), (2, 1, 3, 7, 8), False),  # 5-D, a broadcast dim
+        ((1, 6, 5, 16), (1, 2, 7, 16), (1, 3, 7, 8), True),  # k and v heads grouped apart
+    ],
+)
+def test_attention_ranks(
+    sq: tuple[int, ...], sk: tuple[int, ...], sv: tuple[int, ...], gqa: bool
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, generator=g) for s in (sq, sk, sv))
+    got = ops.attention(*(t.to(DEVICE) for t in (q, k, v)), enable_gqa=gqa).cpu()
+    want = _sdpa64(q, k, v, enable_gqa=gqa)
+    assert got.shape == want.shape
+    chain = builders.attention_chain(1, 1, sq[-2], sk[-2], sq[-1], sv[-1])
+    reference.assert_close(got.numpy(), want.numpy(), chain)
 
 
 def test_attention_gqa_broadcast_and_fully_masked_rows() -> None:
