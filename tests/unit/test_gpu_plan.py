@@ -66,3 +66,51 @@ def test_gpu_presets_describe_the_gpu() -> None:
         assert Hardware.from_json(hw.to_json()) == hw
     assert Hardware.preset("a100").gpu.tensor_peak("float8") is None  # type: ignore[union-attr]
     assert Hardware.preset("h100").gpu.tensor_peak("float8") == 1978.9e12  # type: ignore[union-attr]
+
+
+def test_detect_a_cuda_device_from_its_properties(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the driver reports replaces the preset's figures; peaks scale with the SM count."""
+    from chainfuse import hardware
+
+    props = {
+        "name": "NVIDIA H100 PCIe", "sms": 114, "total_memory": 80 * 1000**3, "l2": 50 * 2**20,
+        "compute_capability": (9, 0), "smem_per_sm": 233472, "smem_per_program": 232448,
+        "registers_per_sm": 65536, "threads_per_sm": 2048,
+    }  # fmt: skip
+    monkeypatch.setattr(hardware, "gpu_properties", lambda index: props if index == 0 else None)
+    hardware._detect_gpu.cache_clear()
+    try:
+        hw = Hardware.detect("cuda")
+        h100 = Hardware.preset("h100")
+        assert hw.cores == 114 and hw.name == "cuda: NVIDIA H100 PCIe"
+        assert hw.levels[0].capacity == 233472 and hw.levels[-1].capacity == 80 * 1000**3
+        assert hw.gpu is not None and h100.gpu is not None
+        assert hw.gpu.tensor_peak("float16") == pytest.approx(
+            h100.gpu.tensor_peak("float16") * 114 / 132  # type: ignore[operator]
+        )
+        assert hw.peak("float16") == h100.peak("float16")  # per SM: the same
+        assert plan_triton(builders.gemm_chain(2, 65, 64, 64, 129, "softmax"), "cuda").grid
+        with pytest.raises(RuntimeError, match="no CUDA device 1"):
+            Hardware.detect("cuda:1")
+        with pytest.raises(ValueError, match="device: expected"):
+            Hardware.detect("gpu")
+    finally:
+        hardware._detect_gpu.cache_clear()
+
+
+def test_cli_prints_the_triton_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    from chainfuse.cli import main
+
+    assert main(["plan", "bert-base", "--hw", "h100", "--simulate"]) == 0
+    text = capsys.readouterr().out
+    assert "BLOCK_M=" in text and "num_warps=" in text and "triton: grid" in text
+
+
+def test_bench_refuses_without_a_cuda_device(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    from chainfuse.bench.runner import main
+
+    assert main(["--device", "cuda", "--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
