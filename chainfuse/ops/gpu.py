@@ -74,7 +74,8 @@ def _checked(names: str, *xs: Any) -> tuple[DType, bool]:
     dtype = _DTYPES.get(str(xs[0].dtype))
     if dtype is None:
         raise TypeError(f"{labels[0]}: expected float32, float16 or bfloat16, got {xs[0].dtype}")
-    for name, x in zip(labels[1:3], xs[1:3], strict=False):
+    same = [(n, x) for n, x in zip(labels, xs, strict=True) if n in ("out", *labels[1:3])]
+    for name, x in same:
         if x is not None and x.dtype != xs[0].dtype:
             raise TypeError(f"{name}: expected {xs[0].dtype} ({labels[0]}'s dtype), got {x.dtype}")
     if not triton_available():
@@ -152,9 +153,13 @@ def mlp(
     silu). `activation`: None, "relu", "gelu", "silu", "softmax" (over the hidden dim). Batch
     dims broadcast as numpy's matmul's."""
     names = _name.split(", ")
-    between = Between(
-        "none" if activation is None else str(getattr(activation, "value", activation))
-    )
+    word = "none" if activation is None else str(getattr(activation, "value", activation))
+    if word not in {b.value for b in Between}:
+        raise ValueError(
+            f"{'between' if _name.startswith('A') else 'activation'}: expected None, 'relu', "
+            f"'gelu', 'silu' or 'softmax', got {activation!r}"
+        )
+    between = Between(word)
     dtype, interpret = _checked(f"{_name}, b1, b2, gate, out", x, w1, w2, b1, b2, gate, out)
     torch = _torch()
     if min(x.dim(), w1.dim(), w2.dim()) < 2:
@@ -191,21 +196,27 @@ def mlp(
     result = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
     if 0 in shape:
         return result
-    if K == 0 or L == 0:  # sums over nothing: zeros (softmax over K = 0: the mean of w2's rows)
-        value = torch.zeros((), dtype=torch.float32, device=x.device)
-        if between is Between.SOFTMAX and L > 0:
-            value = w2.float().mean(-2, keepdim=True)
-        fill = value + (b2.float() if b2 is not None else 0)
-        result.copy_(torch.broadcast_to(fill, shape))
+    if K == 0 or L == 0:  # a sum over nothing: no kernel, the same arithmetic on zeros
+        c = torch.zeros((*lead, M, L), dtype=torch.float32, device=x.device)
+        c = c + (b1.float() if b1 is not None else 0)
+        f = {
+            Between.NONE: c,
+            Between.RELU: torch.relu(c),
+            Between.SOFTMAX: c.softmax(-1),
+            Between.GELU: torch.nn.functional.gelu(c),
+            Between.SILU: torch.nn.functional.silu(c),
+        }
+        h = f[between] * 0 if gate is not None else f[between]  # (x @ gate: zeros)
+        e = h @ w2.float() + (b2.float() if b2 is not None else 0)
+        result.copy_(torch.broadcast_to(e, shape))
         return result
     # an MLP's x [..., tokens, dim] against 2-D weights: one [rows, dim] call where x's rows
     # lie evenly in memory (weights read once per row block, not per batch entry)
     rows = lead and w1.dim() == w2.dim() == 2 and (gate is None or gate.dim() == 2)
-    if rows and x.reshape(-1, K).data_ptr() == x.data_ptr() and result.is_contiguous():
+    if rows and result.is_contiguous():
         try:
-            xv = x.view(-1, K)
-            rv = result.view(-1, N)
-        except RuntimeError:
+            xv, rv = x.view(-1, K), result.view(-1, N)
+        except RuntimeError:  # x's rows do not lie evenly: one launch per batch entry below
             xv = rv = None
         if xv is not None:
             mlp(
@@ -303,11 +314,9 @@ def attention(
     m4 = None
     if attn_mask is not None:
         mshape = tuple(attn_mask.shape)
-        if rank > 4 and len(mshape) > 4:
-            mshape = (-1, *mshape[-3:])
-            attn_mask = attn_mask.expand(
-                *torch.broadcast_shapes(attn_mask.shape[:-3], q.shape[:-3]), *attn_mask.shape[-3:]
-            ).reshape(mshape)
+        if rank > 4 and len(mshape) > 3:  # its batch dims merged as q's, k's and v's
+            m = attn_mask.reshape((1,) * (rank - len(mshape)) + mshape)
+            attn_mask = m.expand(*lead, *m.shape[-3:]).reshape(-1, *m.shape[-3:])
         if not builders.broadcasts(tuple(attn_mask.shape), full):
             raise ValueError(
                 f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to {full}"

@@ -152,13 +152,17 @@ def _sdpa64(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         ((1, 6, 5, 16), (1, 2, 7, 16), (1, 3, 7, 8), True),  # k and v heads grouped apart
     ],
 )
+@pytest.mark.parametrize("masked", [False, True])
 def test_attention_ranks(
-    sq: tuple[int, ...], sk: tuple[int, ...], sv: tuple[int, ...], gqa: bool
+    sq: tuple[int, ...], sk: tuple[int, ...], sv: tuple[int, ...], gqa: bool, masked: bool
 ) -> None:
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(s, generator=g) for s in (sq, sk, sv))
-    got = ops.attention(*(t.to(DEVICE) for t in (q, k, v)), enable_gqa=gqa).cpu()
-    want = _sdpa64(q, k, v, enable_gqa=gqa)
+    # a mask of q's batch dims over the keys (broadcast over the queries)
+    mask = torch.rand((*sq[:-2], 1, sk[-2]), generator=g) > 0.3 if masked else None
+    got = ops.attention(*(t.to(DEVICE) for t in (q, k, v)), enable_gqa=gqa,
+                        attn_mask=None if mask is None else mask.to(DEVICE)).cpu()  # fmt: skip
+    want = _sdpa64(q, k, v, enable_gqa=gqa, attn_mask=mask)
     assert got.shape == want.shape
     chain = builders.attention_chain(1, 1, sq[-2], sk[-2], sq[-1], sv[-1])
     reference.assert_close(got.numpy(), want.numpy(), chain)
@@ -200,6 +204,18 @@ def test_mlp_bias_silu_gated(dtype: str) -> None:
         reference.assert_close(got.numpy(), (h @ w2 + b2).numpy(), chain)
 
 
+def test_empty_reductions() -> None:
+    """K = 0 or L = 0: what the same arithmetic gives on zeros (biases and the gate included)."""
+    x, w1, w3 = torch.randn(3, 0), torch.randn(0, 4), torch.randn(0, 4)
+    w2, b1, b2 = torch.randn(4, 2), torch.randn(4), torch.randn(2)
+    got = gpu.mlp(x, w1, w2, b1, b2, activation="silu", gate=w3)
+    assert torch.equal(got, b2.expand(3, 2))
+    got = gpu.mlp(x, w1, w2, b1, b2, activation="gelu")
+    torch.testing.assert_close(got, (torch.nn.functional.gelu(b1) @ w2 + b2).expand(3, 2))
+    empty = gpu.mlp(torch.randn(3, 5), torch.randn(5, 0), torch.randn(0, 2), activation="relu")
+    assert torch.equal(empty, torch.zeros(3, 2))
+
+
 def test_tf32_opt_in() -> None:
     chain = builders.gemm_chain(1, 20, 9, 33, 17, "relu")
     ins = reference.random_inputs(chain)
@@ -219,6 +235,10 @@ def test_errors_name_the_argument(monkeypatch: pytest.MonkeyPatch) -> None:
         ops.gemm_chain(A.double(), B.double(), D.double())
     with pytest.raises(TypeError, match=r"B: expected torch\.float32"):
         ops.gemm_chain(A, B.half(), D)
+    with pytest.raises(ValueError, match="between: expected None, 'relu'"):
+        ops.gemm_chain(A, B, D, between="tanh")
+    with pytest.raises(TypeError, match="out: expected"):
+        ops.gemm_chain(A, B, D, out=torch.empty(2, 3, 6, dtype=torch.float16))
     with pytest.raises(ValueError, match="dropout_p"):
         ops.attention(A, A, A, dropout_p=0.1)
     monkeypatch.setattr(gpu, "triton_available", lambda: False)
