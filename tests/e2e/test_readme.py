@@ -82,7 +82,7 @@ def test_setup_pins_torch() -> None:
     text = (ROOT / "scripts/setup.sh").read_text(encoding="utf-8")
     assert "torch==2.13.0" in text
     assert "-m venv" in text
-    assert "[dev,bench]" in text
+    assert "[dev,bench,gpu]" in text  # (gpu: Triton, whose kernels the tests interpret)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
