@@ -7,10 +7,10 @@ take of an SM (registers, threads, opt-in shared memory) and on the tensor cores
 format (tf32 and fp8 too, which are not chain dtypes). `GpuSpec` holds exactly those, as
 `Hardware.gpu`; presets give them in a `[gpu]` table and cite their sources.
 
-`detect_gpu(index)` describes a CUDA device from `torch.cuda.get_device_properties`: the SM count,
-memory, L2, shared memory and registers are read; clock-dependent peaks and bandwidths are not
-reported by the driver, so they come from the preset of the same architecture, scaled by the SM
-count. torch is imported only there, never by planning for a preset.
+`Hardware.detect("cuda")` describes a CUDA device from `torch.cuda.get_device_properties` (here:
+`gpu_properties`): the SM count, memory, L2, shared memory and registers are read; clock-dependent
+peaks and bandwidths are not reported by the driver, so they come from the preset of the same
+architecture (`architecture_preset`), scaled by the SM count. torch is imported only there, never by planning for a preset.
 """
 
 from __future__ import annotations
@@ -143,17 +143,23 @@ class GpuSpec:
 
 
 # compute capability -> the preset whose clocks, bandwidths and peaks per SM a detected part of
-# that architecture is assumed to have (the driver reports none of them)
+# that architecture is assumed to have (the driver reports none of them): the data-centre part
+# of its generation; a part of another generation takes the nearest older one's (Ampere's for
+# anything before Hopper, Hopper's after it), an approximation its name says
 ARCHITECTURES = {(8, 0): "a100", (9, 0): "h100"}
 
 
-def architecture_preset(compute_capability: tuple[int, int], total_memory: int) -> str | None:
-    """The preset a detected GPU is scaled from: by architecture, an H100 with more than 100 GB
-    of memory being an H200; None for an architecture without a preset."""
-    name = ARCHITECTURES.get((compute_capability[0], compute_capability[1]))
+def architecture_preset(compute_capability: tuple[int, int], total_memory: int) -> tuple[str, bool]:
+    """(preset, exact): the preset a detected GPU is scaled from, and whether it is of that very
+    architecture; an H100 with more than 100 GB of memory is an H200."""
+    cc = (compute_capability[0], compute_capability[1])
+    name = ARCHITECTURES.get(cc)
+    exact = name is not None
+    if name is None:
+        name = "h100" if cc >= (9, 0) else "a100"
     if name == "h100" and total_memory > 100 * 1000**3:
-        return "h200"
-    return name
+        name = "h200"
+    return name, exact
 
 
 def gpu_properties(index: int = 0) -> dict[str, Any] | None:

@@ -736,17 +736,11 @@ _detect = functools.cache(_detect_host)
 def _detect_gpu(index: int) -> Hardware:
     """CUDA device `index`: what the driver reports (SMs, memory, L2, shared memory, registers)
     over the preset of its architecture (clocks, bandwidths and peaks per SM, scaled by the SM
-    count). An architecture without a preset is an error naming the known ones."""
+    count); another architecture takes the nearest one's figures and says so in its name."""
     props = gpu_properties(index)
     if props is None:
         raise RuntimeError(f"no CUDA device {index} (torch with CUDA and a GPU are needed)")
-    name = architecture_preset(props["compute_capability"], props["total_memory"])
-    if name is None:
-        major, minor = props["compute_capability"]
-        raise RuntimeError(
-            f"GPU {props['name']!r} (sm_{major}{minor}) has no preset to take its clocks and "
-            "peaks from; plan with --hw a100, h100 or h200"
-        )
+    name, exact = architecture_preset(props["compute_capability"], props["total_memory"])
     base = _preset(name)
     assert base.gpu is not None
     sms, scale = props["sms"], props["sms"] / base.cores
@@ -766,6 +760,5 @@ def _detect_gpu(index: int) -> Hardware:
         smem_per_program=props["smem_per_program"] or base.gpu.smem_per_program,
         tensor_flops=tuple((f, v * scale) for f, v in base.gpu.tensor_flops),
     )
-    return dataclasses.replace(
-        base, name=f"cuda: {props['name']}", cores=sms, levels=tuple(levels), gpu=gpu
-    )
+    label = f"cuda: {props['name']}" + ("" if exact else f" (clocks and peaks of {name})")
+    return dataclasses.replace(base, name=label, cores=sms, levels=tuple(levels), gpu=gpu)

@@ -90,6 +90,11 @@ def test_detect_a_cuda_device_from_its_properties(monkeypatch: pytest.MonkeyPatc
         )
         assert hw.peak("float16") == h100.peak("float16")  # per SM: the same
         assert plan_triton(builders.gemm_chain(2, 65, 64, 64, 129, "softmax"), "cuda").grid
+        props.update(name="NVIDIA L4", compute_capability=(8, 9), sms=58, smem_per_program=101376)
+        hardware._detect_gpu.cache_clear()
+        l4 = Hardware.detect("cuda:0")
+        assert l4.name == "cuda: NVIDIA L4 (clocks and peaks of a100)" and l4.cores == 58
+        assert l4.gpu is not None and l4.gpu.smem_per_program == 101376
         with pytest.raises(RuntimeError, match="no CUDA device 1"):
             Hardware.detect("cuda:1")
         with pytest.raises(ValueError, match="device: expected"):
