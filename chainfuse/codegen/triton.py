@@ -109,7 +109,8 @@ def _header(spec: TritonSpec, name: str) -> list[str]:
         "plan (chainfuse.gpu_plan): grid = batch x heads x cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N),",
         "batch-major; in a program: for l by BLOCK_L { C = sum over k by BLOCK_K of A·B;",
         "E_acc += f(C)·D } in registers; E written once. Blocks, num_warps and num_stages are",
-        "launch arguments chosen per shape by the model (print(kernel.plan)).",
+        "launch arguments chosen per shape by the model (gpu_plan.plan_triton; `chainfuse plan",
+        "<workload> --hw h100` prints them). A_RESIDENT: K fits one block, A's stays in registers.",
         '"""',
     ]
 

@@ -97,6 +97,12 @@ def _hardware(x: Any) -> str:
     return f"cuda:{x.device.index or 0}" if x.is_cuda else "h100"
 
 
+@functools.cache
+def _kernel(spec: TritonSpec) -> Any:
+    """The loaded kernel of a structure (its source generated once per process)."""
+    return load_triton(emit(spec), kernel_name(spec), spec.interpret)
+
+
 def _launch(
     spec: TritonSpec,
     plan: TritonPlan,
@@ -105,7 +111,7 @@ def _launch(
     strides: Sequence[tuple[int, ...]],
     scale: float,
 ) -> None:
-    kernel = load_triton(emit(spec), kernel_name(spec), spec.interpret)
+    kernel = _kernel(spec)
     batch, heads, group, M, N, K, L = sizes
     tiles_m, tiles_n = -(-M // plan.block_m), -(-N // plan.block_n)
     grid = (batch * heads * tiles_m * tiles_n,)
@@ -120,7 +126,7 @@ def _launch(
         "num_stages": plan.num_stages,
     }
     args = [*tensors, M, N, K, L, heads, group, tiles_m, tiles_n, *flat, scale]
-    launch(kernel, grid, args, meta, spec.interpret)  # fmt: skip
+    launch(kernel, grid, args, meta, spec.interpret)
 
 
 def _four(x: Any) -> tuple[int, int, int, int]:
