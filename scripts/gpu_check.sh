@@ -13,8 +13,8 @@ unset TRITON_INTERPRET CHAINFUSE_BACKEND
 "$PYTHON" -c 'import torch, triton, sys; ok = torch.cuda.is_available(); print("torch", torch.__version__, "triton", triton.__version__, "cuda", ok, torch.cuda.get_device_name(0) if ok else ""); sys.exit(0 if ok else 1)' \
     || { echo "gpu_check: no CUDA device (or torch/triton missing)" >&2; exit 2; }
 start=$SECONDS
-timeout 240 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/gpu tests/unit/test_gpu_plan.py
+timeout 180 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/gpu tests/unit/test_gpu_plan.py
 echo "gpu_check: tests $((SECONDS - start)) s"
 start=$SECONDS
-timeout 240 "$PYTHON" -m chainfuse bench --device cuda --quick --dtype fp16 --out "$out"
+timeout 270 "$PYTHON" -m chainfuse bench --device cuda --quick --dtype fp16 --out "$out"
 echo "gpu_check: bench $((SECONDS - start)) s; results in $out/results-gpu.json"
