@@ -14,7 +14,7 @@ from chainfuse.hardware import DeviceKind, Hardware, Isa, MemoryLevel, presets, 
 from chainfuse.ir import DType
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
-PRESETS = ("a100", "ascend-910", "h100", "h200", "xeon-gold-6240")
+PRESETS = ("a100", "ascend-910", "h100", "h200", "xeon-8480", "xeon-gold-6240")
 
 
 @pytest.fixture
