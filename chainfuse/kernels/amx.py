@@ -112,7 +112,7 @@ def amx_report() -> str:
         unit = f"permission refused ({why})"
     mode = amx_mode()
     if mode is AmxMode.EMULATE:
-        use = "emulated: bf16 AMX kernels run through the C emulation (bit-exact, slow)"
+        use = "bf16 AMX kernels run through the C emulation (bit-exact, slow)"
     elif mode is AmxMode.AUTO:
         use = "bf16 AMX kernels " + ("in use" if usable else "cannot run here")
     else:
