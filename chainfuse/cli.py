@@ -118,7 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default="3,1", metavar="R1,R2", help="conv kernel sizes")
     p.add_argument("--between", default="none",
                    choices=["none", "relu", "gelu", "softmax"])  # fmt: skip
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+    )
     p.add_argument("--hw", default="detect", help=hw_help)
     p.add_argument("--threads", type=int, default=None, help="cores to plan for")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -47,14 +47,14 @@ from typing import Any, TypeVar
 from chainfuse.ir import DType
 
 __all__ = [
+    "AMX_TILES",
+    "AMX_TILE_BYTES",
     "DEFAULT_BYTES_PER_CYCLE",
     "DEFAULT_CACHES",
     "DEFAULT_CLOCK_HZ",
     "DEFAULT_DRAM_BANDWIDTH",
     "DEFAULT_DRAM_BYTES",
     "DEFAULT_DRAM_TOTAL_BANDWIDTH",
-    "AMX_TILES",
-    "AMX_TILE_BYTES",
     "DeviceKind",
     "Hardware",
     "Isa",
