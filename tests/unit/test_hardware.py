@@ -269,6 +269,7 @@ def test_detect_reads_caches_isa_and_clock(
     assert (hw.vector_bytes, hw.vector_registers) == (64, 32)
     assert hw.peak(DType.FLOAT32) == 3e9 * 2 * 2 * 16
     assert hw.peak(DType.BFLOAT16) == 3e9 * hardware.AMX_BF16_FLOPS_PER_CYCLE
+    assert hw.matrix_engine(DType.BFLOAT16) and hw.tile_capacity == 8 * KIB
     assert hw.level("L1").bandwidth == 3e9 * hardware.DEFAULT_BYTES_PER_CYCLE[1]
     assert "Fake Xeon" in hw.name
 
