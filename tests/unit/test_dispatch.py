@@ -19,6 +19,7 @@ from chainfuse.hardware import Hardware
 from chainfuse.ir import DType
 from chainfuse.kernels.amx import ENV_AMX
 from chainfuse.ops import dispatch
+from chainfuse.torch.handoff import attention_reason
 
 torch = pytest.importorskip("torch")
 cft = pytest.importorskip("chainfuse.torch")
@@ -93,8 +94,8 @@ def test_attention_goes_to_sdpa_where_pytorch_is_faster(host: Any) -> None:
         warnings.simplefilter("error")  # one warning per reason
         cft.attention(q, k, v, scale=0.5)
     assert cft.fallbacks == {BF16_REASON: 2}
-    cft.attention(*_qkv(torch.float32))  # fp32: chainfuse, whatever the machine
     assert cft.fallbacks == {BF16_REASON: 2}
+    assert attention_reason(*_qkv(torch.float32), None, False) is None  # fp32: chainfuse's
 
 
 def test_attention_runs_chainfuse_where_it_is_faster(host: Any) -> None:
