@@ -19,10 +19,10 @@ from chainfuse.hardware import Hardware
 from chainfuse.ir import DType
 from chainfuse.kernels.amx import ENV_AMX
 from chainfuse.ops import dispatch
-from chainfuse.torch.handoff import attention_reason
 
 torch = pytest.importorskip("torch")
 cft = pytest.importorskip("chainfuse.torch")
+handoff = pytest.importorskip("chainfuse.torch.handoff")
 F = torch.nn.functional
 
 AMX = "xeon-8480"  # an AMX machine: PyTorch's bf16 GEMMs at the AMX rate
@@ -95,7 +95,7 @@ def test_attention_goes_to_sdpa_where_pytorch_is_faster(host: Any) -> None:
         cft.attention(q, k, v, scale=0.5)
     assert cft.fallbacks == {BF16_REASON: 2}
     assert cft.fallbacks == {BF16_REASON: 2}
-    assert attention_reason(*_qkv(torch.float32), None, False) is None  # fp32: chainfuse's
+    assert handoff.attention_reason(*_qkv(torch.float32), None, False) is None  # fp32: chainfuse's
 
 
 def test_attention_runs_chainfuse_where_it_is_faster(host: Any) -> None:
