@@ -339,3 +339,12 @@ def test_resolve_accepts_none_names_and_machines(fresh_detect: None) -> None:
 def test_resolve_rejects_other_types(bad: object) -> None:
     with pytest.raises(TypeError, match="hardware"):
         resolve(bad)  # type: ignore[arg-type]
+
+
+def test_avx512_bf16_alone_adds_no_bf16_peak() -> None:
+    # VDPBF16PS runs at half the FMA rate on an AMX Xeon: bf16 falls back to the fp32 peak
+    isa = frozenset({Isa.AVX2, Isa.FMA, Isa.AVX512F, Isa.AVX512_BF16})
+    peaks = dict(hardware._peaks(isa, 64, 2e9))
+    assert DType.BFLOAT16 not in peaks and peaks[DType.FLOAT32] == 2e9 * 2 * 2 * 16
+    amx = dict(hardware._peaks(isa | {Isa.AMX_TILE, Isa.AMX_BF16}, 64, 2e9))
+    assert amx[DType.BFLOAT16] == 2e9 * hardware.AMX_BF16_FLOPS_PER_CYCLE
