@@ -155,12 +155,10 @@ def _handed_attention(
 ) -> Any:  # fmt: skip
     """PyTorch's SDPA of a 16-bit call that chainfuse's kernels could run but the model predicts
     slower than PyTorch's (`handoff`), counted in `fallbacks`; None for every other call."""
-    if _unsupported(q, k, v, attn_mask, 0.0) is not None:
+    why = attention_reason(q, k, v, attn_mask, is_causal)
+    if why is None or _unsupported(q, k, v, attn_mask, 0.0) is not None:
         return None  # (chainfuse's own errors, or not a call its kernels take)
     ops.attention_shape(q.shape, k.shape, v.shape, enable_gqa)  # (chainfuse's shape errors)
-    why = attention_reason(q, k, v, attn_mask, is_causal)
-    if why is None:
-        return None
     count(fallbacks, why, "attention")
     return _torch_sdpa()(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                          enable_gqa=enable_gqa)  # fmt: skip

@@ -13,14 +13,19 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from chainfuse import builders
+from chainfuse.hardware import Hardware
 from chainfuse.ir import Activation, Chain, DType
-from chainfuse.ops.calls import key_bucket
+from chainfuse.kernels.amx import ENV_AMX
+from chainfuse.ops import dispatch
+from chainfuse.ops.calls import Memo, key_bucket
 from chainfuse.ops.dispatch import torch_faster
 from chainfuse.runtime.threads import threads_for
 
@@ -55,6 +60,27 @@ def _attention_chain(
     return builders.attention_chain(1, heads, seq_q, seq_k, d, dv, causal, mask, dtype=dtype)
 
 
+#: decisions by the call's plain sizes, the thread count and ``CHAINFUSE_AMX``, each with the
+#: machine it was made for: a repeat call (a decoding step) neither builds nor hashes a chain
+_decided = Memo[tuple[Any, ...], tuple[Hardware, str | None]](1024)
+
+
+def _decide(key: tuple[Any, ...], chain_of: Callable[[], Chain], threads: int) -> str | None:
+    """The reason for the call `key` describes (None: chainfuse runs it), remembered."""
+    hw = dispatch.host()
+    hit = _decided.get(key)
+    if hit is not None and hit[0] is hw:
+        return hit[1]
+    try:
+        chain = chain_of()
+    except (ValueError, TypeError):
+        why = None  # (chainfuse raises its own error for the call)
+    else:
+        why = _reason(chain.dtype) if torch_faster(chain, threads, hw) else None
+    _decided.remember(key, (hw, why))
+    return why
+
+
 def attention_reason(q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool) -> str | None:
     """Why this SDPA call goes to PyTorch (None: chainfuse runs it). Only 16-bit calls with
     work; sequence lengths are rounded up to the buckets `ops.attention` plans in, so that a
@@ -62,14 +88,17 @@ def attention_reason(q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool) ->
     dtype = _HALF.get(q.dtype)
     if dtype is None or min(q.dim(), k.dim(), v.dim()) < 2 or 0 in (*q.shape, *k.shape, *v.shape):
         return None
-    heads = math.prod(q.shape[:-2])
     mask = None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
-    sizes = (key_bucket(q.shape[-2]), key_bucket(k.shape[-2]), q.shape[-1], v.shape[-1])
-    try:
-        chain = _attention_chain(heads, *sizes, bool(is_causal), mask, dtype)
-    except (ValueError, TypeError):
-        return None  # (chainfuse raises its own error for the call)
-    return _reason(dtype) if torch_faster(chain, threads_for(torch.get_num_threads())) else None
+    threads = threads_for(torch.get_num_threads())
+    key = ("attention", dtype, tuple(q.shape), k.shape[-2], v.shape[-1], bool(is_causal), mask,
+           threads, os.environ.get(ENV_AMX))  # fmt: skip
+
+    def chain() -> Chain:
+        sizes = (key_bucket(q.shape[-2]), key_bucket(k.shape[-2]), q.shape[-1], v.shape[-1])
+        heads = math.prod(q.shape[:-2])
+        return _attention_chain(heads, *sizes, bool(is_causal), mask, dtype)
+
+    return _decide(key, chain, threads)
 
 
 @functools.lru_cache(maxsize=512)
@@ -88,17 +117,18 @@ def gemm_chain_reason(A: Any, B: Any, D: Any, between: Any) -> str | None:
         return None
     if 0 in (*A.shape, *B.shape, *D.shape):
         return None
-    k, l_, n = A.shape[-1], B.shape[-1], D.shape[-1]
-    try:
-        if B.dim() == D.dim() == 2:
-            batch, m = 1, A.numel() // k
-        else:
-            batch = max(math.prod(x.shape[:-2]) for x in (A, B, D))  # (ops checks the dims)
-            m = A.shape[-2]
-        chain = _gemm_chain(batch, key_bucket(m), n, k, l_, between, dtype)
-    except (ValueError, TypeError):
+    if not (between is None or isinstance(between, str | Activation)):
         return None  # (chainfuse raises its own error for the call)
-    return _reason(dtype) if torch_faster(chain, threads_for(torch.get_num_threads())) else None
+    k, l_, n = A.shape[-1], B.shape[-1], D.shape[-1]
+    if B.dim() == D.dim() == 2:
+        batch, m = 1, A.numel() // k
+    else:
+        batch = max(math.prod(x.shape[:-2]) for x in (A, B, D))  # (ops checks the dims)
+        m = A.shape[-2]
+    threads = threads_for(torch.get_num_threads())
+    name = between.value if isinstance(between, Activation) else between
+    key = ("gemm_chain", dtype, batch, m, n, k, l_, name, threads, os.environ.get(ENV_AMX))
+    return _decide(key, lambda: _gemm_chain(batch, key_bucket(m), n, k, l_, name, dtype), threads)
 
 
 def torch_gemm_chain(A: Any, B: Any, D: Any, between: Any) -> Any:
