@@ -109,7 +109,18 @@ def attention(
     q's heads. `dropout_p` (keyword-only here) must be 0. Inputs that require grad are refused
     while grad mode is on (no backward): use `torch.no_grad()` or `torch.inference_mode()`.
     Inside `torch.compile` it is the operator `torch.ops.chainfuse.attention` (see the module).
+    A 16-bit call no AMX kernel runs goes to PyTorch's SDPA where the model predicts it faster
+    (`handoff`), counted in `fallbacks`.
     """
+    return _attend(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, decide=True)
+
+
+def _attend(
+    q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool, scale: float | None,
+    dropout_p: float, enable_gqa: bool, decide: bool,
+) -> Any:  # fmt: skip
+    """`attention`; `decide=False`: chainfuse's kernel without asking whether PyTorch's is
+    faster (`patch_sdpa` has asked)."""
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -126,7 +137,7 @@ def attention(
         _refuse_grad("q, k, v, attn_mask", q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
-    if q.dtype in _HALF and dropout_p == 0:
+    if decide and q.dtype in _HALF and dropout_p == 0:
         handed = _handed_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa)
         if handed is not None:
             return handed
@@ -208,8 +219,10 @@ class SDPAPatch:
     A call chainfuse's kernels cannot run (another device, float64, dropout_p > 0 while
     training, inputs that require grad, 1-D inputs, a last dimension that is not contiguous)
     goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
-    per reason; with `strict=True` it is an error instead. `calls` counts the calls chainfuse
-    ran. Errors of the call itself (mismatched shapes) are raised as chainfuse raises them, never
+    per reason; with `strict=True` it is an error instead. A 16-bit call that no AMX kernel
+    runs and for which the model predicts PyTorch's SDPA faster (`handoff`) goes there too,
+    counted the same way (with `strict=True`, chainfuse's kernel runs it). `calls` counts the
+    calls chainfuse ran. Errors of the call itself (mismatched shapes) are raised as chainfuse raises them, never
     passed on. Patches nest; each restores what it replaced. The patch is process-wide (the
     module attribute), not per thread.
     """
@@ -255,7 +268,13 @@ class SDPAPatch:
     ) -> Any:
         """SDPA's signature (its fifth positional argument is dropout_p)."""
         why = _unsupported(query, key, value, attn_mask, dropout_p)
-        if why is None and query.dtype in _HALF and not self.strict:
+        # (compiled, the operator decides when it runs)
+        if (
+            why is None
+            and query.dtype in _HALF
+            and not self.strict
+            and not torch.compiler.is_compiling()
+        ):
             why = attention_reason(query, key, value, attn_mask, is_causal)
             if why is not None:  # (the kernels could run it: no error under strict)
                 ops.attention_shape(query.shape, key.shape, value.shape, enable_gqa)
@@ -264,8 +283,8 @@ class SDPAPatch:
                                    scale=scale, enable_gqa=enable_gqa)  # fmt: skip
         if why is None:
             self.calls += 1
-            return _on_torch_threads(ops.attention, query, key, value, attn_mask=attn_mask,
-                                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+            return _attend(query, key, value, attn_mask, is_causal, scale, 0.0, enable_gqa,
+                           decide=False)  # fmt: skip
         if self.strict:
             raise ValueError(f"scaled_dot_product_attention: chainfuse cannot run calls with {why}")
         if not self.fallbacks[why]:
