@@ -222,8 +222,8 @@ class SDPAPatch:
     per reason; with `strict=True` it is an error instead. A 16-bit call that no AMX kernel
     runs and for which the model predicts PyTorch's SDPA faster (`handoff`) goes there too,
     counted the same way (with `strict=True`, chainfuse's kernel runs it). `calls` counts the
-    calls chainfuse ran. Errors of the call itself (mismatched shapes) are raised as chainfuse raises them, never
-    passed on. Patches nest; each restores what it replaced. The patch is process-wide (the
+    calls chainfuse ran. Errors of the call itself (mismatched shapes) are raised as chainfuse
+    raises them, never passed on. Patches nest; each restores what it replaced. The patch is process-wide (the
     module attribute), not per thread.
     """
 

@@ -117,6 +117,9 @@ def gemm_chain_reason(A: Any, B: Any, D: Any, between: Any) -> str | None:
         return None
     if 0 in (*A.shape, *B.shape, *D.shape):
         return None
+    for x in (A, B, D):  # (what chainfuse refuses stays refused: its errors)
+        if x.device.type != "cpu" or (x.shape[-1] > 1 and x.stride(-1) != 1):
+            return None
     if not (between is None or isinstance(between, str | Activation)):
         return None  # (chainfuse raises its own error for the call)
     k, l_, n = A.shape[-1], B.shape[-1], D.shape[-1]
