@@ -19,7 +19,7 @@ from chainfuse.bench import workloads
 from chainfuse.builders import conv_chain_spec, gemm_chain
 from chainfuse.hardware import DeviceKind, Hardware, presets, resolve
 from chainfuse.ir import Chain, DType
-from chainfuse.kernels.amx import amx_report
+from chainfuse.kernels.amx import amx_path, amx_report
 from chainfuse.planner import PlanningError, timed_plan
 from chainfuse.simulate import simulate
 
@@ -67,6 +67,14 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  planned in {seconds * 1e3:.1f} ms")
     if chain.dtype in (DType.BFLOAT16, DType.FLOAT16) and hw.kind is DeviceKind.CPU:
         print(f"  arithmetic: {_arithmetic(chain.dtype, hw)}")
+        if (
+            args.hw in (None, "detect")
+            and hw.matrix_engine(chain.dtype)
+            and not amx_path(chain.dtype)
+        ):
+            print(
+                f"  (here the AMX kernels do not run, so compiled kernels are fp32-fma: {amx_report()})"
+            )
     if args.simulate:
         sim = simulate(chain, result, hw)
         print("  level   predicted     simulated")
