@@ -32,7 +32,7 @@ from chainfuse.compiled import AmxKernel, ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType
 from chainfuse.kernels import Problem, select_weighted
-from chainfuse.kernels.amx import AMX_BF16_32X32, amx_path
+from chainfuse.kernels.amx import AMX_BF16_32X32, FP32_FMA, amx_absent, amx_path
 from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError
 from chainfuse.runtime import get_num_threads
@@ -137,21 +137,22 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
 
 
 def arithmetic(spec: GemmChainSpec) -> str:
-    """What the kernel computes in, said plainly (the plan's record of the path taken)."""
+    """What the kernel computes in, said plainly (the plan's record of the path taken): the
+    path's name first (`FP32_FMA` here; `AmxPath` for the tile kernels), then how."""
     uk = spec.kernel.name
     if spec.dtype is DType.BFLOAT16:
         return (
-            f"bf16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
-            "fp32 intermediate, output rounded to bf16 once (no AMX / AVX512-BF16 kernel is "
-            "registered for this CPU)"
+            f"{FP32_FMA}: bf16 inputs and output, widened to fp32 while packing; fp32 "
+            f"micro-kernel {uk}, fp32 intermediate, output rounded to bf16 once "
+            f"({amx_absent(spec.dtype)})"
         )
     if spec.dtype is DType.FLOAT16:
         return (
-            f"fp16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
-            "fp32 intermediate, output rounded to fp16 once (no AVX512-FP16 / AMX-FP16 kernel "
-            "is registered)"
+            f"{FP32_FMA}: fp16 inputs and output, widened to fp32 while packing; fp32 "
+            f"micro-kernel {uk}, fp32 intermediate, output rounded to fp16 once (no AVX512-FP16 "
+            "/ AMX-FP16 kernel is registered)"
         )
-    return f"fp32 micro-kernel {uk}, fp32 intermediate"
+    return f"{FP32_FMA}: fp32 micro-kernel {uk}, fp32 intermediate"
 
 
 def _is_conv(chain: Chain) -> bool:

@@ -345,7 +345,9 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("const unsigned char* restrict mask_b =")
         w.line("    (const unsigned char*)mask_data + b0 * sM0 + b1 * sM1;")
     elif spec.mask is MaskKind.ADDITIVE:
-        w.line("const uint16_t* restrict mask_b = (const uint16_t*)mask_data + b0 * sM0 + b1 * sM1;")
+        w.line(
+            "const uint16_t* restrict mask_b = (const uint16_t*)mask_data + b0 * sM0 + b1 * sM1;"
+        )
     if spec.causal:
         w.line("/* causal: keys past the block's last query are masked for all its rows */")
         w.line("const long l_end = m0 + mc < L ? m0 + mc : L;")

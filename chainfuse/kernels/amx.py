@@ -36,6 +36,8 @@ __all__ = [
     "ENV_AMX",
     "AmxMode",
     "AmxPath",
+    "FP32_FMA",
+    "amx_absent",
     "amx_mode",
     "amx_path",
     "amx_status",
@@ -52,6 +54,11 @@ _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_GET_XCOMP_PERM = 0x1022
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
+
+
+#: the name `Kernel.arithmetic` gives the path that widens 16-bit inputs and computes on fp32
+#: vector (FMA) units; `AmxPath` names the tile paths
+FP32_FMA = "fp32-fma"
 
 
 class AmxMode(enum.Enum):
@@ -96,6 +103,20 @@ def amx_path(dtype: DType) -> AmxPath | None:
     if mode is AmxMode.AUTO and amx_status()[0]:
         return AmxPath.REAL
     return None
+
+
+def amx_absent(dtype: DType) -> str:
+    """Why a chain of `dtype` does not run on AMX here, for `Kernel.arithmetic` ("" when it
+    does: `amx_path` gives a path)."""
+    if dtype is not DType.BFLOAT16:
+        return f"AMX takes bf16, this chain is {dtype.value}"
+    mode = amx_mode()
+    if mode is AmxMode.OFF:
+        return f"AMX kernels not enabled ({ENV_AMX}=off; auto or emulate runs them)"
+    if mode is AmxMode.AUTO:
+        usable, why = amx_status()
+        return "" if usable else f"{ENV_AMX}=auto, no AMX here: {why}"
+    return ""
 
 
 @functools.cache
