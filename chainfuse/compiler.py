@@ -17,8 +17,15 @@ from chainfuse.codegen.amx_chain import (
     amx_schedule,
     amx_unsupported,
 )
+from chainfuse.codegen.amx_conv import (
+    AmxConvSpec,
+    amx_conv_band_rows,
+    amx_conv_header,
+    amx_conv_unsupported,
+)
 from chainfuse.codegen.common import chain_lines
 from chainfuse.codegen.conv import (
+    ConvChainShape,
     ConvChainSpec,
     ConvTiles,
     Halo,
@@ -28,17 +35,25 @@ from chainfuse.codegen.conv import (
 )
 from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, match_gemm_chain
 from chainfuse.codegen.schedule import schedule_gemm_chain
-from chainfuse.compiled import AmxKernel, ConvKernel, Kernel
+from chainfuse.compiled import AmxConvKernel, AmxKernel, ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType
 from chainfuse.kernels import Problem, select_weighted
-from chainfuse.kernels.amx import AMX_BF16_32X32, FP32_FMA, amx_absent, amx_path
+from chainfuse.kernels.amx import AMX_BF16_32X32, ENV_AMX, FP32_FMA, amx_absent, amx_path
 from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError
 from chainfuse.runtime import get_num_threads
 from chainfuse.runtime.plans import remembered_plan
 
-__all__ = ["AmxKernel", "ConvKernel", "Kernel", "arithmetic", "compile", "compile_conv"]
+__all__ = [
+    "AmxConvKernel",
+    "AmxKernel",
+    "ConvKernel",
+    "Kernel",
+    "arithmetic",
+    "compile",
+    "compile_conv",
+]
 
 
 def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
@@ -181,14 +196,17 @@ def compile_conv(
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
-    if chain.dtype is not DType.FLOAT32:
+    if chain.dtype not in (DType.FLOAT32, DType.BFLOAT16):
         raise TypeError(
-            f"{chain.name}: only float32 chains compile for now, got {chain.dtype.value}"
+            f"{chain.name}: float32 and bfloat16 (AMX) conv chains compile, got "
+            f"{chain.dtype.value}"
         )
     if after not in (None, "relu"):
         raise ValueError(f"after: expected None or 'relu', got {after!r}")
     hw = resolve(hardware)
     shape = match_conv_chain(chain)
+    if chain.dtype is DType.BFLOAT16:
+        return _compile_amx_conv(chain, shape, hw, threads, tiles, halo, after)
     # pixels run along the micro-kernel's mr rows, output channels along its nr columns; both
     # convolutions run with the kernel, weighed by flops (a conv2 of 16 channels idles 3/4 of a
     # 64-wide block)
@@ -233,6 +251,49 @@ def compile_conv(
     spec = ConvChainSpec(kernel, shape.relu_mid, after == "relu", decided)
     header = _conv_header(spec, after)
     return ConvKernel(chain, chosen, spec, shape, code, reason, header)
+
+
+def _compile_amx_conv(
+    chain: Chain,
+    shape: ConvChainShape,
+    hw: Hardware,
+    threads: int | None,
+    tiles: Mapping[str, int] | None,
+    halo: Halo | str | None,
+    after: str | None,
+) -> AmxConvKernel:
+    """A bf16 conv chain: on AMX tiles (or their emulation), or a clear error saying why not
+    (there is no fp32-arithmetic bf16 conv kernel to fall back to)."""
+    path = amx_path(chain.dtype)
+    if path is None:
+        raise TypeError(
+            f"{chain.name}: bfloat16 conv chains run on AMX tiles only, and not here: "
+            f"{amx_absent(chain.dtype)}; pass float32 tensors, or set {ENV_AMX}=emulate"
+        )
+    why = amx_conv_unsupported(shape)
+    if why:
+        raise ValueError(f"{chain.name}: {why}")
+    if halo is not None and Halo(halo) is not Halo.RECOMPUTE:
+        raise ValueError(f"halo: the AMX conv kernel recomputes its halo, got {halo!r}")
+    band_rows = amx_conv_band_rows(shape, threads if threads is not None else get_num_threads())
+    for loop, t in (tiles or {}).items():
+        if loop != "p2":
+            raise ValueError(f"tiles: the AMX conv kernel takes a tile of p2 only, got {loop!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
+        band_rows = min(t, shape.P2)
+    n_first = shape.N > 1
+    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
+    try:
+        chosen = remembered_plan(chain, hw, threads, (order, 3 if n_first else 2), {})
+    except PlanningError:
+        if len(hw.levels) < 3:
+            raise
+        outer = dataclasses.replace(hw, levels=hw.levels[1:])
+        chosen = remembered_plan(chain, outer, threads, (order, 3 if n_first else 2), {})
+    spec = AmxConvSpec(shape.relu_mid, after == "relu")
+    return AmxConvKernel(chain, chosen, spec, shape, band_rows,
+                         amx_conv_header(spec, path, after), path)  # fmt: skip
 
 
 def _conv_header(spec: ConvChainSpec, after: str | None) -> str:
