@@ -198,8 +198,7 @@ def compile_conv(
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
     if chain.dtype not in (DType.FLOAT32, DType.BFLOAT16):
         raise TypeError(
-            f"{chain.name}: float32 and bfloat16 (AMX) conv chains compile, got "
-            f"{chain.dtype.value}"
+            f"{chain.name}: float32 and bfloat16 (AMX) conv chains compile, got {chain.dtype.value}"
         )
     if after not in (None, "relu"):
         raise ValueError(f"after: expected None or 'relu', got {after!r}")

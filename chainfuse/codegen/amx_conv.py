@@ -31,8 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chainfuse.codegen.common import ALIGN16, c_source, define_lines, header_comment, name_hash
-from chainfuse.codegen.common import per_thread
+from chainfuse.codegen.common import (
+    ALIGN16,
+    c_source,
+    define_lines,
+    header_comment,
+    name_hash,
+    per_thread,
+)
 from chainfuse.codegen.conv import ConvChainShape
 from chainfuse.codegen.writer import Writer
 from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath
@@ -96,7 +102,7 @@ def amx_conv_band_rows(shape: ConvChainShape, threads: int) -> int:
     s = shape
     xw = 2 * _r32(s.C) * _padded_width(s.W, s.pad1, s.st1, s.Q1, s.S1)
     zw = 2 * _r32(s.K1) * _padded_width(s.Q1, s.pad2, s.st2, s.Q2, s.S2)
-    per_band = max(1, -(-s.P2 * s.N // max(1, threads)) // s.N) if s.N < threads else s.P2
+    per_band = max(1, -(-s.P2 * s.N // max(1, threads)) // s.N) if threads > s.N else s.P2
     rows = max(1, min(s.P2, per_band))
     while rows > 1:
         zrows = (rows - 1) * s.st2 + s.R2
