@@ -93,11 +93,11 @@ def test_amx_attention_without_mask_matches_reference() -> None:
     check_against_reference(_amx(chain), chain, seed=2, convert=_bf16)
 
 
-def test_masked_or_causal_attention_keeps_the_fp32_path() -> None:
-    for chain in (chainfuse.attention_chain(1, 1, 8, 8, 8, 8, causal=True, dtype="bfloat16"),
-                  chainfuse.attention_chain(1, 1, 8, 8, 8, 8, mask="bool", dtype="bfloat16")):  # fmt: skip
-        kernel = compile(chain)
-        assert not isinstance(kernel, AmxKernel) and "fp32 micro-kernel" in kernel.arithmetic
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_only_bf16_chains_take_amx(dtype: str) -> None:
+    chain = chainfuse.attention_chain(1, 1, 8, 8, 8, 8, causal=True, mask="bool", dtype=dtype)
+    kernel = compile(chain)
+    assert not isinstance(kernel, AmxKernel) and kernel.arithmetic.startswith("fp32-fma:")
 
 
 @pytest.mark.parametrize("between", BETWEEN)
