@@ -41,10 +41,11 @@ from chainfuse.codegen.common import (
 )
 from chainfuse.codegen.conv import ConvChainShape
 from chainfuse.codegen.writer import Writer
-from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath
+from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath, emit_tap_block
 
 __all__ = [
     "AMX_CONV_BUFFER",
+    "AMX_CONV_LIMIT",
     "AmxConvSpec",
     "amx_conv_arithmetic",
     "amx_conv_band_rows",
@@ -53,9 +54,11 @@ __all__ = [
     "emit_amx_conv_chain",
 ]
 
-#: Bytes a thread's padded input and intermediate rows may take at most: the band's rows are
-#: chosen to fit (at least one output row per band, whatever that takes)
+#: Bytes a thread's padded input and intermediate rows take at most where a band has more than
+#: one output row: the band's rows are chosen to fit
 AMX_CONV_BUFFER = 1 << 20
+#: ... and at most for a band of one row: a wider chain is refused, naming the size
+AMX_CONV_LIMIT = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,14 @@ class AmxConvSpec:
 def amx_conv_unsupported(shape: ConvChainShape) -> str:
     """Why the AMX conv generator does not take a chain of `shape` ("" when it does): it takes
     every conv -> [relu] -> conv `match_conv_chain` recognises (any kernel size, stride and
-    padding; dilation 1 and no groups are all the IR describes); the reason names a shape
-    whose buffers would not be bounded."""
-    width = max(_r32(shape.C) * _padded_width(shape.W, shape.pad1, shape.st1, shape.Q1, shape.S1),
-                _r32(shape.K1) * _padded_width(shape.Q1, shape.pad2, shape.st2, shape.Q2,
-                                               shape.S2))  # fmt: skip
-    if 2 * width * (shape.R1 + shape.R2) > 64 * AMX_CONV_BUFFER:
-        return "rows of input or intermediate too wide for the AMX kernel's row buffers"
+    padding; dilation 1 and no groups are all the IR describes), unless a band of one output
+    row would need row buffers past `AMX_CONV_LIMIT`."""
+    need = _band_bytes(shape, 1)
+    if need > AMX_CONV_LIMIT:
+        return (
+            f"one output row's padded input and intermediate rows take {need} bytes, past the "
+            f"AMX conv kernel's {AMX_CONV_LIMIT} per thread"
+        )
     return ""
 
 
@@ -90,25 +94,21 @@ def _r32(x: int) -> int:
     return -(-x // 32) * 32
 
 
-def _padded_width(width: int, pad: int, st: int, out: int, taps: int) -> int:
-    """Columns of a padded row buffer: the row and its padding, and what a tile of 32 pixels
-    from the last whole 32 reads past the row (`CF_PADW` in C)."""
-    return max(width + 2 * pad, st * _r32(out) + taps)
+def _band_bytes(s: ConvChainShape, rows: int) -> int:
+    """Bytes of a thread's `Xpad` and `Zpad` for bands of `rows` output rows (`CF_AMX_GEO`)."""
+    xw = max(s.W + 2 * s.pad1, s.st1 * _r32(s.Q1) + s.S1)
+    zw = max(s.Q1 + 2 * s.pad2, s.st2 * _r32(s.Q2) + s.S2)
+    zrows = (rows - 1) * s.st2 + s.R2
+    xrows = (zrows - 1) * s.st1 + s.R1
+    return 2 * (xrows * xw * _r32(s.C) + zrows * zw * _r32(s.K1))
 
 
 def amx_conv_band_rows(shape: ConvChainShape, threads: int) -> int:
-    """Rows of conv2's output per band: enough bands for every thread where the image allows,
-    each band's padded input and intermediate rows within `AMX_CONV_BUFFER` (at least 1)."""
-    s = shape
-    xw = 2 * _r32(s.C) * _padded_width(s.W, s.pad1, s.st1, s.Q1, s.S1)
-    zw = 2 * _r32(s.K1) * _padded_width(s.Q1, s.pad2, s.st2, s.Q2, s.S2)
-    per_band = max(1, -(-s.P2 * s.N // max(1, threads)) // s.N) if threads > s.N else s.P2
-    rows = max(1, min(s.P2, per_band))
-    while rows > 1:
-        zrows = (rows - 1) * s.st2 + s.R2
-        xrows = (zrows - 1) * s.st1 + s.R1
-        if xrows * xw + zrows * zw <= AMX_CONV_BUFFER:
-            break
+    """Rows of conv2's output per band: enough bands for every thread where the images alone
+    are fewer, each band's row buffers within `AMX_CONV_BUFFER` (at least one row)."""
+    bands = -(-threads // shape.N) if threads > shape.N else 1
+    rows = max(1, -(-shape.P2 // bands))
+    while rows > 1 and _band_bytes(shape, rows) > AMX_CONV_BUFFER:
         rows = (rows + 1) // 2
     return rows
 
@@ -161,7 +161,7 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
     w.line("#define CF_R32(x) (((x) + 31) / 32 * 32) /* rounded up to whole 32s */")
     w.line("#define CF_MAX(a, b) ((a) > (b) ? (a) : (b))")
     w.line("#define CF_MIN(a, b) ((a) < (b) ? (a) : (b))")
-    w.lines(AMX_BF16_32X32.full_tile(AMX_BF16_32X32))
+    w.lines("".join(emit_tap_block(rt, ct) for rt in (1, 2) for ct in (1, 2)))
     w.line("")
     _emit_config(w)
     _emit_pack_weights(w)
@@ -169,7 +169,7 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
     _emit_conv_row(w)
     with w.block(f"long {name}_workspace(const long* g, long* per_thread)"):
         w.line("CF_AMX_GEO(g)")
-        w.line("*per_thread = XPAD + ZPAD + ACC;")
+        w.line("*per_thread = XPAD + ZPAD + ACC + TOFF;")
         w.line("return W1V + W2V;")
     w.line("")
     w.line("/* g: conv.GEOMETRY; xs, w1s, w2s, ys: strides (elements) of X, W1, W2, Y along their")
@@ -198,6 +198,7 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
             w.line("uint16_t* restrict Xpad = (uint16_t*)base;")
             w.line("uint16_t* restrict Zpad = (uint16_t*)(base + XPAD);")
             w.line("float* restrict acc = base + XPAD + ZPAD; /* 32 pixels x the channels */")
+            w.line("long* restrict toff = (long*)(acc + ACC); /* tap offsets of a chunk */")
             w.line("cf_amx_config();")
             with w.block(
                 "for (long blk = cf_claim(&next_blk); blk < blocks; blk = cf_claim(&next_blk))"
@@ -263,38 +264,41 @@ def _emit_geometry(w: Writer) -> None:
         "const long W1V = ALIGN16(K1T * R1 * S1 * CP * 8), W2V = ALIGN16(K2T * R2 * S2 * K1P * 8);",
         "const long XPAD = ALIGN16(XR * XW * CP / 2), ZPAD = ALIGN16(ZR * ZW * K1P / 2);",
         "const long ACC = ALIGN16(32 * 16 * CF_MAX(K1T, K2T));",
-        "(void)N; (void)H; (void)P1; (void)W1V; (void)XPAD; (void)ZPAD; (void)ACC;",
+        "const long TOFF = ALIGN16(2 * CF_MAX(R1 * S1, R2 * S2)); /* longs as floats */",
+        "(void)N; (void)H; (void)P1; (void)W1V; (void)XPAD; (void)ZPAD; (void)ACC; (void)TOFF;",
     ]
     define_lines(w, "CF_AMX_GEO(g)", lines)
     w.line("")
 
 
 def _emit_conv_row(w: Writer) -> None:
-    """`cf_amx_conv_row`: one output row of a convolution from a padded channels-last buffer
-    into fp32 `acc` and out through `store`."""
-    w.line("/* one output row: `Q` pixels, pixel q's tap (r, s) at in + (r * IW + q * st + s) * CI")
-    w.line("   (a padded channels-last buffer, CI channels a pixel, whole 32s); `KT` tiles of 16")
-    w.line("   output channels from VNNI weights `wv` (R*S*CI/32 tiles per column tile); 32")
-    w.line("   pixels at a time into acc (fp32, 16 KT a row), `done` rows handed to the caller */")
+    """`cf_amx_conv_chunk`: up to 32 pixels of one output row of a convolution from a padded
+    channels-last buffer into fp32 `acc`, every tap summed in tiles."""
+    w.line("/* up to 32 pixels from q0 of one output row: pixel q's tap (r, s) at")
+    w.line(
+        "   in + (r * IW + q * st + s) * CI (a padded channels-last buffer, CI channels a pixel,"
+    )
+    w.line("   whole 32s); KT tiles of 16 output channels from VNNI weights wv (R*S*CI/32 tiles")
+    w.line("   per column tile) into acc (fp32, 16 KT a row, the row length returned); toff holds")
+    w.line("   R*S longs */")
     with w.block(
         "static long cf_amx_conv_chunk(const uint16_t* in, long IW, long CI, long st, long R,\n"
-        "    long S, long q0, long rows, const uint16_t* wv, long KT, float* restrict acc)"
+        "    long S, long q0, long rows, const uint16_t* wv, long KT, float* restrict acc,\n"
+        "    long* restrict toff)"
     ):
         w.line("const long CB = CI / 32, taps = R * S, lda = 2 * st * CI, ldc = 4 * 16 * KT;")
+        w.line("for (long t = 0; t < taps; ++t) toff[t] = ((t / S) * IW + t % S) * CI;")
+        w.line("const uint16_t* a = in + q0 * st * CI;")
         with w.block("for (long c0 = 0; c0 < KT; c0 += 2)"):
             w.line("float* restrict c = acc + 16 * c0;")
-            with w.block("for (long t = 0; t < taps; ++t)"):
-                w.line("const long r = t / S, s = t % S;")
-                w.line("const uint16_t* a = in + (r * IW + q0 * st + s) * CI;")
-                w.line("const uint16_t* b = wv + (c0 * taps + t) * CB * 512;")
-                w.line("const long bs = taps * CB; /* tiles between column tiles */")
-                w.line("const int more = t > 0;")
-                with w.block("if (rows > 16)"):
-                    w.line("if (c0 + 1 < KT) cf_amx_r2c2(CB, a, lda, b, bs, c, ldc, more);")
-                    w.line("else cf_amx_r2c1(CB, a, lda, b, bs, c, ldc, more);")
-                with w.block("else"):
-                    w.line("if (c0 + 1 < KT) cf_amx_r1c2(CB, a, lda, b, bs, c, ldc, more);")
-                    w.line("else cf_amx_r1c1(CB, a, lda, b, bs, c, ldc, more);")
+            w.line("const uint16_t* b = wv + c0 * taps * CB * 512;")
+            w.line("const long bs = taps * CB; /* tiles between column tiles */")
+            with w.block("if (rows > 16)"):
+                w.line("if (c0 + 1 < KT) cf_amx_taps_r2c2(taps, toff, CB, a, lda, b, bs, c, ldc);")
+                w.line("else cf_amx_taps_r2c1(taps, toff, CB, a, lda, b, bs, c, ldc);")
+            with w.block("else"):
+                w.line("if (c0 + 1 < KT) cf_amx_taps_r1c2(taps, toff, CB, a, lda, b, bs, c, ldc);")
+                w.line("else cf_amx_taps_r1c1(taps, toff, CB, a, lda, b, bs, c, ldc);")
         w.line("return 16 * KT;")
     w.line("")
 
@@ -325,7 +329,7 @@ def _emit_band(w: Writer, spec: AmxConvSpec) -> None:
             with w.block("for (long q0 = 0; q0 < Q1; q0 += 32)"):
                 w.line("const long rows = CF_MIN(32, Q1 - q0);")
                 w.line("const long ld = cf_amx_conv_chunk(in, XW, CP, st1, R1, S1, q0, rows, W1v,")
-                w.line("                                  K1T, acc);")
+                w.line("                                  K1T, acc, toff);")
                 with w.block("for (long i = 0; i < rows; ++i)"):
                     w.line("uint16_t* restrict zq = zrow + (q0 + i) * K1P;")
                     with w.block("for (long k = 0; k < K1; ++k)"):
@@ -339,7 +343,7 @@ def _emit_band(w: Writer, spec: AmxConvSpec) -> None:
         with w.block("for (long q0 = 0; q0 < Q2; q0 += 32)"):
             w.line("const long rows = CF_MIN(32, Q2 - q0);")
             w.line("const long ld = cf_amx_conv_chunk(in, ZW, K1P, st2, R2, S2, q0, rows, W2v,")
-            w.line("                                  K2T, acc);")
+            w.line("                                  K2T, acc, toff);")
             with w.block("for (long i = 0; i < rows; ++i)"):
                 with w.block("for (long k = 0; k < K2; ++k)"):
                     w.line("float v = acc[i * ld + k] + (b2 ? cf_from_bf16(b2[k]) : 0.0f);")

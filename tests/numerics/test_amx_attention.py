@@ -9,6 +9,7 @@ block of 32 keys, or reads a mask one block off. Sizes stay small: the emulation
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,15 @@ torch = pytest.importorskip("torch")
 @pytest.fixture(autouse=True)
 def emulate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_AMX, "emulate")
+
+
+@pytest.fixture
+def fresh_calls() -> Iterator[None]:
+    """`ops`' kernel caches empty before and after: they are kept by sizes, not by the AMX
+    path, so a kernel of another test's path would be reused, and this test's left behind."""
+    chainfuse.ops.calls.clear()
+    yield
+    chainfuse.ops.calls.clear()
 
 
 def _torch(x: np.ndarray) -> Any:
@@ -124,9 +134,10 @@ def test_amx_attention_rows_with_every_key_masked_are_zeros() -> None:
 
 
 @pytest.mark.parametrize("mask", [None, "bool"])
-def test_amx_grouped_query_attention(mask: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_amx_grouped_query_attention(
+    mask: str | None, monkeypatch: pytest.MonkeyPatch, fresh_calls: None
+) -> None:
     # 6 query heads over 2 kv heads: the functional op runs the AMX kernel on views of k and v
-    chainfuse.ops.calls.clear()  # (kernels kept from other tests may be the fp32 path's)
     built: list[Any] = []
 
     def compiled(*args: Any, **kwargs: Any) -> Any:

@@ -146,6 +146,9 @@ def test_amx_conv_says_what_it_computes_in(monkeypatch: pytest.MonkeyPatch) -> N
         compile_conv(chain, halo="keep")
     with pytest.raises(ValueError, match="tile of p2 only"):
         compile_conv(chain, tiles={"c": 8})
+    wide = chainfuse.conv_chain_spec(1, 8192, 3, 8192, 8, 3, 3, 8, 1, 1, dtype="bfloat16")
+    with pytest.raises(ValueError, match="one output row's padded input"):
+        compile_conv(wide)
     monkeypatch.setenv(ENV_AMX, "off")
     with pytest.raises(TypeError, match=f"AMX tiles only.*{ENV_AMX}=off"):
         compile_conv(chain)
