@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import chainfuse
 from chainfuse import reference
@@ -77,6 +79,21 @@ def test_amx_attention_matches_reference(
     kernel = _amx(chain, tiles)
     out, _ = check_against_reference(kernel, chain, seed=M + L, convert=_torch)
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (b, h, M, dv)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.sampled_from([1, 2, 15, 16, 17, 31, 33, 47]), L=st.sampled_from([1, 7, 31, 32, 33, 63, 65]),
+    dk=st.sampled_from([1, 17, 31, 32, 33, 64]), dv=st.sampled_from([1, 5, 16, 17, 33]),
+    mask=st.sampled_from([None, "bool", "additive"]), causal=st.booleans(),
+    tile_l=st.sampled_from([32, 64]),
+)  # fmt: skip
+def test_amx_attention_of_drawn_sizes(
+    M: int, L: int, dk: int, dv: int, mask: str | None, causal: bool, tile_l: int
+) -> None:
+    chain = _attention(2, 1, M, L, dk, dv, mask, causal)
+    kernel = _amx(chain, {"m": 32, "l": tile_l})
+    check_against_reference(kernel, chain, seed=M * L, convert=_torch)
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 128])

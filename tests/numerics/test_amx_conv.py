@@ -10,9 +10,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import chainfuse
 from chainfuse import reference
+from chainfuse.builders import conv_out_size
 from chainfuse.compiled import AmxConvKernel
 from chainfuse.compiler import compile_conv
 from chainfuse.kernels.amx import ENV_AMX, AmxPath, amx_status
@@ -66,6 +69,29 @@ def _run(
 @pytest.mark.parametrize("case", CASES)
 def test_amx_conv_chain_matches_reference(case: tuple[Any, ...], channels_last: bool) -> None:
     y, want, chain = _run(case, channels_last, seed=case[1])
+    reference.assert_close(y.float().numpy(), want, chain)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    C=st.sampled_from([1, 2, 31, 33]), H=st.sampled_from([1, 5, 8]), W=st.sampled_from([3, 17, 34]),
+    K1=st.sampled_from([1, 15, 17, 32]), K2=st.sampled_from([1, 16, 19]),
+    window=st.sampled_from([(1, 1, 1, 1), (3, 3, 1, 1), (1, 1, 3, 3), (3, 3, 3, 3), (2, 3, 3, 1)]),
+    stride=st.sampled_from([(1, 1), (2, 1), (1, 2)]), between=st.sampled_from([None, "relu"]),
+    channels_last=st.booleans(),
+)  # fmt: skip
+def test_amx_conv_chain_of_drawn_sizes(
+    C: int, H: int, W: int, K1: int, K2: int, window: tuple[int, int, int, int],
+    stride: tuple[int, int], between: str | None, channels_last: bool,
+) -> None:  # fmt: skip
+    R1, S1, R2, S2 = window
+    padding = (R1 // 2, R2 // 2)
+    P1 = conv_out_size(H, R1, stride[0], padding[0])
+    Q1 = conv_out_size(W, S1, stride[0], padding[0])
+    assume(H + 2 * padding[0] >= R1 and W + 2 * padding[0] >= S1)
+    assume(P1 + 2 * padding[1] >= R2 and Q1 + 2 * padding[1] >= S2)
+    case = (2, C, H, W, K1, R1, S1, K2, R2, S2, stride, padding, between)
+    y, want, chain = _run(case, channels_last, bias=True, seed=C + W)
     reference.assert_close(y.float().numpy(), want, chain)
 
 
