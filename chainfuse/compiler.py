@@ -218,19 +218,7 @@ def compile_conv(
         ],
         hw,
     )
-    n_first = shape.N > 1
-    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
-    structure = (order, 3 if n_first else 2)
-    try:
-        chosen = remembered_plan(chain, hw, threads, structure, {})
-    except PlanningError:
-        if len(hw.levels) < 3:
-            raise
-        # the smallest fused block overflows the innermost cache (a wide window over many
-        # channels of the intermediate, e.g. 5x5 x 127): the kernel still runs, its micro-kernel
-        # streaming from the next level, so plan the levels from there out
-        outer = dataclasses.replace(hw, levels=hw.levels[1:])
-        chosen = remembered_plan(chain, outer, threads, structure, {})
+    chosen = _conv_plan(chain, shape, hw, threads)
     planned = chosen.tiles_at(code_level(hw)) or {}
     code = code_tiles(shape, planned, hw.levels[0].capacity, kernel.nr)
     picks = {"p2": code.band_rows, "c": code.c_block, "k1": code.k1_block}
@@ -250,6 +238,23 @@ def compile_conv(
     spec = ConvChainSpec(kernel, shape.relu_mid, after == "relu", decided)
     header = _conv_header(spec, after)
     return ConvKernel(chain, chosen, spec, shape, code, reason, header)
+
+
+def _conv_plan(chain: Chain, shape: ConvChainShape, hw: Hardware, threads: int | None) -> Plan:
+    """The plan of a conv chain in the structure the conv backends implement (`_CONV_ORDER`)."""
+    n_first = shape.N > 1
+    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
+    structure = (order, 3 if n_first else 2)
+    try:
+        return remembered_plan(chain, hw, threads, structure, {})
+    except PlanningError:
+        if len(hw.levels) < 3:
+            raise
+        # the smallest fused block overflows the innermost cache (a wide window over many
+        # channels of the intermediate, e.g. 5x5 x 127): the kernel still runs, its micro-kernel
+        # streaming from the next level, so plan the levels from there out
+        outer = dataclasses.replace(hw, levels=hw.levels[1:])
+        return remembered_plan(chain, outer, threads, structure, {})
 
 
 def _compile_amx_conv(
@@ -281,15 +286,7 @@ def _compile_amx_conv(
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
         band_rows = min(t, shape.P2)
-    n_first = shape.N > 1
-    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
-    try:
-        chosen = remembered_plan(chain, hw, threads, (order, 3 if n_first else 2), {})
-    except PlanningError:
-        if len(hw.levels) < 3:
-            raise
-        outer = dataclasses.replace(hw, levels=hw.levels[1:])
-        chosen = remembered_plan(chain, outer, threads, (order, 3 if n_first else 2), {})
+    chosen = _conv_plan(chain, shape, hw, threads)
     spec = AmxConvSpec(shape.relu_mid, after == "relu")
     return AmxConvKernel(chain, chosen, spec, shape, band_rows,
                          amx_conv_header(spec, path, after), path)  # fmt: skip
