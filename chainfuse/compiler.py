@@ -105,7 +105,8 @@ def compile(
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
     path = amx_path(chain.dtype)
-    if path is not None and not amx_unsupported(shape):
+    why_not = amx_unsupported(shape, (ext[k], ext[n])) if path is not None else ""
+    if path is not None and not why_not:
         uk = AMX_BF16_32X32
         quanta = {m: uk.nr, l_: uk.mr, n: uk.mr}
         planned_for = threads if threads is not None else get_num_threads()
@@ -130,11 +131,11 @@ def compile(
     chosen = remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
     schedule = schedule_gemm_chain(chain, shape, chosen, kernel, hw, tiles)
     spec = schedule.spec
-    header = _header(chain, chosen, spec)
-    return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec))
+    header = _header(chain, chosen, spec, why_not)
+    return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec, why_not))
 
 
-def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
+def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec, why_not: str = "") -> str:
     """The source's opening comment: the chain's structure only (no sizes, no tiles: those are
     arguments, so the same source, and the same compiled object, serves every size and every
     plan; `Kernel.plan` says which one a kernel runs)."""
@@ -147,19 +148,20 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
         "tiles T_M, T_L, T_K, T_N: run-time arguments\n"
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}); "
         f"epilogue {spec.epilogue.value}; parallel over the batch and m\n"
-        f"arithmetic: {arithmetic(spec)}"
+        f"arithmetic: {arithmetic(spec, why_not)}"
     )
 
 
-def arithmetic(spec: GemmChainSpec) -> str:
+def arithmetic(spec: GemmChainSpec, why_not: str = "") -> str:
     """What the kernel computes in, said plainly (the plan's record of the path taken): the
-    path's name first (`FP32_FMA` here; `AmxPath` for the tile kernels), then how."""
+    path's name first (`FP32_FMA` here; `AmxPath` for the tile kernels), then how; for bf16,
+    why not on AMX (`why_not`: the AMX generator's reason, else `amx_absent`'s)."""
     uk = spec.kernel.name
     if spec.dtype is DType.BFLOAT16:
         return (
             f"{FP32_FMA}: bf16 inputs and output, widened to fp32 while packing; fp32 "
             f"micro-kernel {uk}, fp32 intermediate, output rounded to bf16 once "
-            f"({amx_absent(spec.dtype)})"
+            f"({why_not or amx_absent(spec.dtype)})"
         )
     if spec.dtype is DType.FLOAT16:
         return (

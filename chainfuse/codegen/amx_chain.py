@@ -42,7 +42,7 @@ from chainfuse.codegen.common import (
     header_comment,
     per_thread,
 )
-from chainfuse.codegen.gemm_spec import MAX_BATCH, Epilogue, GemmChainShape, GemmChainSpec
+from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
 from chainfuse.codegen.schedule import CodeSchedule, TileChange
 from chainfuse.codegen.writer import Writer
 from chainfuse.ir import Chain, MaskKind
@@ -52,11 +52,13 @@ from chainfuse.planner import Plan
 __all__ = [
     "AMX_MAX_L",
     "AMX_MAX_M",
+    "AMX_MAX_WORKSPACE",
     "amx_arithmetic",
     "amx_describe",
     "amx_header",
     "amx_schedule",
     "amx_unsupported",
+    "amx_workspace_bytes",
     "emit_amx_chain",
 ]
 
@@ -66,13 +68,35 @@ AMX_MAX_M = 256
 AMX_MAX_L = 512
 
 
-def amx_unsupported(shape: GemmChainShape) -> str:
+#: Bytes of one thread's workspace at most (`CF_AMX_REGIONS` at the largest tiles): k and n
+#: run whole in tiles, so a chain whose K or N is larger takes the fp32 path, which tiles them
+AMX_MAX_WORKSPACE = 64 << 20
+
+
+def amx_workspace_bytes(K: int, N: int) -> int:
+    """One thread's workspace (`CF_AMX_REGIONS`) at the largest tiles, in bytes."""
+    kp, lde, mb, tl = _r32(K), -(-N // 16) * 16, AMX_MAX_M, AMX_MAX_L
+
+    def a16(x: int) -> int:
+        return -(-x // 16) * 16
+
+    floats = (a16(kp * tl // 2) + a16(tl * lde // 2) + a16(mb * kp // 2) + a16(32 * tl)
+              + a16(16 * tl) + a16(mb * lde) + 2 * a16(mb))  # fmt: skip
+    return 4 * floats
+
+
+def amx_unsupported(shape: GemmChainShape, k_n: tuple[int, int] | None = None) -> str:
     """Why the AMX generator does not take a chain of `shape` ("" when it does). It takes every
-    two-GEMM chain `match_gemm_chain` recognises: the four betweens, masks of both kinds and
-    causal softmaxes, B stored either way, up to two batch dims; the reason names a shape
-    that would need another generator (kept as the one place the dispatch asks)."""
-    if len(shape.batch) > MAX_BATCH:
-        return f"{len(shape.batch)} batch dims (the AMX kernel takes {MAX_BATCH})"
+    two-GEMM chain `match_gemm_chain` recognises (the four betweens, masks of both kinds and
+    causal softmaxes, B stored either way) whose reduction and output widths `k_n` = (K, N),
+    when given, keep a thread's workspace within `AMX_MAX_WORKSPACE`."""
+    if k_n is not None:
+        need = amx_workspace_bytes(*k_n)
+        if need > AMX_MAX_WORKSPACE:
+            return (
+                f"K = {k_n[0]} and N = {k_n[1]} run whole in AMX tiles: {need} bytes of workspace"
+                f" a thread, past {AMX_MAX_WORKSPACE}"
+            )
     return ""
 
 

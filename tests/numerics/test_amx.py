@@ -93,6 +93,15 @@ def test_amx_attention_without_mask_matches_reference() -> None:
     check_against_reference(_amx(chain), chain, seed=2, convert=_bf16)
 
 
+def test_a_reduction_too_long_for_whole_tiles_takes_the_fp32_path_and_says_why() -> None:
+    # k runs whole in AMX tiles: past AMX_MAX_WORKSPACE the fp32 path (which tiles k) runs it
+    chain = chainfuse.gemm_chain(1, 3, 2, 50_000, 5, "relu", dtype="bfloat16")
+    kernel = compile(chain)
+    assert not isinstance(kernel, AmxKernel)
+    assert kernel.arithmetic.startswith("fp32-fma:") and "K = 50000" in kernel.arithmetic
+    check_against_reference(kernel, chain, seed=1, convert=_bf16)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_only_bf16_chains_take_amx(dtype: str) -> None:
     chain = chainfuse.attention_chain(1, 1, 8, 8, 8, 8, causal=True, mask="bool", dtype=dtype)
