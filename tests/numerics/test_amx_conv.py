@@ -144,14 +144,16 @@ def test_a_dropped_tap_or_tile_fails_the_check(fault: str) -> None:
         reference.assert_close(out, reference.run(chain, x)["Y2"], chain)
 
 
+@pytest.mark.parametrize("at", [("X", (0, 2, 4, 6)), ("W1", (1, 0, 0, 0)), ("W2", (2, 3, 2, 2))])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_amx_conv_nan_and_inf_propagate_as_pytorch(bad: float) -> None:
+def test_amx_conv_nan_and_inf_propagate_as_pytorch(bad: float, at: tuple[str, Any]) -> None:
+    # padded taps are computed with zeros: a NaN weight poisons every pixel, as PyTorch's does
     case = (1, 5, 10, 12, 6, 3, 3, 4, 3, 3, (1, 1), (1, 1), "relu")
     N, C, H, W, K1, R1, S1, K2, R2, S2, stride, padding, between = case
     chain = chainfuse.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=stride,
                                       padding=padding, between=between, dtype="bfloat16")  # fmt: skip
     x = reference.random_inputs(chain, seed=7)
-    x["X"][0, 2, 4, 6] = bad
+    x[at[0]][at[1]] = bad
     args = [torch.from_numpy(x[n]).bfloat16() for n in ("X", "W1", "W2")]
     ours = compile_conv(chain)(*args).float().numpy()
     theirs = F.conv2d(torch.relu(F.conv2d(args[0], args[1], padding=1)), args[2], padding=1)
