@@ -447,6 +447,7 @@ def _emit_epilogue(w: Writer, spec: GemmChainSpec) -> None:
     with w.block("for (long i = 0; i < rt16; ++i)"):
         w.line("const float* restrict s = S + i * TLP;")
         w.line("uint16_t* restrict p = P + i * TLP;")
+        w.line("#pragma omp simd")
         with w.block("for (long j = 0; j < lr; ++j)"):
             if ep is Epilogue.RELU:
                 w.line("const float v = s[j] < 0.0f ? 0.0f : s[j]; /* NaN stays NaN */")
@@ -478,6 +479,8 @@ def _emit_online_softmax(w: Writer, spec: GemmChainSpec) -> None:
         if spec.mask is not MaskKind.NONE:
             w.line("const long mk = (m0 + r) * sMm + l0 * sMl; /* the row's mask at key l0 */")
         w.line("float mx = row_max[r];")
+        w.line("/* (vector lanes each skip NaN: the max of their maxima never holds one) */")
+        w.line("#pragma omp simd reduction(max : mx)")
         with w.block("for (long j = 0; j < lr; ++j)"):
             w.line("float v = scale * s[j];")
             if spec.mask is MaskKind.ADDITIVE:
@@ -499,6 +502,7 @@ def _emit_online_softmax(w: Writer, spec: GemmChainSpec) -> None:
         w.line("row_max[r] = mx;")
         w.line("const float shift = mx == -INFINITY ? 0.0f : mx; /* all masked: every p is 0 */")
         w.line("float sum = 0.0f;")
+        w.line("#pragma omp simd reduction(+ : sum)")
         with w.block("for (long j = 0; j < lr; ++j)"):
             w.line("const uint16_t h = cf_to_bf16(cf_exp_neg(s[j] - shift));")
             w.line("p[j] = h;")
