@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import chainfuse
 from chainfuse import reference
-from chainfuse.codegen.amx_chain import emit_amx_chain
+from chainfuse.codegen.amx_chain import AMX_MAX_L, AMX_MAX_M, amx_workspace_bytes, emit_amx_chain
 from chainfuse.compiled import ALONE_S
 from chainfuse.compiler import AmxKernel, compile
 from chainfuse.kernels.amx import ENV_AMX, AmxPath, amx_status
@@ -100,6 +100,14 @@ def test_a_reduction_too_long_for_whole_tiles_takes_the_fp32_path_and_says_why()
     assert not isinstance(kernel, AmxKernel)
     assert kernel.arithmetic.startswith("fp32-fma:") and "K = 50000" in kernel.arithmetic
     check_against_reference(kernel, chain, seed=1, convert=_bf16)
+
+
+def test_the_workspace_bound_is_the_kernels_own() -> None:
+    # amx_workspace_bytes (what the dispatch weighs) is the C's CF_AMX_REGIONS at the largest tiles
+    chain = chainfuse.gemm_chain(1, AMX_MAX_M, 24, 40, AMX_MAX_L, "softmax", dtype="bfloat16")
+    kernel = _amx(chain, {"m": AMX_MAX_M, "l": AMX_MAX_L})
+    assert (kernel.spec.T_M, kernel.spec.T_L) == (AMX_MAX_M, AMX_MAX_L)
+    assert 4 * kernel._per == amx_workspace_bytes(40, 24)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
