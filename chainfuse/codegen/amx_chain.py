@@ -16,11 +16,12 @@ emulation (any host; `kernels.amx.AmxPath`). The blocks::
                 Eacc[m_i, :] (+)= P . D[l_o, :]    # op2: fp32 tiles, kept in scratch
         E[m_o, :] = bf16(Eacc)                     # (softmax: Eacc / the rows' sums)
 
-A softmax's mask (boolean: bytes, True takes part; additive: bf16, added to the scaled scores)
-is read element by element through its strides along (batch0, batch1, m, l), 0 where it
-broadcasts, as the fp32 path reads it; `is_causal` masks keys past the query (top-left
-aligned). A row whose keys are all masked gets zeros. NaN and inf go through as in PyTorch's
-unfused ops: a NaN score poisons its row (the max skips it, its exponential does not), an inf
+A softmax's mask (boolean: bytes, True takes part, added as 0 / -inf as SDPA adds it; additive:
+bf16, added to the scaled scores) is read element by element through its strides along
+(batch0, batch1, m, l), 0 where it broadcasts, as the fp32 path reads it; `is_causal` masks keys
+past the query (top-left aligned, a select). A row with no key above -inf gets zeros where the
+softmax is safe (attention), else NaN. NaN and inf go through as in PyTorch's unfused ops: a
+NaN score poisons its row (the max skips it, its exponential does not), masked or not, an inf
 score makes its row NaN; keys the causal loop never computes cannot.
 
 The intermediate is rounded to bf16 before op2, as PyTorch's unfused bf16 chain rounds it (f
@@ -429,8 +430,10 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("const float* restrict src = Eacc + i * LDE;")
         w.line("uint16_t* restrict dst = E_b + i * sEm;")
         if softmax:
-            w.line("/* a row whose keys are all masked has no mass: zeros (NaN stays in Eacc) */")
-            w.line("const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : 0.0f;")
+            empty = "0.0f" if spec.safe else "NAN"
+            w.line("/* a row with no key above -inf has no mass: zeros where the softmax is safe")
+            w.line("   (SDPA), else NaN (torch.softmax); a NaN in Eacc stays */")
+            w.line(f"const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : {empty};")
             w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j] * inv);")
         else:
             w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j]);")
@@ -486,7 +489,7 @@ def _emit_online_softmax(w: Writer, spec: GemmChainSpec) -> None:
             if spec.mask is MaskKind.ADDITIVE:
                 w.line("v += cf_from_bf16(mask_b[mk + j * sMl]);")
             elif spec.mask is MaskKind.BOOL:
-                w.line("v = mask_b[mk + j * sMl] ? v : -INFINITY; /* (a select: NaN masked too) */")
+                w.line("v += mask_b[mk + j * sMl] ? 0.0f : -INFINITY; /* as SDPA: NaN stays */")
             if spec.causal:
                 w.line("v = l0 + j > m0 + r ? -INFINITY : v;")
             w.line("s[j] = v;")

@@ -188,6 +188,17 @@ def test_amx_nan_and_inf_propagate_as_pytorch(between: str | None, bad: float) -
     reference.assert_close(ours, reference.run(chain, x)["E"], chain, inputs=x)
 
 
+def test_amx_softmax_of_an_all_minus_inf_row_is_nan_as_torch_softmax() -> None:
+    # gemm_chain's softmax is unsafe (torch.softmax's); attention's safe rows: test_amx_attention
+    chain = chainfuse.gemm_chain(1, 20, 9, 8, 40, "softmax", dtype="bfloat16")
+    x = reference.random_inputs(chain, seed=2)
+    x["A"][0, 5] = 0.0
+    x["A"][0, 5, 0] = float("-inf")  # row 5's scores: -inf (B's first row all positive)
+    x["B"][0, 0] = np.abs(x["B"][0, 0]) + 0.5
+    ours = _amx(chain)(*(_bf16(x[t.name]) for t in chain.inputs)).float().numpy()
+    assert np.isnan(ours[0, 5]).all() and np.isfinite(np.delete(ours[0], 5, axis=0)).all()
+
+
 def test_amx_kernel_says_what_it_computes_in(monkeypatch: pytest.MonkeyPatch) -> None:
     chain = chainfuse.gemm_chain(1, 8, 8, 8, 8, "relu", dtype="bfloat16")
     kernel = _amx(chain)

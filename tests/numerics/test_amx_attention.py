@@ -180,13 +180,14 @@ def test_amx_grouped_query_attention(
 
 
 def _unfused_bf16(x: dict[str, np.ndarray], chain: chainfuse.Chain, causal: bool) -> np.ndarray:
-    """PyTorch's unfused bf16 attention: bf16 scores, the mask (a select, as the kernels' is),
-    bf16 softmax, bf16 P.V."""
+    """PyTorch's unfused bf16 attention: bf16 scores, the mask added (a boolean one as 0 /
+    -inf, as SDPA converts it), the causal mask selected, bf16 softmax, bf16 P.V."""
     q, k, v = (_torch(x[n]) for n in ("Q", "K", "V"))
     soft = next(op for op in chain.ops if isinstance(op, chainfuse.ir.Softmax))
     s = torch.matmul(q, k.transpose(-1, -2)) * soft.scale
     if soft.mask_kind is MaskKind.BOOL:
-        s = s.masked_fill(~torch.from_numpy(x["mask"]), float("-inf"))
+        keep = torch.from_numpy(x["mask"])
+        s = s + torch.zeros(keep.shape, dtype=s.dtype).masked_fill(~keep, float("-inf"))
     elif soft.mask_kind is MaskKind.ADDITIVE:
         s = s + _torch(x["mask"])
     if causal:

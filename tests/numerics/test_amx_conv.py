@@ -58,8 +58,11 @@ def _run(
         args[0] = args[0].contiguous(memory_format=torch.channels_last)
     y = kernel(*args, *b)
     assert y.dtype == torch.bfloat16
-    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else
-                           torch.contiguous_format)  # fmt: skip
+    # the result follows x's memory order (tiny shapes can be both orders at once)
+    if channels_last and not args[0].is_contiguous():
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    elif not args[0].is_contiguous(memory_format=torch.channels_last):
+        assert y.is_contiguous()
     bias_np = [None if t is None else t.float().numpy() for t in b]
     want = reference.run_conv_chain(chain, x, *bias_np, after)
     return y, want, chain
