@@ -15,12 +15,14 @@ architecture (`architecture_preset`), scaled by the SM count. torch is imported 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["GpuSpec", "TensorFormat", "architecture_preset", "gpu_properties"]
+__all__ = ["GpuSpec", "TensorFormat", "architecture_preset", "detected_figures", "gpu_properties"]
 
 
 class TensorFormat(enum.Enum):
@@ -188,3 +190,35 @@ def gpu_properties(index: int = 0) -> dict[str, Any] | None:
         "registers_per_sm": int(getattr(p, "regs_per_multiprocessor", 0)),
         "threads_per_sm": int(getattr(p, "max_threads_per_multi_processor", 0)),
     }
+
+
+_Level = TypeVar("_Level")  # hardware.MemoryLevel (this module lies below hardware)
+
+
+def detected_figures(
+    levels: Sequence[_Level], gpu: GpuSpec, cores: int, props: dict[str, Any]
+) -> tuple[tuple[_Level, ...], GpuSpec]:
+    """A preset's levels and GPU figures with what the driver reported (`gpu_properties`) in
+    place: shared memory per SM, L2 and memory sizes, registers, threads, the opt-in shared
+    memory; totals (bandwidths, tensor-core peaks) scaled by the SM count, so the per-SM share
+    stays the preset's."""
+    scale = props["sms"] / cores
+    out = list(levels)
+    if props["smem_per_sm"]:
+        out[0] = dataclasses.replace(out[0], capacity=props["smem_per_sm"])  # type: ignore[type-var]
+    for i, lv in enumerate(out[1:], 1):
+        total = getattr(lv, "total_bandwidth", None)
+        size = props["l2"] if i == 1 and props["l2"] else lv.capacity
+        size = props["total_memory"] if i == len(out) - 1 else size
+        out[i] = dataclasses.replace(  # type: ignore[type-var]
+            lv, capacity=size, total_bandwidth=None if total is None else total * scale
+        )
+    spec = dataclasses.replace(
+        gpu,
+        compute_capability=props["compute_capability"],
+        registers_per_sm=props["registers_per_sm"] or gpu.registers_per_sm,
+        threads_per_sm=props["threads_per_sm"] or gpu.threads_per_sm,
+        smem_per_program=props["smem_per_program"] or gpu.smem_per_program,
+        tensor_flops=tuple((f, v * scale) for f, v in gpu.tensor_flops),
+    )
+    return tuple(out), spec
