@@ -20,7 +20,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__ = ["GpuSpec", "TensorFormat", "architecture_preset", "detected_figures", "gpu_properties"]
 
@@ -192,7 +192,17 @@ def gpu_properties(index: int = 0) -> dict[str, Any] | None:
     }
 
 
-_Level = TypeVar("_Level")  # hardware.MemoryLevel (this module lies below hardware)
+class _Sized(Protocol):
+    """What `detected_figures` reads of a `hardware.MemoryLevel` (this module lies below it)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def total_bandwidth(self) -> float | None: ...
+
+
+_Level = TypeVar("_Level", bound=_Sized)
 
 
 def detected_figures(
@@ -207,7 +217,7 @@ def detected_figures(
     if props["smem_per_sm"]:
         out[0] = dataclasses.replace(out[0], capacity=props["smem_per_sm"])  # type: ignore[type-var]
     for i, lv in enumerate(out[1:], 1):
-        total = getattr(lv, "total_bandwidth", None)
+        total = lv.total_bandwidth
         size = props["l2"] if i == 1 and props["l2"] else lv.capacity
         size = props["total_memory"] if i == len(out) - 1 else size
         out[i] = dataclasses.replace(  # type: ignore[type-var]
