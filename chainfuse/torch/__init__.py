@@ -27,7 +27,7 @@ from chainfuse.ops.arguments import grad_refused
 from chainfuse.ops.attention import known_attention
 from chainfuse.runtime.threads import call_threads, reset_call_threads, threads_for
 
-__all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
+__all__ = ["SDPAPatch", "attention", "compile", "conv_chain", "explain", "gemm_chain", "patch_sdpa"]
 
 
 def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -382,3 +382,8 @@ def conv_chain(
         return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
     return _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=stride, padding=padding,
                              between=between, after=after)  # fmt: skip
+
+
+# the torch.compile backend ("chainfuse") and its explainer: after the operators they emit
+from chainfuse.torch.backend import compile  # noqa: E402
+from chainfuse.torch.explain import explain  # noqa: E402
