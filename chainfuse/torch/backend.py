@@ -33,6 +33,7 @@ from chainfuse.torch.decide import Decision, decide, predicted_time
 from chainfuse.torch.finder import ChainKind, Found, find
 from chainfuse.torch.kinds import value_of
 from chainfuse.torch.rewrite import Capabilities, Emitter, external_inputs
+from chainfuse.torch.unfold import unfold
 
 __all__ = ["Backend", "ChainReport", "Options", "Report", "backend", "compile"]
 
@@ -120,12 +121,16 @@ class Backend:
             return compiled
 
     def _rewrite(self, gm: fx.GraphModule, inputs: list[Any]) -> None:
+        kept_whole = unfold(gm.graph)
+        gm.recompile()
         interp = fx.Interpreter(gm, garbage_collect_values=False)
         with torch.no_grad():
             interp.run(*inputs)
         values = interp.env
+        for node, value in values.items():  # (the unfolded nodes have no traced values)
+            node.meta.setdefault("example_value", value)
         finding = find(gm.graph)
-        self.report.skipped += finding.skipped
+        self.report.skipped += kept_whole + finding.skipped
         emitter = Emitter(gm, Capabilities.detect(), self.options.freeze, values.__getitem__)
         for found in finding.chains:
             refusal = emitter.refusal(found)

@@ -379,7 +379,7 @@ def find(graph: fx.Graph) -> Finding:
             result = _sdpa(node)
         elif kind is Kind.CONV:
             result = _conv(node) or "dilation, groups or padding chainfuse's conv chain lacks"
-        elif kind is Kind.OPAQUE:
+        elif kind is Kind.OPAQUE and node.target is not F.multi_head_attention_forward:
             result = (
                 "PyTorch's fused encoder-layer / multi-head-attention fast path (one opaque op): "
                 "call the model with grad enabled or disable the fast path "

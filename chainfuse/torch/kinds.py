@@ -59,6 +59,7 @@ _TABLE: dict[Any, Kind] = {
     "permute": Kind.VIEW,
     "t": Kind.VIEW,
     "unsqueeze": Kind.VIEW,
+    "unflatten": Kind.VIEW,
     "flatten": Kind.VIEW,
     torch.reshape: Kind.VIEW,
     torch.transpose: Kind.VIEW,
@@ -73,6 +74,7 @@ _TABLE: dict[Any, Kind] = {
     operator.getitem: Kind.SHUFFLE,
     torch._transformer_encoder_layer_fwd: Kind.OPAQUE,
     torch._native_multi_head_attention: Kind.OPAQUE,
+    F.multi_head_attention_forward: Kind.OPAQUE,
 }
 for _fn in (F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid, F.sigmoid, torch.pow,
             operator.add, operator.mul, operator.truediv, operator.sub, operator.neg, torch.rsqrt,
