@@ -124,8 +124,10 @@ class Backend:
         kept_whole = unfold(gm.graph)
         gm.recompile()
         interp = fx.Interpreter(gm, garbage_collect_values=False)
+        # (a symbolic size runs at the value it was traced with, read without a guard)
+        concrete = [a.node.hint if isinstance(a, torch.SymInt) else a for a in inputs]
         with torch.no_grad():
-            interp.run(*inputs)
+            interp.run(*concrete)
         values = interp.env
         for node, value in values.items():  # (the unfolded nodes have no traced values)
             node.meta.setdefault("example_value", value)

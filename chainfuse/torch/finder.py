@@ -111,9 +111,12 @@ def gemm_at(node: fx.Node) -> Gemm | None:
         return None
     args: Any = node.args
     if node.target is torch.addmm:
-        if len(args) != 3 or node.kwargs or not (_is_weight(args[2]) and _is_vector(args[0])):
+        if len(args) != 3 or node.kwargs or not _is_vector(args[0]):
             return None
-        return Gemm(node, args[1], args[2], False, args[0], node, "addmm")
+        w_t = _transpose_of(args[2])
+        if w_t is None and not _is_weight(args[2]):
+            return None
+        return Gemm(node, args[1], w_t or args[2], w_t is not None, args[0], node, "addmm")
     if kind_of(node) is Kind.LINEAR:
         bias: Any = args[2] if len(args) > 2 else node.kwargs.get("bias")
         if not _is_weight(args[1]) or (bias is not None and not _is_vector(bias)):
@@ -192,12 +195,14 @@ def _why(nxt: fx.Node) -> str:
 
 def _mlp(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | str:
     taken: list[fx.Node] = []
-    node, why = _walk(g1.end, taken)
-    if why:
-        return why
-    act = activation_at(taken[-1] if taken else g1.end)
+    act = activation_at(g1.end)  # (a written-out activation has several users of g1's result)
     if act is None:
-        return _why(node)
+        node, why = _walk(g1.end, taken)
+        if why:
+            return why
+        act = activation_at(taken[-1]) if taken else None
+        if act is None:
+            return _why(node)
     taken.extend(act.nodes)
     node, why = _walk(act.end, taken)
     g2 = gemms.get(node)

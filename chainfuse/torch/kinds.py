@@ -167,7 +167,8 @@ def activation_at(x: fx.Node) -> Activation | None:
 def _written_out(x: fx.Node, users: list[fx.Node]) -> Activation | None:
     if len(users) == 2:  # x * sigmoid(c * x): silu (c = 1) or quick-GELU (c = 1.702)
         sig = next((u for u in users if _call(u, torch.sigmoid, F.sigmoid, "sigmoid")), None)
-        prod = next((u for u in users if _call(u, operator.mul, torch.mul, "mul")), None)
+        prod = next((u for u in users if _call(u, operator.mul, torch.mul, "mul") and any(
+            _call(a, torch.sigmoid, F.sigmoid, "sigmoid") for a in u.args)), None)  # fmt: skip
         if (
             sig is not None
             and prod is not None

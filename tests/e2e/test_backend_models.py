@@ -116,13 +116,14 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
     assert err <= 4 * eager_err + 1e-6 * max(1.0, scale), (err, eager_err, scale)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(
-    "name", ["bert", "bert-written", "vit", "gpt2", "llama", "encoder-layer", "resnet", "mlp"]
-)
+# (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
+CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
+         ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"),
+         ("bert", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_model_matches_eager_with_its_chains_fused(name: str, dtype: str) -> None:
-    if name == "resnet" and dtype == "bfloat16":
-        pytest.skip("chainfuse's conv chain is float32")
     model, inputs, chains = _model(name)
     report = Report()
     fastpath = torch.backends.mha.get_fastpath_enabled()
@@ -137,8 +138,9 @@ def test_model_matches_eager_with_its_chains_fused(name: str, dtype: str) -> Non
 
 
 def test_inductor_with_freezing_runs_the_fused_chains() -> None:
-    """The default mode: the rewritten graph compiled by Inductor, parameters frozen."""
-    model, inputs, chains = _model("bert")
+    """The default mode: the rewritten graph compiled by Inductor, parameters frozen (the MLP's
+    weights packed once as constants)."""
+    model, inputs, chains = _model("mlp")
     report = Report()
     _check_close(model, inputs, torch.float32, report, mode="inductor")
     assert sum(c.fused for c in report.chains) >= chains
@@ -159,13 +161,14 @@ def test_greedy_generation_gives_eager_tokens_without_recompiling(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """32 new tokens, one sequence length more at each step: one graph for all of them, and no
-    chainfuse kernel compiled after the first step."""
+    chainfuse kernel compiled after the first step; the first step's logits within the rule
+    of `_check_close`."""
     torch._dynamo.reset()
     model, _, _ = _model(name)
     model = model.eval()
     report = Report()
     compiled = torch.compile(model, backend=Backend(Options(mode="eager", measure=False), report),
-                             dynamic=True, fullgraph=True)  # fmt: skip
+                             fullgraph=True)  # fmt: skip
     builds: list[Any] = []
     real = cache._compile
 
@@ -179,6 +182,7 @@ def test_greedy_generation_gives_eager_tokens_without_recompiling(
         ids = prompt
         with torch.no_grad():
             for step in range(32):
+                torch._dynamo.mark_dynamic(ids, 1)  # the sequence length: one graph for all
                 logits = fn(ids, use_cache=False).logits
                 ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
                 if step == 0:  # the first step compiled what it needs; nothing after it may
@@ -186,9 +190,15 @@ def test_greedy_generation_gives_eager_tokens_without_recompiling(
         return [int(t) for t in ids[0, 8:]]
 
     assert greedy(compiled) == greedy(model)
+    with torch.no_grad():
+        got = compiled(prompt, use_cache=False).logits.double()
+        eager = model(prompt, use_cache=False).logits.double()
+        want = model.double()(prompt, use_cache=False).logits
+    err, eager_err = float((got - want).abs().max()), float((eager - want).abs().max())
+    assert err <= 4 * eager_err + 1e-6 * max(1.0, float(want.abs().max())), (err, eager_err)
     assert report.graphs == 1
     assert not builds
-    assert sum(c.fused for c in report.chains) >= 2
+    assert sum(c.fused for c in report.chains) >= 2, [(c.name, c.why) for c in report.chains]
 
 
 def test_training_graphs_are_compiled_unchanged() -> None:
@@ -215,11 +225,10 @@ def test_explain_reports_chains_reasons_and_share(capsys: pytest.CaptureFixture[
 def test_backend_is_found_without_importing_chainfuse() -> None:
     code = (
         "import sys, torch\n"
-        "f = torch.compile(torch.nn.Linear(4, 4), backend='chainfuse')\n"
-        "with torch.no_grad(): f(torch.randn(2, 4))\n"
-        "print('chainfuse.torch' in sys.modules)\n"
+        "found = torch._dynamo.lookup_backend('chainfuse')\n"
+        "print(type(found).__module__, 'chainfuse.torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "True"
+    assert done.stdout.strip() == "chainfuse.torch.backend True"
