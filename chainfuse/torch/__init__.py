@@ -27,7 +27,7 @@ from chainfuse.ops.arguments import grad_refused
 from chainfuse.ops.attention import known_attention
 from chainfuse.runtime.threads import call_threads, reset_call_threads, threads_for
 
-__all__ = ["SDPAPatch", "attention", "compile", "conv_chain", "explain", "gemm_chain", "patch_sdpa"]
+__all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
 
 
 def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -387,3 +387,5 @@ def conv_chain(
 # the torch.compile backend ("chainfuse") and its explainer: after the operators they emit
 from chainfuse.torch.backend import compile  # noqa: E402
 from chainfuse.torch.explain import explain  # noqa: E402
+
+__all__ += ["compile", "explain"]

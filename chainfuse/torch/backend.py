@@ -189,7 +189,7 @@ class Backend:
             graph.output(write(graph, env))
             module = fx.GraphModule(gm, graph)
             runs.append(functools.partial(_no_grad_call, module, args))
-        key = [found.kind.value, found.form, torch.get_num_threads(),
+        key = [found.kind.value, found.form, torch.get_num_threads(), _constants(found.parts),
                *[_describe(values[n]) for n in ext]]  # fmt: skip
         return decide(key, runs[0], runs[1], _predicted(found, values), self.options.measure)
 
@@ -197,6 +197,18 @@ class Backend:
 def _no_grad_call(module: fx.GraphModule, args: list[Any]) -> Any:
     with torch.no_grad():
         return module(*args)
+
+
+def _constants(parts: dict[str, Any]) -> list[str]:
+    """The plain settings of a chain (is_causal, scale, strides, ...), for its decision's key."""
+    plain = (bool, int, float, str, type(None))
+    found = []
+    for name, value in sorted(parts.items()):
+        if isinstance(value, dict):
+            found += [f"{name}.{k}={v!r}" for k, v in sorted(value.items()) if isinstance(v, plain)]
+        elif isinstance(value, plain):
+            found.append(f"{name}={value!r}")
+    return found
 
 
 def _describe(value: Any) -> Any:

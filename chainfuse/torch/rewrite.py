@@ -119,19 +119,17 @@ class Emitter:
                 raise _Refused("a bias on the first GEMM (gemm_chain's bias1) is not in this "
                                "chainfuse")  # fmt: skip
             self._operands(g1.x, g1.weight, g2.weight)
-            for g in (g1, g2):
-                if g.transposed and not (self.caps.weight_views or self._constant(g.weight)):
-                    raise _Refused("W.t() weights that are not frozen (this chainfuse reads no "
-                                   "transposed view): compile with freezing")  # fmt: skip
+            self._readable(g1, g2)
             if (value_of(g1.x).dim() != value_of(g2.end).dim()) and value_of(g2.end).dim() != 2:
                 raise _Refused("views between the GEMMs change the rows' layout")
         elif found.kind is ChainKind.GATED_MLP:
             if not self.caps.gated_mlp:
                 raise _Refused("the gated MLP (three GEMMs) is not in this chainfuse")
             (g1, g3), g2 = p["up"], p["down"]
-            if not g1.transposed or p["act"] not in self.caps.activations:
-                raise _Refused(f"{p['act']} or x @ W weights of a gated MLP are not supported")
+            if p["act"] not in self.caps.activations:
+                raise _Refused(f"{p['act']} in a gated MLP is not in this chainfuse")
             self._operands(g1.x, g1.weight, g3.weight, g2.weight)
+            self._readable(g1, g2, g3)
         elif found.kind in (ChainKind.SDPA, ChainKind.ATTENTION):
             q, v = p["q"], p["v"]
             k = p.get("k", p.get("kt"))
@@ -159,6 +157,12 @@ class Emitter:
         if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
             raise _Refused(f"dtypes {sorted(map(str, dtypes))} (one of float32, bfloat16, "
                            "float16 for every operand)")  # fmt: skip
+
+    def _readable(self, *gemms: Gemm) -> None:
+        for g in gemms:
+            if g.transposed and not (self.caps.weight_views or self._constant(g.weight)):
+                raise _Refused("W.t() weights that are not frozen (this chainfuse reads no "
+                               "transposed view): compile with freezing")  # fmt: skip
 
     def _constant(self, node: fx.Node) -> bool:
         return self.frozen and node.op == "get_attr"
@@ -203,8 +207,8 @@ class Emitter:
     def _gated(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         (g1, g3), g2 = found.parts["up"], found.parts["down"]
         op = torch.ops.chainfuse.gated_mlp.default
-        args = (env(g1.x), env(g1.weight), env(g3.weight), env(g2.weight), found.parts["act"])
-        return graph.call_function(op, args)
+        weights = (self._weight(g, graph, env) for g in (g1, g3, g2))  # each [in, out]
+        return graph.call_function(op, (env(g1.x), *weights, found.parts["act"]))
 
     def _sdpa(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         p = found.parts
