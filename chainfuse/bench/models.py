@@ -106,7 +106,14 @@ def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:
     if name == "chainfuse":
         report = Report()
         return torch.compile(model, backend=Backend(report=report)), report
-    compiled: Any = torch.compile(model)
+    from torch._inductor.compile_fx import compile_fx
+
+    # a backend object of its own per variant: Dynamo keeps one compiled graph per backend, and
+    # a second torch.compile with the same one would reuse the first's (unfrozen) graph
+    def inductor(gm: Any, example_inputs: Any) -> Any:
+        return compile_fx(gm, example_inputs)
+
+    compiled: Any = torch.compile(model, backend=inductor)
     if name == "inductor":
         return compiled, None
 
