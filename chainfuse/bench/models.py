@@ -103,9 +103,15 @@ def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:
 
     if name == "eager":
         return model, None
-    if name == "chainfuse":
+    if name == "chainfuse":  # (as chainfuse.torch.compile: freezing on while Dynamo traces)
         report = Report()
-        return torch.compile(model, backend=Backend(report=report)), report
+        chained: Any = torch.compile(model, backend=Backend(report=report))
+
+        def fused(*args: Any) -> Any:
+            with torch._inductor.config.patch(freezing=True):
+                return chained(*args)
+
+        return fused, report
     from torch._inductor.compile_fx import compile_fx
 
     # a backend object of its own per variant: Dynamo keeps one compiled graph per backend, and

@@ -283,7 +283,18 @@ def compile(model: Any, *, dynamic: bool | None = None, fullgraph: bool = False,
             **options: Any) -> Any:  # fmt: skip
     """`torch.compile(model, backend="chainfuse")` with `Options` (mode, freeze, measure, fuse):
     `chainfuse.torch.compile(model, mode="eager")`. `dynamic` and `fullgraph` go to
-    `torch.compile`."""
-    return torch.compile(
-        model, backend=Backend(Options(**options)), dynamic=dynamic, fullgraph=fullgraph
-    )
+    `torch.compile`. With `freeze` (the default), Inductor's freezing is on while Dynamo
+    traces, as Inductor with freezing runs: Dynamo then installs the parameters as constants
+    itself and leaves them out of the graph's inputs and guards."""
+    settings = Options(**options)
+    compiled = torch.compile(model, backend=Backend(settings), dynamic=dynamic,
+                             fullgraph=fullgraph)  # fmt: skip
+    if not settings.freeze:
+        return compiled
+
+    @functools.wraps(model.forward if isinstance(model, torch.nn.Module) else model)
+    def frozen(*args: Any, **kwargs: Any) -> Any:
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+
+    return frozen
