@@ -287,7 +287,7 @@ def compile(model: Any, *, dynamic: bool | None = None, fullgraph: bool = False,
     traces, as Inductor with freezing runs: Dynamo then installs the parameters as constants
     itself and leaves them out of the graph's inputs and guards."""
     settings = Options(**options)
-    compiled = torch.compile(model, backend=Backend(settings), dynamic=dynamic,
+    compiled: Any = torch.compile(model, backend=Backend(settings), dynamic=dynamic,
                              fullgraph=fullgraph)  # fmt: skip
     if not settings.freeze:
         return compiled
