@@ -78,7 +78,13 @@ def explain(
     explanation (unless `show=False`) and return it. Timings on a busy machine are noisy; the
     decisions are the backend's own."""
     report = Report()
-    compiled: Any = torch.compile(model, backend=Backend(Options(**options), report))
+    settings = Options(**options)
+    traced: Any = torch.compile(model, backend=Backend(settings, report))
+
+    def compiled(*args: Any) -> Any:  # (as chainfuse.torch.compile: freezing while tracing)
+        with torch._inductor.config.patch(freezing=settings.freeze):
+            return traced(*args)
+
     with torch.no_grad():
         compiled(*inputs)
         eager_s = compiled_s = float("inf")
