@@ -6,8 +6,8 @@ Inductor, and Inductor with freezing (fp32 and bf16, 1 and 2 threads).
     chainfuse bench models --models bert --dtype fp32 --threads 1 --out bench-models
 
 Models are built from their Hugging Face configs with random weights (nothing downloaded; needs
-`transformers`). Each variant is compiled once per thread count, then the variants are timed
-interleaved, round by round (`--rounds`), and the median is reported with the speed-up over
+`transformers`). Each variant runs in a process of its own (compiled there), then the variants
+are timed interleaved, one call each per round (`--rounds`), and the median is reported with the speed-up over
 Inductor with freezing (the alternative a user has) and the share of chainfuse's time spent
 in fused chains.
 """
@@ -136,39 +136,61 @@ def _time_once(fn: Callable[..., Any], args: tuple[Any, ...]) -> float:
     return time.perf_counter() - start
 
 
-def run_model(name: str, make: Callable[[], tuple[Any, tuple[Any, ...]]], dtype: str,
-              threads: int, rounds: int, log: Callable[[str], None]) -> Row:  # fmt: skip
+def _worker(conn: Any, name: str, quick: bool, dtype: str, threads: int, variant: str) -> None:
+    """One variant of one model in a process of its own: compile, report ready, then time one
+    call per request. (In one process the variants would share Dynamo's cache of the model's
+    code, and every call would first run the guards of the variants compiled after it.)"""
     import torch
 
     torch.set_num_threads(threads)
-    torch._dynamo.reset()
     torch.manual_seed(0)
-    model, inputs = make()
+    model, inputs = _models(quick)[name]()
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = model.eval().to(torch_dtype)
     inputs = tuple(x.to(torch_dtype) if x.is_floating_point() else x for x in inputs)
-    fns: dict[str, Callable[..., Any]] = {}
-    report: Any = None
     with torch.no_grad():
-        for variant in VARIANTS:
-            start = time.perf_counter()
-            fn, got = _variant(variant, model)
-            fn(*inputs)
-            fn(*inputs)
-            fns[variant] = fn
-            report = got if got is not None else report
-            log(
-                f"{name} {dtype} {threads}t: {variant} ready in {time.perf_counter() - start:.0f} s"
-            )
-        samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for _ in range(rounds):
-            for variant in VARIANTS:
-                samples[variant].append(_time_once(fns[variant], inputs))
-    times = {v: statistics.median(s) for v, s in samples.items()}
-    fused = [c for c in report.chains if c.fused]
+        start = time.perf_counter()
+        fn, report = _variant(variant, model)
+        fn(*inputs)
+        fn(*inputs)
+        conn.send(time.perf_counter() - start)
+        while conn.recv() == "time":
+            conn.send(_time_once(fn, inputs))
+    fused = [c for c in report.chains if c.fused] if report is not None else []
     fused_s = sum(c.decision.fused_s or 0.0 for c in fused if c.decision is not None)
-    return Row(name, dtype, threads, times, len(fused), len(report.chains),
-               fused_s / times["chainfuse"])  # fmt: skip
+    conn.send((len(fused), len(report.chains) if report is not None else 0, fused_s))
+
+
+def run_model(name: str, quick: bool, dtype: str, threads: int, rounds: int,
+              log: Callable[[str], None]) -> Row:  # fmt: skip
+    """The variants compiled one after another, each in its own process, then timed
+    interleaved: one call of each per round; the median per variant."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    pipes = {}
+    procs = []
+    for variant in VARIANTS:
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(theirs, name, quick, dtype, threads, variant))
+        proc.start()
+        procs.append(proc)
+        pipes[variant] = ours
+        log(f"{name} {dtype} {threads}t: {variant} ready in {ours.recv():.0f} s")
+    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for variant, pipe in pipes.items():
+            pipe.send("time")
+            samples[variant].append(pipe.recv())
+    stats = []
+    for pipe in pipes.values():
+        pipe.send("stop")
+        stats.append(pipe.recv())
+    for proc in procs:
+        proc.join()
+    times = {v: statistics.median(s) for v, s in samples.items()}
+    fused, chains, fused_s = stats[VARIANTS.index("chainfuse")]
+    return Row(name, dtype, threads, times, fused, chains, fused_s / times["chainfuse"])
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -188,6 +210,10 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def _log(text: str) -> None:
+    print(text, flush=True)
+
+
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="chainfuse bench models", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small configs of the same models")
@@ -202,7 +228,7 @@ def main(argv: Sequence[str]) -> int:
     except ImportError:
         print("chainfuse bench models: needs transformers (pip install 'chainfuse[bench]')")
         return 2
-    makers = _models(args.quick)
+    makers = ("bert", "vit", "gpt2", "llama")
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in makers]
     dtypes = [d for d in args.dtype.split(",") if d]
@@ -213,7 +239,7 @@ def main(argv: Sequence[str]) -> int:
     for threads in [int(t) for t in args.threads.split(",")]:
         for name in names:
             for dtype in dtypes:
-                row = run_model(name, makers[name], dtype, threads, args.rounds, print)
+                row = run_model(name, args.quick, dtype, threads, args.rounds, _log)
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
     text = table(rows)
