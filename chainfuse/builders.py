@@ -34,6 +34,7 @@ __all__ = [
     "from_einsum",
     "gemm_chain",
     "mlp_chain",
+    "planned_part",
 ]
 
 
@@ -52,7 +53,8 @@ def _between_op(
         fn = Activation(between)
     except ValueError:
         raise ValueError(
-            f"between: expected None, 'relu', 'gelu' or 'softmax', got {between!r}"
+            "between: expected None, 'relu', 'gelu', 'gelu_tanh', 'quick_gelu', 'silu' or"
+            f" 'softmax', got {between!r}"
         ) from None
     if fn in (Activation.BIAS, Activation.SCALE):
         raise ValueError(
@@ -111,28 +113,108 @@ def gemm_chain(
     L: int,
     between: Activation | str | None = None,
     dtype: DType | str = "float32",
+    *,
+    b_transposed: bool = False,
+    d_transposed: bool = False,
+    bias1: bool = False,
+    bias2: bool = False,
 ) -> Chain:
-    """`E[b,M,N] = between(A[b,M,K] @ B[b,K,L]) @ D[b,L,N]`, the paper's batched GEMM chain."""
+    """`E[b,M,N] = between(A[b,M,K] @ B[b,K,L] + bias1[L]) @ D[b,L,N] + bias2[N]`, the paper's
+    batched GEMM chain, with the optional terms of an `nn.Linear` MLP.
+
+    `b_transposed` / `d_transposed`: B stored as `[b, L, K]` and D as `[b, N, L]` (nn.Linear's
+    `[out, in]` weights, read as stored). `bias1` (added before `between`; with a softmax it is
+    an additive term of the scores, broadcast over the rows) and `bias2` add 1-D inputs named
+    `bias1` and `bias2` after A, B and D. The planner plans the chain without the biases
+    (`planned_part`): L + N elements move next to the weights' K L + L N.
+    """
     for value, what in ((batch, "batch"), (M, "M"), (N, "N"), (K, "K"), (L, "L")):
         check_size(value, what)
     dt = DType.parse(dtype)
     loops = (Loop("b", batch), Loop("m", M), Loop("n", N), Loop("k", K), Loop("l", L))
-    op = _between_op(between, "C", "P", ("b", "m", "l"), "l")
-    shapes = {"A": (batch, M, K), "B": (batch, K, L), "C": (batch, M, L), "D": (batch, L, N),
-              "E": (batch, M, N)}  # fmt: skip
+    b_idx = ("b", "l", "k") if b_transposed else ("b", "k", "l")
+    d_idx = ("b", "n", "l") if d_transposed else ("b", "l", "n")
+    size = {"b": batch, "m": M, "n": N, "k": K, "l": L}
+    shapes = {"A": (batch, M, K), "B": tuple(size[x] for x in b_idx), "C": (batch, M, L),
+              "D": tuple(size[x] for x in d_idx), "E": (batch, M, N)}  # fmt: skip
+    rows = ("b", "m", "l")
+    soft_bias = bias1 and between == "softmax"
+    src = "C"
+    ops: list[Op] = [Contraction(_plain("C", *rows), (_plain("A", "b", "m", "k"),
+                                                      _plain("B", *b_idx)))]  # fmt: skip
+    if bias1 and not soft_bias:
+        ops.append(Pointwise(Activation.BIAS, _plain("C", *rows), _plain("C1", *rows),
+                             _plain("bias1", "l")))  # fmt: skip
+        shapes["C1"], src = (batch, M, L), "C1"
+    op = _between_op(between, src, "P", rows, "l")
+    if op is not None and soft_bias:
+        assert isinstance(op, Softmax)
+        op = Softmax(op.input, op.output, axis="l", mask=_plain("bias1", "l"),
+                     mask_kind=MaskKind.ADDITIVE)  # fmt: skip
+    mid = src
     if op is not None:
-        shapes["P"] = (batch, M, L)
-    kind = "gemm" if op is None else f"gemm_{_op_word(op)}"
-    name = f"{kind}_gemm_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
-    return _two_gemm_chain(
-        name,
-        loops,
-        (_plain("A", "b", "m", "k"), _plain("B", "b", "k", "l"), _plain("C", "b", "m", "l")),
-        (_plain("D", "b", "l", "n"), _plain("E", "b", "m", "n")),
-        shapes,
-        op,
-        dt,
+        ops.append(op)
+        shapes["P"], mid = (batch, M, L), "P"
+    e2 = "E0" if bias2 else "E"
+    ops.append(Contraction(_plain(e2, "b", "m", "n"), (_plain(mid, *rows), _plain("D", *d_idx))))
+    if bias2:
+        ops.append(Pointwise(Activation.BIAS, _plain("E0", "b", "m", "n"), _plain("E", "b", "m", "n"),
+                             _plain("bias2", "n")))  # fmt: skip
+        shapes["E0"] = (batch, M, N)
+    if bias1:
+        shapes["bias1"] = (L,)
+    if bias2:
+        shapes["bias2"] = (N,)
+    roles = {"A": Role.INPUT, "B": Role.INPUT, "D": Role.INPUT, "E": Role.OUTPUT,
+             "bias1": Role.INPUT, "bias2": Role.INPUT}  # fmt: skip
+    order = ("A", "B", "C", "C1", "P", "D", "E0", "E", "bias1", "bias2")
+    tensors = tuple(
+        Tensor(n, shapes[n], dt, roles.get(n, Role.INTERMEDIATE)) for n in order if n in shapes
     )
+    kind = "gemm" if op is None else f"gemm_{_op_word(op)}"
+    tags = "".join(
+        tag
+        for tag, on in (("_bt", b_transposed), ("_dt", d_transposed), ("_b1", bias1),
+                        ("_b2", bias2))  # fmt: skip
+        if on
+    )
+    name = f"{kind}_gemm{tags}_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
+    return Chain(name, loops, tensors, tuple(ops)).verify()
+
+
+def planned_part(chain: Chain) -> Chain:
+    """`chain` without its bias additions (`Pointwise` BIAS ops and their operands), what the
+    planner plans: a bias moves one vector next to a weight matrix, and the fused kernel adds
+    it to a tile already in cache (the C generator applies it; the oracle runs the whole
+    chain). Each bias's result is read as its input instead::
+
+        C = A.B; C1 = bias(C, bias1); P = gelu(C1); E0 = P.D; E = bias(E0, bias2)
+        ->  C = A.B; P = gelu(C); E = P.D      (E keeps the chain's output name)
+    """
+    drop = [op for op in chain.ops if isinstance(op, Pointwise) and op.fn is Activation.BIAS]
+    if not drop:
+        return chain
+    final = {op.input.tensor: op.output.tensor for op in drop}
+    gone = set(final) | {op.operand.tensor for op in drop if op.operand is not None}
+    ops = tuple(_renamed(op, final) for op in chain.ops if op not in drop)
+    tensors = tuple(t for t in chain.tensors if t.name not in gone)
+    return Chain(chain.name, chain.loops, tensors, ops).verify()
+
+
+def _renamed(op: Op, names: Mapping[str, str]) -> Op:
+    """`op` with the tensors of its accesses renamed by `names`."""
+
+    def acc(a: Access) -> Access:
+        return Access(names.get(a.tensor, a.tensor), a.index, a.zero_pad)
+
+    if isinstance(op, Contraction):
+        return Contraction(acc(op.output), (acc(op.inputs[0]), acc(op.inputs[1])))
+    if isinstance(op, Pointwise):
+        operand = None if op.operand is None else acc(op.operand)
+        return Pointwise(op.fn, acc(op.input), acc(op.output), operand, op.alpha)
+    return Softmax(acc(op.input), acc(op.output), op.axis, op.scale,
+                   None if op.mask is None else acc(op.mask), op.mask_kind, op.causal,
+                   op.row)  # fmt: skip
 
 
 def _op_word(op: Op) -> str:

@@ -58,6 +58,7 @@ ALONE_S = 40e-6
 _MASK, _MASK_STRIDES = PACKED["mask"], slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
 _ROWS_MAX = PACKED["schedule"]  # the row path's reach: the one decision a call may change
 _KEYS = PACKED["sizes"] + 5  # L: what a call with another number of keys changes
+_BIASES = (PACKED["bias1"], PACKED["bias2"])
 
 
 class _Built:
@@ -156,6 +157,12 @@ class Kernel(_Built):
         return self._mask_at
 
     @property
+    def bias_positions(self) -> tuple[int, ...]:
+        """Where the biases the kernel adds (bias1 then bias2, those the chain has; a
+        softmax's bias1 is its mask) are among the inputs of a call."""
+        return self._bias_at
+
+    @property
     def planned_keys(self) -> int:
         """The chain's extent of l (its keys): what a call with `keys=None` runs."""
         return self._sizes[5]
@@ -241,6 +248,13 @@ class Kernel(_Built):
         self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
         self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
         self._mask_at = -1  # the mask's position among the inputs
+        # the biases added by the kernel: (name, position among the inputs, PACKED slot)
+        self._biases = [
+            (name, self._names.index(name), slot)
+            for name, slot in zip((self.shape.bias1, self.shape.bias2), _BIASES, strict=True)
+            if name is not None
+        ]
+        self._bias_at = tuple(at for _, at, _ in self._biases)
         soft = next((op for op in chain.ops if isinstance(op, Softmax)), None)
         if soft is not None and soft.mask is not None:
             dtype = "bool" if soft.mask_kind is MaskKind.BOOL else self._dtype
@@ -311,6 +325,8 @@ class Kernel(_Built):
         if self._mask_index is not None:
             mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes)
             pointers.append(mask_ptr)
+        for name, at, _ in self._biases:
+            pointers.append(check(name, inputs[at], shapes[name], dtype=dt)[0])
         if given:  # (a new out shares memory with nothing)
             found = self.layouts(inputs, out, keys)
             ins = [p for i, p in enumerate(pointers) if i != 3]  # (A, B, D [, the mask])
@@ -330,6 +346,8 @@ class Kernel(_Built):
         if self._mask_index is not None:
             names.append(self._mask_index[0])
             at.append(self._mask_at)
+        names += [name for name, _, _ in self._biases]
+        at += [*self._bias_at]
         found = [(n, layout_of(inputs[i], shapes[n])) for n, i in zip(names, at, strict=True)]
         found.append(("out", layout_of(out, shapes[self.spec.tensors[3]])))
         return found
@@ -387,6 +405,10 @@ class Kernel(_Built):
         if mask_strides is not None:
             packed[_MASK] = pointers[4]
             packed[_MASK_STRIDES] = mask_strides
+        if self._biases:
+            first = 4 if mask_strides is None else 5
+            for (_, _, slot), ptr in zip(self._biases, pointers[first:], strict=True):
+                packed[slot] = ptr
         self._fn(local.address)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from chainfuse import builders
 from chainfuse.codegen.amx_chain import (
     amx_header,
     amx_schedule,
@@ -90,11 +91,15 @@ def compile(
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
     path = amx_path(chain.dtype)
-    if path is not None and not amx_unsupported(shape):
+    # what the AMX generator does not take (biases, D stored transposed, the sigmoid-gated
+    # activations...) runs on the fp32 path below, and its `arithmetic` says why
+    refused = amx_unsupported(shape) if path is not None else ""
+    planned = builders.planned_part(chain)  # (biases are not planned: `planned_part`)
+    if path is not None and not refused:
         uk = AMX_BF16_32X32
         quanta = {m: uk.nr, l_: uk.mr, n: uk.mr}
         planned_for = threads if threads is not None else get_num_threads()
-        chosen = remembered_plan(chain, hw, planned_for, (order, depth), quanta, None)
+        chosen = remembered_plan(planned, hw, planned_for, (order, depth), quanta, None)
         schedule = amx_schedule(schedule_gemm_chain(chain, shape, chosen, uk, hw, tiles))
         header = amx_header(chain, chosen, schedule.spec, path)
         return AmxKernel(chain, chosen, schedule, shape, header, path)
@@ -112,14 +117,14 @@ def compile(
     # with fewer row blocks than threads the kernel's threads split l (not a softmax's: its
     # shares would need their maxima merged), in whole mr-row slivers
     split = None if shape.epilogue is Epilogue.SOFTMAX else (l_, kernel.mr)
-    chosen = remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
+    chosen = remembered_plan(planned, hw, planned_for, (order, depth), quanta, split)
     schedule = schedule_gemm_chain(chain, shape, chosen, kernel, hw, tiles)
     spec = schedule.spec
-    header = _header(chain, chosen, spec)
-    return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec))
+    header = _header(chain, chosen, spec, refused)
+    return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec, refused))
 
 
-def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
+def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec, amx_refused: str = "") -> str:
     """The source's opening comment: the chain's structure only (no sizes, no tiles: those are
     arguments, so the same source, and the same compiled object, serves every size and every
     plan; `Kernel.plan` says which one a kernel runs)."""
@@ -132,18 +137,23 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
         "tiles T_M, T_L, T_K, T_N: run-time arguments\n"
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}); "
         f"epilogue {spec.epilogue.value}; parallel over the batch and m\n"
-        f"arithmetic: {arithmetic(spec)}"
+        f"arithmetic: {arithmetic(spec, amx_refused)}"
     )
 
 
-def arithmetic(spec: GemmChainSpec) -> str:
-    """What the kernel computes in, said plainly (the plan's record of the path taken)."""
+def arithmetic(spec: GemmChainSpec, amx_refused: str = "") -> str:
+    """What the kernel computes in, said plainly (the plan's record of the path taken);
+    `amx_refused`: why the AMX kernels, enabled for this CPU, do not take the chain."""
     uk = spec.kernel.name
     if spec.dtype is DType.BFLOAT16:
+        why = (
+            f"the AMX kernels do not take {amx_refused}"
+            if amx_refused
+            else "no AMX / AVX512-BF16 kernel is registered for this CPU"
+        )
         return (
             f"bf16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
-            "fp32 intermediate, output rounded to bf16 once (no AMX / AVX512-BF16 kernel is "
-            "registered for this CPU)"
+            f"fp32 intermediate, output rounded to bf16 once ({why})"
         )
     if spec.dtype is DType.FLOAT16:
         return (

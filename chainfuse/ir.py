@@ -83,7 +83,10 @@ class Activation(enum.Enum):
 
     IDENTITY = "identity"
     RELU = "relu"
-    GELU = "gelu"
+    GELU = "gelu"  # exact, with erf (PyTorch's default)
+    GELU_TANH = "gelu_tanh"  # PyTorch's approximate="tanh" (GPT-2)
+    QUICK_GELU = "quick_gelu"  # x * sigmoid(1.702 x) (CLIP)
+    SILU = "silu"  # x * sigmoid(x)
     SCALE = "scale"
     BIAS = "bias"
 

@@ -63,6 +63,12 @@ def amx_unsupported(shape: GemmChainShape) -> str:
         return "a masked softmax"
     if shape.causal:
         return "a causal softmax"
+    if shape.bias1 is not None or shape.bias2 is not None:
+        return "a bias"
+    if shape.d_transposed:
+        return "D stored transposed"
+    if shape.epilogue not in (Epilogue.NONE, Epilogue.RELU, Epilogue.GELU, Epilogue.SOFTMAX):
+        return f"a {shape.epilogue.value} between the GEMMs"
     return ""
 
 

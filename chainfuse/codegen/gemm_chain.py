@@ -73,7 +73,7 @@ DIRECT_FAR_STRIPS = 2
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
     "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "tiles": 32,
-    "schedule": 36, "end": 40,
+    "schedule": 36, "bias1": 40, "bias2": 41, "end": 42,
 }  # fmt: skip
 
 
@@ -167,7 +167,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line("")
     if uses_exp2_strip(spec) and ker.exp2_strip is not None:
         w.lines(ker.exp2_strip(ker))
-    if spec.b_transposed:  # (`_rows_scores_by_key`)
+    if spec.b_transposed or spec.d_transposed:  # (`_rows_scores_by_key`, `_rows_dot_d`)
         w.lines(c_source("dot4.c"))
     w.lines(c_source("pack_panel.c"))
     w.lines(c_source("claim.c"))
@@ -208,7 +208,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         f"    const cf_elem* restrict D, cf_elem* restrict E, const long* sizes,\n"
         f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
         f"    float* restrict work, long work_per_thread, int nthreads, long outer_m,\n"
-        f"    const long* tiles, const long* code_schedule)"
+        f"    const long* tiles, const long* code_schedule, const cf_elem* restrict bias1,\n"
+        f"    const cf_elem* restrict bias2)"
     ):
         w.line("CF_TILES(tiles)")
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
@@ -230,7 +231,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         if spec.epilogue is Epilogue.SOFTMAX:
             w.line("/* the scores in base 2: exp(x) = 2^(x log2(e)) */")
             w.line("const float scale2 = scale * CF_LOG2E;")
-        w.line("(void)scale;")
+        w.line("(void)scale; (void)bias1; (void)bias2; /* (the biases: null where absent) */")
         w.line("/* mask strides (elements, 0 where it broadcasts): batch0, batch1, m, l */")
         w.line("const long sM0 = mask_strides[0], sM1 = mask_strides[1];")
         w.line("const long sMm = mask_strides[2], sMl = mask_strides[3];")
@@ -278,7 +279,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"{name}((const cf_elem*)a[0], (const cf_elem*)a[1], (const cf_elem*)a[2],"
             " (cf_elem*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27,"
-            " (float*)a[5], a[6], (int)a[7], a[31], a + 32, a + 36);"
+            " (float*)a[5], a[6], (int)a[7], a[31], a + 32, a + 36, (const cf_elem*)a[40],"
+            " (const cf_elem*)a[41]);"
         )
     return w.text()
 
@@ -350,5 +352,5 @@ def _split_sum(w: Writer, spec: GemmChainSpec) -> None:
             w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + mo * sEm;")
             w.line(
                 f"if (n_hi > n_lo) {spec.name}_store_e(mc, n_hi - n_lo, et0 + n_lo * LDE, 0,"
-                " E_b + n_lo, sEm, LDE);"
+                " bias2 ? bias2 + n_lo : 0, E_b + n_lo, sEm, LDE);"
             )

@@ -221,7 +221,8 @@ def schedule_gemm_chain(
             changes.append(TileChange(tile, code[loop], value, reason))
             code[loop] = value
 
-    if softmax and chain.dtype is DType.FLOAT32 and kernel.nr != N and holds_head(kernel, N):
+    wide = softmax and chain.dtype is DType.FLOAT32 and not shape.d_transposed
+    if wide and kernel.nr != N and holds_head(kernel, N):
         change(n, N, "a wide block holds the whole value head: one n block")
     elif softmax:
         change(n, softmax_n_tile(N, code[n], kernel.mr, kernel.part_rows),
@@ -248,6 +249,9 @@ def schedule_gemm_chain(
         T_N=code[n],
         kernel=kernel,
         dtype=chain.dtype,
+        d_transposed=shape.d_transposed,
+        bias1=shape.bias1 is not None and not softmax,  # (a softmax's is its mask)
+        bias2=shape.bias2 is not None,
     )
     TK = min(K, spec.T_K)
     MPN = -(-spec.T_M // kernel.nr) * kernel.nr
