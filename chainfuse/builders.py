@@ -32,6 +32,7 @@ __all__ = [
     "conv_chain_spec",
     "conv_out_size",
     "from_einsum",
+    "gated_mlp_chain",
     "gemm_chain",
     "mlp_chain",
     "planned_part",
@@ -56,7 +57,7 @@ def _between_op(
             "between: expected None, 'relu', 'gelu', 'gelu_tanh', 'quick_gelu', 'silu' or"
             f" 'softmax', got {between!r}"
         ) from None
-    if fn in (Activation.BIAS, Activation.SCALE):
+    if fn in (Activation.BIAS, Activation.SCALE, Activation.MUL):
         raise ValueError(
             f"between: {fn.value!r} needs an operand; build the chain with from_einsum"
         )
@@ -182,15 +183,82 @@ def gemm_chain(
     return Chain(name, loops, tensors, tuple(ops)).verify()
 
 
+#: the activations a gated MLP's gate takes
+GATES = (Activation.SILU, Activation.GELU, Activation.GELU_TANH)
+
+
+def gated_mlp_chain(
+    batch: int,
+    M: int,
+    N: int,
+    K: int,
+    L: int,
+    act: Activation | str = "silu",
+    dtype: DType | str = "float32",
+    *,
+    b_transposed: bool = False,
+    d_transposed: bool = False,
+) -> Chain:
+    """Llama's SwiGLU MLP, `E = (act(A @ B) * (A @ B3)) @ D`: A [b, M, K], the gate's and the
+    up projection's weights B, B3 [b, K, L] (or [b, L, K] with `b_transposed`, both alike), D
+    [b, L, N] (or [b, N, L]); `act` is "silu", "gelu" or "gelu_tanh". Three GEMMs; the fused
+    kernel computes both score tiles of an l block, combines them and runs the last GEMM on
+    the product (`planned_part` says how it is planned)."""
+    for value, what in ((batch, "batch"), (M, "M"), (N, "N"), (K, "K"), (L, "L")):
+        check_size(value, what)
+    dt = DType.parse(dtype)
+    try:
+        fn = Activation(act)
+    except ValueError:
+        fn = None
+    if fn not in GATES:
+        raise ValueError(f"act: expected 'silu', 'gelu' or 'gelu_tanh', got {act!r}")
+    assert fn is not None
+    loops = (Loop("b", batch), Loop("m", M), Loop("n", N), Loop("k", K), Loop("l", L))
+    b_idx = ("b", "l", "k") if b_transposed else ("b", "k", "l")
+    d_idx = ("b", "n", "l") if d_transposed else ("b", "l", "n")
+    size = {"b": batch, "m": M, "n": N, "k": K, "l": L}
+    rows = ("b", "m", "l")
+    a = _plain("A", "b", "m", "k")
+    ops: tuple[Op, ...] = (
+        Contraction(_plain("C", *rows), (a, _plain("B", *b_idx))),
+        Contraction(_plain("C3", *rows), (a, _plain("B3", *b_idx))),
+        Pointwise(fn, _plain("C", *rows), _plain("G", *rows)),
+        Pointwise(Activation.MUL, _plain("G", *rows), _plain("P", *rows), _plain("C3", *rows)),
+        Contraction(_plain("E", "b", "m", "n"), (_plain("P", *rows), _plain("D", *d_idx))),
+    )
+    mid = Role.INTERMEDIATE
+    tensors = (
+        Tensor("A", (batch, M, K), dt, Role.INPUT),
+        Tensor("B", tuple(size[x] for x in b_idx), dt, Role.INPUT),
+        Tensor("B3", tuple(size[x] for x in b_idx), dt, Role.INPUT),
+        *(Tensor(n, (batch, M, L), dt, mid) for n in ("C", "C3", "G", "P")),
+        Tensor("D", tuple(size[x] for x in d_idx), dt, Role.INPUT),
+        Tensor("E", (batch, M, N), dt, Role.OUTPUT),
+    )
+    tags = ("_bt" if b_transposed else "") + ("_dt" if d_transposed else "")
+    name = f"gated_{fn.value}_mlp{tags}_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
+    return Chain(name, loops, tensors, ops).verify()
+
+
 def planned_part(chain: Chain) -> Chain:
-    """`chain` without its bias additions (`Pointwise` BIAS ops and their operands), what the
-    planner plans: a bias moves one vector next to a weight matrix, and the fused kernel adds
-    it to a tile already in cache (the C generator applies it; the oracle runs the whole
-    chain). Each bias's result is read as its input instead::
+    """What the planner plans of a GEMM chain the C backend runs: the chain without its bias
+    additions (`Pointwise` BIAS ops and their operands): a bias moves one vector next to a
+    weight matrix, and the fused kernel adds it to a tile already in cache (the C generator
+    applies it; the oracle runs the whole chain). Each bias's result is read as its input::
 
         C = A.B; C1 = bias(C, bias1); P = gelu(C1); E0 = P.D; E = bias(E0, bias2)
         ->  C = A.B; P = gelu(C); E = P.D      (E keeps the chain's output name)
+
+    A gated MLP (`gated_mlp_chain`) is planned as the two-GEMM chain whose first GEMM sums
+    over 2K: the kernel's first GEMM is two of K over the same rows of A, so its flops and
+    the bytes of its weights (B and B3, packed side by side) count twice, as they should; A's
+    bytes count twice too (an overestimate of M K per l block, small next to the weights'),
+    and the second score tile of an l block is not in the working set the tiles must fit.
     """
+    gated = _gated(chain)
+    if gated is not None:
+        return gated
     drop = [op for op in chain.ops if isinstance(op, Pointwise) and op.fn is Activation.BIAS]
     if not drop:
         return chain
@@ -199,6 +267,27 @@ def planned_part(chain: Chain) -> Chain:
     ops = tuple(_renamed(op, final) for op in chain.ops if op not in drop)
     tensors = tuple(t for t in chain.tensors if t.name not in gone)
     return Chain(chain.name, chain.loops, tensors, ops).verify()
+
+
+def _gated(chain: Chain) -> Chain | None:
+    """The planned two-GEMM chain of a chain `gated_mlp_chain` built (`planned_part`), or
+    None for another chain."""
+    ops = chain.ops
+    if len(chain.contractions) != 3 or len(ops) != 5:
+        return None
+    gate, mul = ops[2], ops[3]
+    if not (isinstance(gate, Pointwise) and gate.fn in GATES and isinstance(mul, Pointwise)
+            and mul.fn is Activation.MUL):  # fmt: skip
+        return None
+    ext = chain.extents
+    if not {"b", "m", "n", "k", "l"} <= set(ext):
+        return None
+    first, last = chain.contractions[0], chain.contractions[-1]
+    b_t = first.inputs[1].loops[-1] == "k"
+    d_t = last.inputs[1].loops[-1] == "l"
+    view = gemm_chain(ext["b"], ext["m"], ext["n"], 2 * ext["k"], ext["l"], gate.fn,
+                      chain.dtype, b_transposed=b_t, d_transposed=d_t)  # fmt: skip
+    return Chain(chain.name, view.loops, view.tensors, view.ops).verify()
 
 
 def _renamed(op: Op, names: Mapping[str, str]) -> Op:

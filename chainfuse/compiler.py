@@ -44,7 +44,7 @@ __all__ = ["AmxKernel", "ConvKernel", "Kernel", "arithmetic", "compile", "compil
 
 def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
     """The (order, depth) the C backend implements: batch, m, l shared; k | n private."""
-    first, second = chain.contractions
+    first, second = chain.contractions[0], chain.contractions[-1]  # (a gated MLP has three)
     m, l_ = first.output.loops[-2:]
     return (*batch, m, l_, first.reduction[0], second.output.loops[-1]), len(batch) + 2
 

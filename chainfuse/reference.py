@@ -15,7 +15,8 @@ checked against them:
   so a 64-channel 56x56 convolution takes well under a second.
 - `Pointwise`: identity, relu, exact-erf gelu (`torch.nn.functional.gelu`'s default), tanh
   gelu (`approximate="tanh"`), quick gelu `x * sigmoid(1.702 x)`, silu `x * sigmoid(x)`,
-  `alpha * x` (scale) and `x + operand` (bias, broadcast over the loops the operand lacks).
+  `alpha * x` (scale), `x + operand` (bias, broadcast over the loops the operand lacks) and
+  `x * operand` (mul: a gated MLP's gate times its up projection).
 - `Softmax` over loop `axis`: `scale * x`, plus an additive mask, or keep only where a bool mask
   is True (PyTorch SDPA's convention), or keep only `axis <= row` when causal (PyTorch's
   `is_causal`, top-left aligned: `torch.ones(L, S).tril(0)`). Stable (the row max is subtracted).
@@ -347,9 +348,9 @@ def _pointwise(
     if op.fn is Activation.SCALE:
         return op.alpha * x
     if op.operand is None:
-        raise ValueError(f"op '{op}': bias needs an operand")
+        raise ValueError(f"op '{op}': {op.fn.value} needs an operand")
     operand: F64 = _aligned(op.operand, _real(env, op.operand), extents, out)
-    return x + operand
+    return x * operand if op.fn is Activation.MUL else x + operand
 
 
 def _sigmoid(z: F64) -> F64:

@@ -63,6 +63,8 @@ def amx_unsupported(shape: GemmChainShape) -> str:
         return "a masked softmax"
     if shape.causal:
         return "a causal softmax"
+    if shape.gate is not None:
+        return "a gated MLP"
     if shape.bias1 is not None or shape.bias2 is not None:
         return "a bias"
     if shape.d_transposed:

@@ -79,10 +79,12 @@ class GemmChainSpec:
     d_transposed: bool = False  # D stored [.., n, l] (nn.Linear's weight) instead of [.., l, n]
     bias1: bool = False  # a vector over l added to op1's result before f (softmax: the mask's)
     bias2: bool = False  # a vector over n added to E
+    gated: bool = False  # f(A . B) * (A . B3): a gated MLP's second weight of op1 (B3)
 
     @property
     def name(self) -> str:
         word = "gemm" if self.epilogue is Epilogue.NONE else f"gemm_{self.epilogue.value}"
+        word = f"gated_{word}" if self.gated else word
         word += "_causal" if self.causal else ""
         word += "" if self.mask is MaskKind.NONE else f"_{self.mask.value}mask"
         # every field that shapes the code, spelled without sets (their order changes between
@@ -96,6 +98,7 @@ class GemmChainSpec:
         key += "|dt" if self.d_transposed else ""
         key += "|b1" if self.bias1 else ""
         key += "|b2" if self.bias2 else ""
+        key += "|gated" if self.gated else ""
         short = {DType.FLOAT32: "f32", **HALF}[self.dtype]
         return f"{word}_gemm_{short}_{name_hash(key)}"
 
@@ -114,10 +117,15 @@ class GemmChainShape:
     d_transposed: bool = False
     bias1: str | None = None  # the bias tensors' names (a softmax's bias1 is its mask)
     bias2: str | None = None
+    gate: str | None = None  # a gated MLP's second weight of op1 (B3), read as B is
 
 
 def match_gemm_chain(chain: Chain) -> GemmChainShape:
-    """Recognise `E = f(A . B) . D`; raise ValueError saying what does not fit."""
+    """Recognise `E = f(A . B) . D` (biases around it allowed) or a gated MLP's
+    `E = (f(A . B) * (A . B3)) . D`; raise ValueError saying what does not fit."""
+    gated = _match_gated(chain)
+    if gated is not None:
+        return gated
     ops = chain.ops
     contractions = [op for op in ops if isinstance(op, Contraction)]
     if len(contractions) != 2 or not isinstance(ops[0], Contraction):
@@ -205,6 +213,32 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
         mask_tensor=None if soft.mask is None else soft.mask.tensor,
         causal=soft.causal,
     )
+
+
+def _match_gated(chain: Chain) -> GemmChainShape | None:
+    """The shape of a gated MLP's chain (`builders.gated_mlp_chain`'s form), else None."""
+    ops = chain.ops
+    if len(ops) != 5 or [type(op) for op in ops] != [Contraction, Contraction, Pointwise,
+                                                     Pointwise, Contraction]:  # fmt: skip
+        return None
+    gate_op, up, act, mul, last = ops
+    assert isinstance(gate_op, Contraction) and isinstance(up, Contraction)
+    assert isinstance(act, Pointwise) and isinstance(mul, Pointwise)
+    assert isinstance(last, Contraction)
+    if mul.fn is not Activation.MUL or act.fn not in ACTIVATIONS or mul.operand is None:
+        return None
+    pair = (act.input.tensor, mul.operand.tensor)
+    if pair != (gate_op.output.tensor, up.output.tensor) or mul.input.tensor != act.output.tensor:
+        return None
+    if up.inputs[0] != gate_op.inputs[0] or up.inputs[1].index != gate_op.inputs[1].index:
+        raise ValueError(f"{chain.name}: the gate's and the up projection's GEMMs must read A"
+                         " and their weights alike")  # fmt: skip
+    plain = Chain(chain.name, chain.loops,
+                  tuple(t for t in chain.tensors if t.name not in (up.inputs[1].tensor,
+                        up.output.tensor, act.output.tensor)),
+                  (gate_op, Pointwise(act.fn, act.input, mul.output), last))  # fmt: skip
+    shape = match_gemm_chain(plain)
+    return replace(shape, gate=up.inputs[1].tensor)
 
 
 def _is_bias(op: object) -> bool:

@@ -58,6 +58,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     in_place = spec.dtype is DType.FLOAT32  # the micro-kernel reads fp32 slivers in place
     w.line("const cf_elem* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
     w.line("const cf_elem* restrict B_b = B + b0 * sB0 + b1 * sB1;")
+    if spec.gated:  # (B3 lies as B does: its strides)
+        w.line("const cf_elem* restrict B3_b = B3 + b0 * sB0 + b1 * sB1;")
     w.line("const cf_elem* restrict D_b = D + b0 * sD0 + b1 * sD1;")
     w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
     w.line("/* few column strips: a B or D sliver serves too few micro-kernel calls to pay for")
@@ -111,17 +113,22 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("   where Aᵀ is kept whole, else packed for each) */")
             with w.block("if (TK != K && (AK != K || l0 == l_lo))"):
                 _pack_at(w, uk, "k0", "kc", softmax)
+            weights = [("B_b", "Bt")] + ([("B3_b", "Bt3")] if spec.gated else [])
+            if spec.gated:
+                w.line("/* a gated MLP: the gate's and the up projection's panels side by side */")
             if spec.b_transposed:
-                with w.block("for (int s = 0; s * MR < lc; ++s)"):
-                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                    w.line(
-                        "if (direct_b && (m == MR || m == PART_MR)) continue; /* read in place below */"
-                    )
-                    w.line(
-                        "PACK_A(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * SLIVER(kc));"
-                    )
+                for b, bt in weights:
+                    with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                        w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                        w.line(
+                            "if (direct_b && (m == MR || m == PART_MR)) continue; /* read in place below */"
+                        )
+                        w.line(
+                            f"PACK_A(kc, m, {b} + (l0 + s * MR) * sBr + k0, sBr, {bt} + (long)s * SLIVER(kc));"
+                        )
             else:  # (whole slivers read in place below when direct_b)
-                w.line("cf_pack_at_panel(kc, lc, B_b + k0 * sBr + l0, sBr, Bt, !direct_b);")
+                for b, bt in weights:
+                    w.line(f"cf_pack_at_panel(kc, lc, {b} + k0 * sBr + l0, sBr, {bt}, !direct_b);")
                 w.line("/* the panel packed next: B's next k block, or the first D panel */")
                 w.line("cf_pf pf;")
                 w.line(
@@ -160,23 +167,28 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                     w.line("const int acc = k0 > 0;")
                 if exponentiates_beside_op1(spec):
                     emit_scores_strip_call(w, spec)
-                with w.block("for (int s = 0; s * MR < lc; ++s)"):
-                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                    w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
-                    if not in_place:
-                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
-                    else:
-                        if spec.b_transposed:
-                            place = "B_b + (l0 + s * MR) * sBr + k0", "sBr", "1"
+                tiles = [("B_b", "Bt", "Pt")] + ([("B3_b", "Bt3", "P3t")] if spec.gated else [])
+                for i, (b, bt, pt) in enumerate(tiles):
+                    if i:
+                        w.line("/* the up projection's scores beside the gate's */")
+                    with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                        w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                        w.line(f"float* restrict c = {pt} + (long)j * LPM * NR + s * MR * NR;")
+                        if not in_place:
+                            w.line(f"{uk}(kc, {bt} + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
                         else:
-                            place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
-                        packed = "Bt + (long)s * SLIVER(kc)"
-                        _sliver_call(
-                            w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR", room=True
-                        )
-                    if not spec.b_transposed:
-                        w.line("cf_pf_step(&pf, pf_rows);")
-                if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU) or spec.bias1:
+                            if spec.b_transposed:
+                                place = f"{b} + (l0 + s * MR) * sBr + k0", "sBr", "1"
+                            else:
+                                place = f"{b} + k0 * sBr + l0 + s * MR", "1", "sBr"
+                            packed = f"{bt} + (long)s * SLIVER(kc)"
+                            _sliver_call(
+                                w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR",
+                                room=True,
+                            )  # fmt: skip
+                        if not spec.b_transposed and i == 0:
+                            w.line("cf_pf_step(&pf, pf_rows);")
+                if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU) or spec.bias1 or spec.gated:
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
                         emit_epilogue_strip(w, spec, bool(spec.kernel.part_cols) and in_place)

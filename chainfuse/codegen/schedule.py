@@ -204,7 +204,7 @@ def schedule_gemm_chain(
     """The code schedule of `chain` (matched as `shape`) under `plan` with `kernel`: the plan's
     code-level tiles, the backend's changes to them, `overrides` (loop name -> tile) last, and
     the path choices that follow (the module's docstring)."""
-    first, second = chain.contractions
+    first, second = chain.contractions[0], chain.contractions[-1]  # (a gated MLP has three)
     m, l_ = first.output.loops[-2:]
     k, n = first.reduction[0], second.output.loops[-1]
     ext = chain.extents
@@ -252,6 +252,7 @@ def schedule_gemm_chain(
         d_transposed=shape.d_transposed,
         bias1=shape.bias1 is not None and not softmax,  # (a softmax's is its mask)
         bias2=shape.bias2 is not None,
+        gated=shape.gate is not None,
     )
     TK = min(K, spec.T_K)
     MPN = -(-spec.T_M // kernel.nr) * kernel.nr

@@ -181,6 +181,14 @@ def emit_epilogue_strip(w: Writer, spec: GemmChainSpec, narrow: bool) -> None:
         word = spec.epilogue.value if spec.epilogue is not Epilogue.NONE else ""
         w.line(f"/* {'bias1, then ' if spec.bias1 else ''}{word} on the strip */".replace(", then  ", " "))
         w.line("float* restrict p = Pt + (long)j * LPM * NR;")
+        if spec.gated:
+            w.line("/* a gated MLP: f of the gate's scores times the up projection's */")
+            w.line("const float* restrict p3 = P3t + (long)j * LPM * NR;")
+            w.line("#pragma omp simd")
+            with w.block("for (int x = 0; x < lc * NR; ++x)"):
+                w.line("const float g = p[x];")
+                w.line(f"p[x] = ({activation_c(spec.epilogue, 'g')}) * p3[x];")
+            return
         if not spec.bias1:
             w.line("#pragma omp simd")
             with w.block("for (int x = 0; x < lc * NR; ++x)"):

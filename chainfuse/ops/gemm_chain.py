@@ -32,7 +32,7 @@ from chainfuse.ops.calls import calls, replay, run, signature
 from chainfuse.ops.views import lead_merged, stretched
 from chainfuse.runtime import get_num_threads
 
-__all__ = ["gemm_chain", "gemm_chain_shape"]
+__all__ = ["gemm_chain", "gemm_chain_shape", "steps_of", "swapped", "transposed"]
 
 
 def gemm_chain(
@@ -101,8 +101,8 @@ def gemm_chain(
         if out is not None:
             out = out[None]
     # nn.Linear's weights as stored: B = W1.T, D = W2.T read through their transposes
-    b_t, d_t = _transposed(B), _transposed(D)
-    operands = _operands(A, _swapped(B) if b_t else B, _swapped(D) if d_t else D, *biases)
+    b_t, d_t = transposed(B), transposed(D)
+    operands = _operands(A, swapped(B) if b_t else B, swapped(D) if d_t else D, *biases)
     batch, M, K = sa
     if sb[1] != K:
         raise ValueError(f"B: expected {K} rows (A's K), got shape {sb[1:]}")
@@ -246,24 +246,24 @@ def _bias_kinds(biases: tuple[Any, Any], dtype: str) -> None:
             raise TypeError(f"{name}: expected dtype {dtype} (the inputs'), got {bias.dtype}")
 
 
-def _steps(x: Any) -> tuple[int, ...]:
+def steps_of(x: Any) -> tuple[int, ...]:
     """x's strides in elements."""
     if type(x) is np.ndarray or isinstance(x, np.ndarray):
         return tuple(s // x.itemsize for s in x.strides)
     return tuple(x.stride())
 
 
-def _transposed(x: Any) -> bool:
+def transposed(x: Any) -> bool:
     """Whether x [..., r, c] lies as the transpose of a row-major matrix does (`W.T`): its last
     dim not contiguous, the one before it contiguous. Such an operand is read as stored."""
     shape = x.shape
     if shape[-1] <= 1 or shape[-2] <= 1 or 0 in shape:
         return False
-    steps = _steps(x)
+    steps = steps_of(x)
     return steps[-1] != 1 and steps[-2] == 1
 
 
-def _swapped(x: Any) -> Any:
+def swapped(x: Any) -> Any:
     """x with its last two dims swapped: a view of the same memory."""
     return np.swapaxes(x, -1, -2) if isinstance(x, np.ndarray) else x.transpose(-1, -2)
 
