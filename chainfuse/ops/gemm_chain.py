@@ -132,7 +132,7 @@ def gemm_chain(
                 value = np.asarray(D, np.float32).mean(-2, keepdims=True)
         if bias2 is not None:  # (a sum over nothing, plus bias2)
             term = bias2.float() if is_torch(bias2) else np.asarray(bias2, np.float32)
-            value = value + term
+            value = value + term.reshape(1, 1, -1)  # (as [batch, M, N] broadcasts)
         if flat:
             return no_work(
                 "A", A[0], (M, N), value if isinstance(value, int) else value[0], user_out
