@@ -173,12 +173,8 @@ def gemm_chain(
         Tensor(n, shapes[n], dt, roles.get(n, Role.INTERMEDIATE)) for n in order if n in shapes
     )
     kind = "gemm" if op is None else f"gemm_{_op_word(op)}"
-    tags = "".join(
-        tag
-        for tag, on in (("_bt", b_transposed), ("_dt", d_transposed), ("_b1", bias1),
-                        ("_b2", bias2))  # fmt: skip
-        if on
-    )
+    flags = (("_bt", b_transposed), ("_dt", d_transposed), ("_b1", bias1), ("_b2", bias2))
+    tags = "".join(tag for tag, on in flags if on)
     name = f"{kind}_gemm{tags}_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
     return Chain(name, loops, tensors, tuple(ops)).verify()
 

@@ -134,9 +134,9 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
     at2 = ops.index(second)
     middle = list(ops[1:at2])
     after = ops[at2 + 1 :]
-    bias1 = bias2 = None
-    if middle and _is_bias(middle[0]):  # (a bias over l, then f)
-        bias1 = middle.pop(0)
+    bias1 = _as_bias(middle[0]) if middle else None
+    if bias1 is not None:  # (a bias over l, then f)
+        middle.pop(0)
     epilogue = Epilogue.NONE
     if len(middle) > 1:
         raise ValueError(f"{chain.name}: at most one memory-intensive op between the GEMMs")
@@ -148,15 +148,14 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
             epilogue = ACTIVATIONS[op.fn]
         else:
             raise ValueError(f"{chain.name}: op '{op}' between the GEMMs is not supported yet")
-    if len(after) > 1 or (after and not _is_bias(after[0])):
+    bias2 = _as_bias(after[0]) if after else None
+    if len(after) > 1 or (after and bias2 is None):
         raise ValueError(f"{chain.name}: after the second GEMM only a bias is supported")
-    if after:
-        bias2 = after[0]
     a, b = first.inputs
     c = first.output
     p, d = second.inputs
     e = second.output if bias2 is None else bias2.output
-    steps = [op for op in (bias1, *middle) if op is not None]
+    steps = [op for op in (bias1, *middle) if isinstance(op, Pointwise | Softmax)]
     for op in steps:
         if op.input.tensor != c.tensor:
             raise ValueError(f"{chain.name}: '{op}' must read the first GEMM's result")
@@ -241,8 +240,9 @@ def _match_gated(chain: Chain) -> GemmChainShape | None:
     return replace(shape, gate=up.inputs[1].tensor)
 
 
-def _is_bias(op: object) -> bool:
-    return isinstance(op, Pointwise) and op.fn is Activation.BIAS
+def _as_bias(op: object) -> Pointwise | None:
+    """`op` if it adds a bias, else None."""
+    return op if isinstance(op, Pointwise) and op.fn is Activation.BIAS else None
 
 
 def writes_e(spec: GemmChainSpec) -> bool:

@@ -396,7 +396,9 @@ def _pack_d_slivers(w: Writer, into: str) -> None:
     with w.block("for (int s = 0; s * MR < nc; ++s)"):
         w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
         w.line("if (direct_d && (m == MR || m == PART_MR)) continue; /* read in place */")
-        w.line(f"PACK_A(lc, m, D_b + (n0 + s * MR) * sDl + l0, sDl, {into} + (long)s * SLIVER(lc));")
+        w.line(
+            f"PACK_A(lc, m, D_b + (n0 + s * MR) * sDl + l0, sDl, {into} + (long)s * SLIVER(lc));"
+        )
 
 
 def _pack_d_strips(w: Writer) -> None:

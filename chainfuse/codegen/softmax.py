@@ -179,7 +179,11 @@ def emit_epilogue_strip(w: Writer, spec: GemmChainSpec, narrow: bool) -> None:
     op2 reads only the `nw` columns of a tail strip, and the softmax runs on those alone."""
     if spec.epilogue is not Epilogue.SOFTMAX:
         word = spec.epilogue.value if spec.epilogue is not Epilogue.NONE else ""
-        w.line(f"/* {'bias1, then ' if spec.bias1 else ''}{word} on the strip */".replace(", then  ", " "))
+        w.line(
+            f"/* {'bias1, then ' if spec.bias1 else ''}{word} on the strip */".replace(
+                ", then  ", " "
+            )
+        )
         w.line("float* restrict p = Pt + (long)j * LPM * NR;")
         if spec.gated:
             w.line("/* a gated MLP: f of the gate's scores times the up projection's */")

@@ -27,7 +27,9 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 AWKWARD = st.one_of(st.sampled_from([1, 7, 17, 63, 65, 129]), st.integers(1, 140))
-TILES = st.sampled_from([None, {"m": 16, "l": 6, "k": 7, "n": 6}, {"m": 7, "l": 17, "k": 1, "n": 5}])
+TILES = st.sampled_from(
+    [None, {"m": 16, "l": 6, "k": 7, "n": 6}, {"m": 7, "l": 17, "k": 1, "n": 5}]
+)
 
 #: (between, B transposed, D transposed, bias1, bias2, dtype): every activation with both
 #: biases and both weights as nn.Linear stores them; each layout and bias alone; each dtype
@@ -64,7 +66,9 @@ def _tensor(x: np.ndarray, dtype: str) -> object:
     return torch.from_numpy(np.ascontiguousarray(x)).to(getattr(torch, dtype))
 
 
-def _chain(structure: tuple[object, ...], b: int, M: int, N: int, K: int, L: int) -> chainfuse.Chain:
+def _chain(
+    structure: tuple[object, ...], b: int, M: int, N: int, K: int, L: int
+) -> chainfuse.Chain:
     between, b_t, d_t, bias1, bias2, dtype = structure
     return builders.gemm_chain(b, M, N, K, L, between, dtype, b_transposed=b_t,  # type: ignore[arg-type]
                                d_transposed=d_t, bias1=bias1, bias2=bias2)  # type: ignore[arg-type]  # fmt: skip
@@ -88,7 +92,9 @@ def test_chains_match_reference(
     check_against_reference(kernel, chain, seed=seed, softmax_term=True, convert=convert)
 
 
-def _linear_mlp(x: object, w1: object, w2: object, between: str | None, b1: object, b2: object) -> object:
+def _linear_mlp(
+    x: object, w1: object, w2: object, between: str | None, b1: object, b2: object
+) -> object:
     """PyTorch's composition in float64: what an nn.Linear MLP computes."""
     h = F.linear(x.double(), w1.double(), None if b1 is None else b1.double())  # type: ignore[attr-defined]
     return F.linear(ACTS[between](h), w2.double(), None if b2 is None else b2.double())  # type: ignore[attr-defined]
@@ -191,8 +197,9 @@ def test_custom_ops_trace_without_graph_breaks() -> None:
     """An nn.Linear MLP and a SwiGLU MLP calling `chainfuse.torch` under torch.compile with
     dynamic sequence lengths: one graph each (fullgraph), the operators in it, eager's
     results."""
-    import chainfuse.torch as cft
     from torch._dynamo.testing import CompileCounterWithBackend
+
+    import chainfuse.torch as cft
 
     gen = torch.Generator().manual_seed(0)
     fc1, fc2 = torch.nn.Linear(24, 70), torch.nn.Linear(70, 24)
