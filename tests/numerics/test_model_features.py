@@ -289,3 +289,26 @@ def test_planned_part_leaves_biases_out_and_doubles_a_gate() -> None:
     assert planned.outputs[0].name == "E"
     gated = builders.planned_part(builders.gated_mlp_chain(2, 8, 5, 6, 7))
     assert gated.extents["k"] == 12 and len(gated.contractions) == 2
+
+
+def test_repeat_calls_replay_with_new_operands() -> None:
+    """A second call with operands like the first's (same shapes, strides, dtypes) runs from
+    what the first call's checks found, with the new operands' pointers: biases and W3
+    included."""
+    gen = torch.Generator().manual_seed(5)
+    plain = builders.gemm_chain(1, 18, 7, 16, 33, "silu", bias1=True, bias2=True)
+    gated = builders.gated_mlp_chain(1, 18, 7, 16, 33)
+    hits = ops.calls.replays.hits
+    for _ in range(3):
+        x = torch.randn(2, 9, 16, generator=gen, dtype=torch.float64)
+        w1, w3 = (torch.randn(33, 16, generator=gen, dtype=torch.float64) / 4 for _ in range(2))
+        w2 = torch.randn(7, 33, generator=gen, dtype=torch.float64) / math.sqrt(33)
+        b1, b2 = torch.randn(33, generator=gen), torch.randn(7, generator=gen)
+        x32, w1_32, w3_32, w2_32 = (t.float() for t in (x, w1, w3, w2))
+        got = ops.gemm_chain(x32, w1_32.T, w2_32.T, "silu", bias1=b1, bias2=b2)
+        want = F.linear(F.silu(F.linear(x, w1, b1.double())), w2, b2.double())
+        reference.assert_close(got.numpy(), want.numpy(), plain)
+        got = ops.gated_mlp(x32, w1_32.T, w3_32.T, w2_32.T)
+        want = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        reference.assert_close(got.numpy(), want.numpy(), gated)
+    assert ops.calls.replays.hits >= hits + 4
