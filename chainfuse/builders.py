@@ -5,6 +5,7 @@ Each returns a verified `Chain`; the names encode what the chain computes and it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -49,7 +50,8 @@ def _between_op(
     if between is None:
         return None
     if between == "softmax":
-        return Softmax(_plain(src, *loops), _plain(dst, *loops), axis=axis)
+        # unsafe: a row of all -inf scores is NaN, as the unfused torch.softmax gives
+        return Softmax(_plain(src, *loops), _plain(dst, *loops), axis=axis, safe=False)
     try:
         fn = Activation(between)
     except ValueError:
@@ -150,8 +152,7 @@ def gemm_chain(
     op = _between_op(between, src, "P", rows, "l")
     if op is not None and soft_bias:
         assert isinstance(op, Softmax)
-        op = Softmax(op.input, op.output, axis="l", mask=_plain("bias1", "l"),
-                     mask_kind=MaskKind.ADDITIVE)  # fmt: skip
+        op = dataclasses.replace(op, mask=_plain("bias1", "l"), mask_kind=MaskKind.ADDITIVE)
     mid = src
     if op is not None:
         ops.append(op)
@@ -297,9 +298,8 @@ def _renamed(op: Op, names: Mapping[str, str]) -> Op:
     if isinstance(op, Pointwise):
         operand = None if op.operand is None else acc(op.operand)
         return Pointwise(op.fn, acc(op.input), acc(op.output), operand, op.alpha)
-    return Softmax(acc(op.input), acc(op.output), op.axis, op.scale,
-                   None if op.mask is None else acc(op.mask), op.mask_kind, op.causal,
-                   op.row)  # fmt: skip
+    mask = None if op.mask is None else acc(op.mask)
+    return dataclasses.replace(op, input=acc(op.input), output=acc(op.output), mask=mask)
 
 
 def _op_word(op: Op) -> str:

@@ -75,6 +75,7 @@ class GemmChainSpec:
     kernel: MicroKernel
     mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
     causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
+    safe: bool = True  # softmax: a row with no key gives zeros (SDPA), else NaN (torch.softmax)
     dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16, fp16: fp32 arithmetic)
     d_transposed: bool = False  # D stored [.., n, l] (nn.Linear's weight) instead of [.., l, n]
     bias1: bool = False  # a vector over l added to op1's result before f (softmax: the mask's)
@@ -92,7 +93,7 @@ class GemmChainSpec:
         key = (
             f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
             f"{self.kernel.name}|"
-            f"{self.mask.value}|{self.causal}|{self.dtype.value}"
+            f"{self.mask.value}|{self.causal}|{self.safe}|{self.dtype.value}"
         )
         # (only where set: the kernels without them keep their names and cache keys)
         key += "|dt" if self.d_transposed else ""
@@ -114,6 +115,7 @@ class GemmChainShape:
     mask: MaskKind = MaskKind.NONE
     mask_tensor: str | None = None
     causal: bool = False
+    safe: bool = True
     d_transposed: bool = False
     bias1: str | None = None  # the bias tensors' names (a softmax's bias1 is its mask)
     bias2: str | None = None
@@ -211,6 +213,7 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
         mask=soft.mask_kind,
         mask_tensor=None if soft.mask is None else soft.mask.tensor,
         causal=soft.causal,
+        safe=soft.safe,
     )
 
 
