@@ -117,7 +117,9 @@ def compile(
     # with fewer row blocks than threads the kernel's threads split l (not a softmax's: its
     # shares would need their maxima merged), in whole mr-row slivers
     split = None if shape.epilogue is Epilogue.SOFTMAX else (l_, kernel.mr)
-    chosen = remembered_plan(planned, hw, planned_for, (order, depth), quanta, split)
+    # (16-bit operands are widened to fp32: planned at the FMA units' rate, never an engine's)
+    fma = hw.fp32_units() if chain.dtype is not DType.FLOAT32 else hw
+    chosen = remembered_plan(planned, fma, planned_for, (order, depth), quanta, split)
     schedule = schedule_gemm_chain(chain, shape, chosen, kernel, hw, tiles)
     spec = schedule.spec
     header = _header(chain, chosen, spec, refused)
@@ -149,19 +151,19 @@ def arithmetic(spec: GemmChainSpec, amx_refused: str = "") -> str:
         why = (
             f"the AMX kernels do not take {amx_refused}"
             if amx_refused
-            else "no AMX / AVX512-BF16 kernel is registered for this CPU"
+            else "no AMX kernel runs here: CHAINFUSE_AMX, `chainfuse hw`"
         )
         return (
-            f"bf16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
-            f"fp32 intermediate, output rounded to bf16 once ({why})"
+            f"fp32-fma: bf16 inputs and output, widened to fp32 while packing; fp32 micro-kernel "
+            f"{uk}, fp32 intermediate, output rounded to bf16 once ({why})"
         )
     if spec.dtype is DType.FLOAT16:
         return (
-            f"fp16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
-            "fp32 intermediate, output rounded to fp16 once (no AVX512-FP16 / AMX-FP16 kernel "
-            "is registered)"
+            f"fp32-fma: fp16 inputs and output, widened to fp32 while packing; fp32 micro-kernel "
+            f"{uk}, fp32 intermediate, output rounded to fp16 once (no AVX512-FP16 / AMX-FP16 "
+            "kernel is registered)"
         )
-    return f"fp32 micro-kernel {uk}, fp32 intermediate"
+    return f"fp32-fma: fp32 micro-kernel {uk}, fp32 intermediate"
 
 
 def _is_conv(chain: Chain) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 from chainfuse.hardware import Hardware, MemoryLevel, resolve
 from chainfuse.ir import Chain, Contraction, Role, Softmax
 from chainfuse.kernels import Problem, select
+from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.model import (
     Cost,
     LevelCost,
@@ -206,8 +207,11 @@ def _size(n: float) -> str:
 def register_block(chain: Chain, hardware: Hardware) -> tuple[int, int]:
     """The (mr, nr) register block of the micro-kernel `kernels.select` picks for the chain.
 
-    Rows of a contraction's output tile come in multiples of mr, columns of nr.
+    Rows of a contraction's output tile come in multiples of mr, columns of nr. A bf16 chain
+    on a machine with AMX is tiled for the AMX block, which fills the tile registers.
     """
+    if hardware.matrix_engine(chain.dtype):
+        return AMX_BF16_32X32.mr, AMX_BF16_32X32.nr
     first = chain.contractions[0] if chain.contractions else None
     ext = chain.extents
     if first is None or len(first.output.index) < 2:
@@ -615,7 +619,8 @@ def plan(
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
-    hw = resolve(hardware)
+    # (a 16-bit chain on a CPU without its engine is planned at the fp32 units' rate)
+    hw = resolve(hardware).for_chain(chain.dtype)
     nthreads = threads or hw.cores
     if nthreads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads}")

@@ -38,6 +38,7 @@ __all__ = [
     "AmxPath",
     "amx_mode",
     "amx_path",
+    "amx_report",
     "amx_status",
     "emit_tile_block",
 ]
@@ -96,6 +97,27 @@ def amx_path(dtype: DType) -> AmxPath | None:
     if mode is AmxMode.AUTO and amx_status()[0]:
         return AmxPath.REAL
     return None
+
+
+def amx_report() -> str:
+    """One line on AMX in this process, as `chainfuse hw` prints it: whether the unit is there
+    and permitted (`available`, `no AMX`, `permission refused`) and what ``CHAINFUSE_AMX`` makes
+    of it (`off`, `auto`, `emulated`)."""
+    usable, why = amx_status()
+    if usable:
+        unit = f"available ({why})"
+    elif why.startswith(("the CPU lacks", "AMX needs")):
+        unit = f"no AMX ({why})"
+    else:
+        unit = f"permission refused ({why})"
+    mode = amx_mode()
+    if mode is AmxMode.EMULATE:
+        use = "bf16 AMX kernels run through the C emulation (bit-exact, slow)"
+    elif mode is AmxMode.AUTO:
+        use = "bf16 AMX kernels " + ("in use" if usable else "cannot run here")
+    else:
+        use = "bf16 AMX kernels not used"
+    return f"{unit}; {ENV_AMX}={mode.value}: {use}"
 
 
 @functools.cache
