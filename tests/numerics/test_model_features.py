@@ -309,3 +309,20 @@ def test_repeat_calls_replay_with_new_operands() -> None:
         want = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
         reference.assert_close(got.numpy(), want.numpy(), gated)
     assert ops.calls.replays.hits >= hits + 4
+
+
+@pytest.mark.parametrize("between", list(ACTS))
+def test_handoff_to_pytorch_computes_the_same_chain(between: str | None) -> None:
+    """A 16-bit call handed to PyTorch (`chainfuse.torch.handoff`, where the model predicts
+    PyTorch's ops faster) computes the chain with its biases and activation, weights as
+    `W.T` views; the decision itself takes such calls."""
+    from chainfuse.torch import handoff
+
+    gen = torch.Generator().manual_seed(3)
+    x, w1, w2 = (torch.randn(*s, generator=gen) for s in ((2, 5, 12), (20, 12), (6, 20)))
+    b1, b2 = torch.randn(20, generator=gen), torch.randn(6, generator=gen)
+    got = handoff.torch_gemm_chain(x, w1.T, w2.T, between, b1, b2)  # (fp32: one rounding order)
+    torch.testing.assert_close(got, F.linear(ACTS[between](F.linear(x, w1, b1)), w2, b2))
+    half = [t.bfloat16() for t in (x, w1, w2, b1, b2)]
+    why = handoff.gemm_chain_reason(half[0], half[1].T, half[2].T, between, half[3], half[4])
+    assert why is None or "bfloat16" in why
