@@ -56,8 +56,11 @@ def torch_faster(chain: Chain, threads: int, hw: Hardware | None = None) -> bool
     the chain, and for fp32 chains."""
     if chain.dtype not in _HALF:
         return False
-    if amx_path(chain.dtype) is not None and not amx_unsupported(match_gemm_chain(chain)):
-        return False
+    if amx_path(chain.dtype) is not None:
+        first, second = chain.contractions
+        k, n = first.reduction[0], second.output.loops[-1]
+        if not amx_unsupported(match_gemm_chain(chain), (chain.extents[k], chain.extents[n])):
+            return False
     return _torch_faster(chain, threads, host() if hw is None else hw)
 
 
