@@ -4,7 +4,7 @@ chainfuse plan bert-base --hw xeon-gold-6240
 chainfuse plan --gemm 12,512,64,64,512 --between softmax --json
 chainfuse plan --conv 64,56,56,64,64,1,1 --kernels 1,3 --between relu
 chainfuse hw [--hw PRESET]
-chainfuse bench [gemm-chain|attention|conv-chain|all] [--quick] [--threads 1,2] [--out DIR]
+chainfuse bench [gemm-chain|attention|conv-chain|models|all] [--quick] [--threads 1,2] [--out DIR]
 chainfuse fuzz --cases 10000 [--seed S] [--ops gemm_chain,attention,conv_chain] [--dtypes ...]
 chainfuse fuzz --seed S --case N        # rerun one case, printing its operands
 """
@@ -105,7 +105,12 @@ def _bench(args: argparse.Namespace) -> int:
     from chainfuse.bench import runner
 
     rest = list(args.rest)
-    return runner.main(rest[1:] if rest[:1] == ["--"] else rest)
+    rest = rest[1:] if rest[:1] == ["--"] else rest
+    if rest[:1] == ["models"]:  # whole models end to end (needs torch and transformers)
+        from chainfuse.bench import models
+
+        return models.main(rest[1:])
+    return runner.main(rest)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -141,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark against PyTorch/numpy, write a report",
                        add_help=False)  # fmt: skip
     b.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="[gemm-chain|attention|conv-chain|all] [--quick] ... (see --help)")  # fmt: skip
+                   help="[gemm-chain|attention|conv-chain|models|all] [--quick] ... (see --help)")  # fmt: skip
     b.set_defaults(run=_bench)
 
     f = sub.add_parser("fuzz", help="run random cases of every op against the reference")

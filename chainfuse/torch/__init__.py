@@ -531,3 +531,10 @@ def conv_chain(
         return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
     return _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=stride, padding=padding,
                              between=between, after=after)  # fmt: skip
+
+
+# the torch.compile backend ("chainfuse") and its explainer: after the operators they emit
+from chainfuse.torch.backend import compile  # noqa: E402
+from chainfuse.torch.explain import explain  # noqa: E402
+
+__all__ += ["compile", "explain"]
