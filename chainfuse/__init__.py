@@ -8,7 +8,14 @@ E = kernel(A, B, D)
 """
 
 from chainfuse import ops
-from chainfuse.builders import attention_chain, conv_chain_spec, from_einsum, gemm_chain, mlp_chain
+from chainfuse.builders import (
+    attention_chain,
+    conv_chain_spec,
+    from_einsum,
+    gated_mlp_chain,
+    gemm_chain,
+    mlp_chain,
+)
 from chainfuse.compiler import Kernel, compile
 from chainfuse.config import VERSION as __version__
 from chainfuse.hardware import Hardware
@@ -28,6 +35,7 @@ __all__ = [
     "compile",
     "conv_chain_spec",
     "from_einsum",
+    "gated_mlp_chain",
     "gemm_chain",
     "get_num_threads",
     "mlp_chain",

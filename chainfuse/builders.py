@@ -5,6 +5,7 @@ Each returns a verified `Chain`; the names encode what the chain computes and it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -32,8 +33,10 @@ __all__ = [
     "conv_chain_spec",
     "conv_out_size",
     "from_einsum",
+    "gated_mlp_chain",
     "gemm_chain",
     "mlp_chain",
+    "planned_part",
 ]
 
 
@@ -53,9 +56,10 @@ def _between_op(
         fn = Activation(between)
     except ValueError:
         raise ValueError(
-            f"between: expected None, 'relu', 'gelu' or 'softmax', got {between!r}"
+            "between: expected None, 'relu', 'gelu', 'gelu_tanh', 'quick_gelu', 'silu' or"
+            f" 'softmax', got {between!r}"
         ) from None
-    if fn in (Activation.BIAS, Activation.SCALE):
+    if fn in (Activation.BIAS, Activation.SCALE, Activation.MUL):
         raise ValueError(
             f"between: {fn.value!r} needs an operand; build the chain with from_einsum"
         )
@@ -112,28 +116,190 @@ def gemm_chain(
     L: int,
     between: Activation | str | None = None,
     dtype: DType | str = "float32",
+    *,
+    b_transposed: bool = False,
+    d_transposed: bool = False,
+    bias1: bool = False,
+    bias2: bool = False,
 ) -> Chain:
-    """`E[b,M,N] = between(A[b,M,K] @ B[b,K,L]) @ D[b,L,N]`, the paper's batched GEMM chain."""
+    """`E[b,M,N] = between(A[b,M,K] @ B[b,K,L] + bias1[L]) @ D[b,L,N] + bias2[N]`, the paper's
+    batched GEMM chain, with the optional terms of an `nn.Linear` MLP.
+
+    `b_transposed` / `d_transposed`: B stored as `[b, L, K]` and D as `[b, N, L]` (nn.Linear's
+    `[out, in]` weights, read as stored). `bias1` (added before `between`; with a softmax it is
+    an additive term of the scores, broadcast over the rows) and `bias2` add 1-D inputs named
+    `bias1` and `bias2` after A, B and D. The planner plans the chain without the biases
+    (`planned_part`): L + N elements move next to the weights' K L + L N.
+    """
     for value, what in ((batch, "batch"), (M, "M"), (N, "N"), (K, "K"), (L, "L")):
         check_size(value, what)
     dt = DType.parse(dtype)
     loops = (Loop("b", batch), Loop("m", M), Loop("n", N), Loop("k", K), Loop("l", L))
-    op = _between_op(between, "C", "P", ("b", "m", "l"), "l")
-    shapes = {"A": (batch, M, K), "B": (batch, K, L), "C": (batch, M, L), "D": (batch, L, N),
-              "E": (batch, M, N)}  # fmt: skip
+    b_idx = ("b", "l", "k") if b_transposed else ("b", "k", "l")
+    d_idx = ("b", "n", "l") if d_transposed else ("b", "l", "n")
+    size = {"b": batch, "m": M, "n": N, "k": K, "l": L}
+    shapes = {"A": (batch, M, K), "B": tuple(size[x] for x in b_idx), "C": (batch, M, L),
+              "D": tuple(size[x] for x in d_idx), "E": (batch, M, N)}  # fmt: skip
+    rows = ("b", "m", "l")
+    soft_bias = bias1 and between == "softmax"
+    src = "C"
+    ops: list[Op] = [Contraction(_plain("C", *rows), (_plain("A", "b", "m", "k"),
+                                                      _plain("B", *b_idx)))]  # fmt: skip
+    if bias1 and not soft_bias:
+        ops.append(Pointwise(Activation.BIAS, _plain("C", *rows), _plain("C1", *rows),
+                             _plain("bias1", "l")))  # fmt: skip
+        shapes["C1"], src = (batch, M, L), "C1"
+    op = _between_op(between, src, "P", rows, "l")
+    if op is not None and soft_bias:
+        assert isinstance(op, Softmax)
+        op = dataclasses.replace(op, mask=_plain("bias1", "l"), mask_kind=MaskKind.ADDITIVE)
+    mid = src
     if op is not None:
-        shapes["P"] = (batch, M, L)
-    kind = "gemm" if op is None else f"gemm_{_op_word(op)}"
-    name = f"{kind}_gemm_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
-    return _two_gemm_chain(
-        name,
-        loops,
-        (_plain("A", "b", "m", "k"), _plain("B", "b", "k", "l"), _plain("C", "b", "m", "l")),
-        (_plain("D", "b", "l", "n"), _plain("E", "b", "m", "n")),
-        shapes,
-        op,
-        dt,
+        ops.append(op)
+        shapes["P"], mid = (batch, M, L), "P"
+    e2 = "E0" if bias2 else "E"
+    ops.append(Contraction(_plain(e2, "b", "m", "n"), (_plain(mid, *rows), _plain("D", *d_idx))))
+    if bias2:
+        ops.append(Pointwise(Activation.BIAS, _plain("E0", "b", "m", "n"), _plain("E", "b", "m", "n"),
+                             _plain("bias2", "n")))  # fmt: skip
+        shapes["E0"] = (batch, M, N)
+    if bias1:
+        shapes["bias1"] = (L,)
+    if bias2:
+        shapes["bias2"] = (N,)
+    roles = {"A": Role.INPUT, "B": Role.INPUT, "D": Role.INPUT, "E": Role.OUTPUT,
+             "bias1": Role.INPUT, "bias2": Role.INPUT}  # fmt: skip
+    order = ("A", "B", "C", "C1", "P", "D", "E0", "E", "bias1", "bias2")
+    tensors = tuple(
+        Tensor(n, shapes[n], dt, roles.get(n, Role.INTERMEDIATE)) for n in order if n in shapes
     )
+    kind = "gemm" if op is None else f"gemm_{_op_word(op)}"
+    flags = (("_bt", b_transposed), ("_dt", d_transposed), ("_b1", bias1), ("_b2", bias2))
+    tags = "".join(tag for tag, on in flags if on)
+    name = f"{kind}_gemm{tags}_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
+    return Chain(name, loops, tensors, tuple(ops)).verify()
+
+
+#: the activations a gated MLP's gate takes
+GATES = (Activation.SILU, Activation.GELU, Activation.GELU_TANH)
+
+
+def gated_mlp_chain(
+    batch: int,
+    M: int,
+    N: int,
+    K: int,
+    L: int,
+    act: Activation | str = "silu",
+    dtype: DType | str = "float32",
+    *,
+    b_transposed: bool = False,
+    d_transposed: bool = False,
+) -> Chain:
+    """Llama's SwiGLU MLP, `E = (act(A @ B) * (A @ B3)) @ D`: A [b, M, K], the gate's and the
+    up projection's weights B, B3 [b, K, L] (or [b, L, K] with `b_transposed`, both alike), D
+    [b, L, N] (or [b, N, L]); `act` is "silu", "gelu" or "gelu_tanh". Three GEMMs; the fused
+    kernel computes both score tiles of an l block, combines them and runs the last GEMM on
+    the product (`planned_part` says how it is planned)."""
+    for value, what in ((batch, "batch"), (M, "M"), (N, "N"), (K, "K"), (L, "L")):
+        check_size(value, what)
+    dt = DType.parse(dtype)
+    try:
+        fn = Activation(act)
+    except ValueError:
+        fn = None
+    if fn not in GATES:
+        raise ValueError(f"act: expected 'silu', 'gelu' or 'gelu_tanh', got {act!r}")
+    assert fn is not None
+    loops = (Loop("b", batch), Loop("m", M), Loop("n", N), Loop("k", K), Loop("l", L))
+    b_idx = ("b", "l", "k") if b_transposed else ("b", "k", "l")
+    d_idx = ("b", "n", "l") if d_transposed else ("b", "l", "n")
+    size = {"b": batch, "m": M, "n": N, "k": K, "l": L}
+    rows = ("b", "m", "l")
+    a = _plain("A", "b", "m", "k")
+    ops: tuple[Op, ...] = (
+        Contraction(_plain("C", *rows), (a, _plain("B", *b_idx))),
+        Contraction(_plain("C3", *rows), (a, _plain("B3", *b_idx))),
+        Pointwise(fn, _plain("C", *rows), _plain("G", *rows)),
+        Pointwise(Activation.MUL, _plain("G", *rows), _plain("P", *rows), _plain("C3", *rows)),
+        Contraction(_plain("E", "b", "m", "n"), (_plain("P", *rows), _plain("D", *d_idx))),
+    )
+    mid = Role.INTERMEDIATE
+    tensors = (
+        Tensor("A", (batch, M, K), dt, Role.INPUT),
+        Tensor("B", tuple(size[x] for x in b_idx), dt, Role.INPUT),
+        Tensor("B3", tuple(size[x] for x in b_idx), dt, Role.INPUT),
+        *(Tensor(n, (batch, M, L), dt, mid) for n in ("C", "C3", "G", "P")),
+        Tensor("D", tuple(size[x] for x in d_idx), dt, Role.INPUT),
+        Tensor("E", (batch, M, N), dt, Role.OUTPUT),
+    )
+    tags = ("_bt" if b_transposed else "") + ("_dt" if d_transposed else "")
+    name = f"gated_{fn.value}_mlp{tags}_{dt.value}_b{batch}m{M}n{N}k{K}l{L}"
+    return Chain(name, loops, tensors, ops).verify()
+
+
+def planned_part(chain: Chain) -> Chain:
+    """What the planner plans of a GEMM chain the C backend runs: the chain without its bias
+    additions (`Pointwise` BIAS ops and their operands): a bias moves one vector next to a
+    weight matrix, and the fused kernel adds it to a tile already in cache (the C generator
+    applies it; the oracle runs the whole chain). Each bias's result is read as its input::
+
+        C = A.B; C1 = bias(C, bias1); P = gelu(C1); E0 = P.D; E = bias(E0, bias2)
+        ->  C = A.B; P = gelu(C); E = P.D      (E keeps the chain's output name)
+
+    A gated MLP (`gated_mlp_chain`) is planned as the two-GEMM chain whose first GEMM sums
+    over 2K: the kernel's first GEMM is two of K over the same rows of A, so its flops and
+    the bytes of its weights (B and B3, packed side by side) count twice, as they should; A's
+    bytes count twice too (an overestimate of M K per l block, small next to the weights'),
+    and the second score tile of an l block is not in the working set the tiles must fit.
+    """
+    gated = _gated(chain)
+    if gated is not None:
+        return gated
+    drop = [op for op in chain.ops if isinstance(op, Pointwise) and op.fn is Activation.BIAS]
+    if not drop:
+        return chain
+    final = {op.input.tensor: op.output.tensor for op in drop}
+    gone = set(final) | {op.operand.tensor for op in drop if op.operand is not None}
+    ops = tuple(_renamed(op, final) for op in chain.ops if op not in drop)
+    tensors = tuple(t for t in chain.tensors if t.name not in gone)
+    return Chain(chain.name, chain.loops, tensors, ops).verify()
+
+
+def _gated(chain: Chain) -> Chain | None:
+    """The planned two-GEMM chain of a chain `gated_mlp_chain` built (`planned_part`), or
+    None for another chain."""
+    ops = chain.ops
+    if len(chain.contractions) != 3 or len(ops) != 5:
+        return None
+    gate, mul = ops[2], ops[3]
+    if not (isinstance(gate, Pointwise) and gate.fn in GATES and isinstance(mul, Pointwise)
+            and mul.fn is Activation.MUL):  # fmt: skip
+        return None
+    ext = chain.extents
+    if not {"b", "m", "n", "k", "l"} <= set(ext):
+        return None
+    first, last = chain.contractions[0], chain.contractions[-1]
+    b_t = first.inputs[1].loops[-1] == "k"
+    d_t = last.inputs[1].loops[-1] == "l"
+    view = gemm_chain(ext["b"], ext["m"], ext["n"], 2 * ext["k"], ext["l"], gate.fn,
+                      chain.dtype, b_transposed=b_t, d_transposed=d_t)  # fmt: skip
+    return Chain(chain.name, view.loops, view.tensors, view.ops).verify()
+
+
+def _renamed(op: Op, names: Mapping[str, str]) -> Op:
+    """`op` with the tensors of its accesses renamed by `names`."""
+
+    def acc(a: Access) -> Access:
+        return Access(names.get(a.tensor, a.tensor), a.index, a.zero_pad)
+
+    if isinstance(op, Contraction):
+        return Contraction(acc(op.output), (acc(op.inputs[0]), acc(op.inputs[1])))
+    if isinstance(op, Pointwise):
+        operand = None if op.operand is None else acc(op.operand)
+        return Pointwise(op.fn, acc(op.input), acc(op.output), operand, op.alpha)
+    mask = None if op.mask is None else acc(op.mask)
+    return dataclasses.replace(op, input=acc(op.input), output=acc(op.output), mask=mask)
 
 
 def _op_word(op: Op) -> str:

@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--conv", metavar="C,H,W,K1,K2,s1,s2", help="an explicit conv chain")
     p.add_argument("--kernels", default="3,1", metavar="R1,R2", help="conv kernel sizes")
     p.add_argument("--between", default="none",
-                   choices=["none", "relu", "gelu", "softmax"])  # fmt: skip
+                   choices=["none", "relu", "gelu", "gelu_tanh", "quick_gelu", "silu",
+                            "softmax"])  # fmt: skip
     p.add_argument(
         "--dtype",
         default="float32",

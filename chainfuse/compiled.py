@@ -61,6 +61,7 @@ ALONE_S = 40e-6
 _MASK, _MASK_STRIDES = PACKED["mask"], slice(PACKED["mask_strides"], PACKED["mask_strides"] + 4)
 _ROWS_MAX = PACKED["schedule"]  # the row path's reach: the one decision a call may change
 _KEYS = PACKED["sizes"] + 5  # L: what a call with another number of keys changes
+_EXTRAS = (PACKED["B3"], PACKED["bias1"], PACKED["bias2"])
 
 
 class _Built:
@@ -159,6 +160,13 @@ class Kernel(_Built):
         return self._mask_at
 
     @property
+    def extra_positions(self) -> tuple[int, ...]:
+        """Where the inputs past A, B, D and the mask are among the inputs of a call: a gated
+        MLP's second weight B3, then the biases the kernel adds (bias1, bias2; a softmax's
+        bias1 is its mask), those the chain has."""
+        return self._extra_at
+
+    @property
     def planned_keys(self) -> int:
         """The chain's extent of l (its keys): what a call with `keys=None` runs."""
         return self._sizes[5]
@@ -218,7 +226,7 @@ class Kernel(_Built):
         self._shapes = {t.name: t.shape for t in chain.tensors}
         self._at = tuple(self._names.index(n) for n in self.spec.tensors[:3])
         ext = chain.extents
-        first, second = chain.contractions
+        first, second = chain.contractions[0], chain.contractions[-1]  # (gated MLPs: three)
         m, l_ = first.output.loops[-2:]
         K, N = ext[first.reduction[0]], ext[second.output.loops[-1]]
         self._nb = len(self.spec.batch)
@@ -244,6 +252,14 @@ class Kernel(_Built):
         self._mask_loops: list[str | None] = [None] * (2 - self._nb) + [*self.spec.batch, m, l_]
         self._mask_index: tuple[str, str, tuple[Affine, ...]] | None = None
         self._mask_at = -1  # the mask's position among the inputs
+        # B3 and the biases: (name, position among the inputs, PACKED slot)
+        shape = self.shape
+        self._extras = [
+            (name, self._names.index(name), slot)
+            for name, slot in zip((shape.gate, shape.bias1, shape.bias2), _EXTRAS, strict=True)
+            if name is not None
+        ]
+        self._extra_at = tuple(at for _, at, _ in self._extras)
         soft = next((op for op in chain.ops if isinstance(op, Softmax)), None)
         if soft is not None and soft.mask is not None:
             dtype = "bool" if soft.mask_kind is MaskKind.BOOL else self._dtype
@@ -314,6 +330,11 @@ class Kernel(_Built):
         if self._mask_index is not None:
             mask_ptr, mask_strides = self._mask(inputs[self._mask_at], shapes)
             pointers.append(mask_ptr)
+        for name, at, _ in self._extras:
+            ptr, steps = check(name, inputs[at], shapes[name], dtype=dt)
+            if name == self.shape.gate and steps != b_st:  # (B3 is read with B's strides)
+                raise ValueError(f"{name}: expected the strides of {b_name} {b_st}, got {steps}")
+            pointers.append(ptr)
         if given:  # (a new out shares memory with nothing)
             found = self.layouts(inputs, out, keys)
             ins = [p for i, p in enumerate(pointers) if i != 3]  # (A, B, D [, the mask])
@@ -333,6 +354,8 @@ class Kernel(_Built):
         if self._mask_index is not None:
             names.append(self._mask_index[0])
             at.append(self._mask_at)
+        names += [name for name, _, _ in self._extras]
+        at += [*self._extra_at]
         found = [(n, layout_of(inputs[i], shapes[n])) for n, i in zip(names, at, strict=True)]
         found.append(("out", layout_of(out, shapes[self.spec.tensors[3]])))
         return found
@@ -390,6 +413,10 @@ class Kernel(_Built):
         if mask_strides is not None:
             packed[_MASK] = pointers[4]
             packed[_MASK_STRIDES] = mask_strides
+        if self._extras:
+            first = 4 if mask_strides is None else 5
+            for (_, _, slot), ptr in zip(self._extras, pointers[first:], strict=True):
+                packed[slot] = ptr
         self._fn(local.address)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from chainfuse import builders
 from chainfuse.codegen.amx_chain import (
     amx_header,
     amx_schedule,
@@ -58,7 +59,7 @@ __all__ = [
 
 def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
     """The (order, depth) the C backend implements: batch, m, l shared; k | n private."""
-    first, second = chain.contractions
+    first, second = chain.contractions[0], chain.contractions[-1]  # (a gated MLP has three)
     m, l_ = first.output.loops[-2:]
     return (*batch, m, l_, first.reduction[0], second.output.loops[-1]), len(batch) + 2
 
@@ -105,12 +106,15 @@ def compile(
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
     path = amx_path(chain.dtype)
+    # what the AMX generator does not take (biases, D stored transposed, the sigmoid-gated
+    # activations, a gated MLP, ...) runs on the fp32 path below, and its `arithmetic` says why
     why_not = amx_unsupported(shape, (ext[k], ext[n])) if path is not None else ""
+    planned = builders.planned_part(chain)  # (biases are not planned: `planned_part`)
     if path is not None and not why_not:
         uk = AMX_BF16_32X32
         quanta = {m: uk.nr, l_: uk.mr, n: uk.mr}
         planned_for = threads if threads is not None else get_num_threads()
-        chosen = remembered_plan(chain, hw, planned_for, (order, depth), quanta, None)
+        chosen = remembered_plan(planned, hw, planned_for, (order, depth), quanta, None)
         schedule = amx_schedule(schedule_gemm_chain(chain, shape, chosen, uk, hw, tiles))
         header = amx_header(chain, chosen, schedule.spec, path)
         return AmxKernel(chain, chosen, schedule, shape, header, path)
@@ -130,7 +134,7 @@ def compile(
     split = None if shape.epilogue is Epilogue.SOFTMAX else (l_, kernel.mr)
     # (16-bit operands are widened to fp32: planned at the FMA units' rate, never an engine's)
     fma = hw.fp32_units() if chain.dtype is not DType.FLOAT32 else hw
-    chosen = remembered_plan(chain, fma, planned_for, (order, depth), quanta, split)
+    chosen = remembered_plan(planned, fma, planned_for, (order, depth), quanta, split)
     schedule = schedule_gemm_chain(chain, shape, chosen, kernel, hw, tiles)
     spec = schedule.spec
     header = _header(chain, chosen, spec, why_not)

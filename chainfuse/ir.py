@@ -83,9 +83,13 @@ class Activation(enum.Enum):
 
     IDENTITY = "identity"
     RELU = "relu"
-    GELU = "gelu"
+    GELU = "gelu"  # exact, with erf (PyTorch's default)
+    GELU_TANH = "gelu_tanh"  # PyTorch's approximate="tanh" (GPT-2)
+    QUICK_GELU = "quick_gelu"  # x * sigmoid(1.702 x) (CLIP)
+    SILU = "silu"  # x * sigmoid(x)
     SCALE = "scale"
     BIAS = "bias"
+    MUL = "mul"  # x * operand: a gated MLP's gate times its up projection
 
 
 class MaskKind(enum.Enum):
@@ -236,7 +240,8 @@ class Contraction:
 
 @dataclass(frozen=True)
 class Pointwise:
-    """`output = fn(input)`; BIAS adds `operand` (broadcast), SCALE multiplies by `alpha`."""
+    """`output = fn(input)`; BIAS adds `operand` (broadcast), MUL multiplies by it, SCALE
+    multiplies by `alpha`."""
 
     fn: Activation
     input: Access
@@ -486,11 +491,11 @@ class Chain:
             for extra in (op.mask,) if op.mask is not None else ():
                 if not set(extra.loops).issubset(set(op.loops)):
                     raise ValueError(f"softmax '{op}': mask uses loops the scores do not have")
-        elif op.fn is Activation.BIAS:
+        elif op.fn in (Activation.BIAS, Activation.MUL):
             if op.operand is None:
-                raise ValueError(f"op '{op}': bias needs an operand tensor")
+                raise ValueError(f"op '{op}': {op.fn.value} needs an operand tensor")
             if not set(op.operand.loops).issubset(set(op.loops)):
-                raise ValueError(f"op '{op}': bias uses loops the input does not have")
+                raise ValueError(f"op '{op}': {op.fn.value} uses loops the input does not have")
         elif op.operand is not None:
             raise ValueError(f"op '{op}': {op.fn.value} takes no operand")
 

@@ -13,8 +13,10 @@ checked against them:
   tensor are zeros when `Access.zero_pad` is set and a `ValueError` otherwise. The gathered
   operands are then multiplied as one batched matrix product (BLAS), not elementwise in Python,
   so a 64-channel 56x56 convolution takes well under a second.
-- `Pointwise`: identity, relu, exact-erf gelu (`torch.nn.functional.gelu`'s default),
-  `alpha * x` (scale) and `x + operand` (bias, broadcast over the loops the operand lacks).
+- `Pointwise`: identity, relu, exact-erf gelu (`torch.nn.functional.gelu`'s default), tanh
+  gelu (`approximate="tanh"`), quick gelu `x * sigmoid(1.702 x)`, silu `x * sigmoid(x)`,
+  `alpha * x` (scale), `x + operand` (bias, broadcast over the loops the operand lacks) and
+  `x * operand` (mul: a gated MLP's gate times its up projection).
 - `Softmax` over loop `axis`: `scale * x`, plus an additive mask, or plus -inf where a bool mask
   is False (PyTorch SDPA's convention: a NaN or +inf score stays NaN there), and keep only
   `axis <= row` when causal (PyTorch's `is_causal`, top-left aligned:
@@ -337,12 +339,27 @@ def _pointwise(
         return np.maximum(x, 0.0)
     if op.fn is Activation.GELU:
         return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    if op.fn is Activation.GELU_TANH:
+        with np.errstate(over="ignore", invalid="ignore"):  # (x**3 of a huge x: inf, as torch)
+            return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if op.fn is Activation.QUICK_GELU:
+        return x * _sigmoid(1.702 * x)
+    if op.fn is Activation.SILU:
+        return x * _sigmoid(x)
     if op.fn is Activation.SCALE:
         return op.alpha * x
     if op.operand is None:
-        raise ValueError(f"op '{op}': bias needs an operand")
+        raise ValueError(f"op '{op}': {op.fn.value} needs an operand")
     operand: F64 = _aligned(op.operand, _real(env, op.operand), extents, out)
-    return x + operand
+    return x * operand if op.fn is Activation.MUL else x + operand
+
+
+def _sigmoid(z: F64) -> F64:
+    """1 / (1 + exp(-z)) without overflow: exp of -|z| only. NaN stays NaN, -inf gives 0 (so
+    `x * sigmoid(x)` of -inf is NaN, as PyTorch's silu)."""
+    e = np.exp(-np.abs(z))
+    with np.errstate(invalid="ignore"):
+        return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 def _softmax(

@@ -90,7 +90,17 @@ def amx_unsupported(shape: GemmChainShape, k_n: tuple[int, int] | None = None) -
     """Why the AMX generator does not take a chain of `shape` ("" when it does). It takes every
     two-GEMM chain `match_gemm_chain` recognises (the four betweens, masks of both kinds and
     causal softmaxes, B stored either way) whose reduction and output widths `k_n` = (K, N),
-    when given, keep a thread's workspace within `AMX_MAX_WORKSPACE`."""
+    when given, keep a thread's workspace within `AMX_MAX_WORKSPACE`; not the model features
+    (biases, D stored transposed, the sigmoid-gated activations, a gated MLP), which the fp32
+    path runs."""
+    if shape.gate is not None:
+        return "the AMX kernels do not take a gated MLP"
+    if shape.bias1 is not None or shape.bias2 is not None:
+        return "the AMX kernels do not take a bias"
+    if shape.d_transposed:
+        return "the AMX kernels do not take D stored transposed"
+    if shape.epilogue not in (Epilogue.NONE, Epilogue.RELU, Epilogue.GELU, Epilogue.SOFTMAX):
+        return f"the AMX kernels do not take a {shape.epilogue.value} between the GEMMs"
     if k_n is not None:
         need = amx_workspace_bytes(*k_n)
         if need > AMX_MAX_WORKSPACE:

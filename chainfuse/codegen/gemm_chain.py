@@ -73,7 +73,7 @@ DIRECT_FAR_STRIPS = 2
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
     "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "tiles": 32,
-    "schedule": 36, "end": 40,
+    "schedule": 36, "bias1": 40, "bias2": 41, "B3": 42, "end": 43,
 }  # fmt: skip
 
 
@@ -167,7 +167,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
     w.line("")
     if uses_exp2_strip(spec) and ker.exp2_strip is not None:
         w.lines(ker.exp2_strip(ker))
-    if spec.b_transposed:  # (`_rows_scores_by_key`)
+    if spec.b_transposed or spec.d_transposed:  # (`_rows_scores_by_key`, `_rows_dot_d`)
         w.lines(c_source("dot4.c"))
     w.lines(c_source("pack_panel.c"))
     w.lines(c_source("claim.c"))
@@ -187,7 +187,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             "return ALIGN16(MPN * AK) + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM)"
             " + DTN * DTF + ALIGN16(N * LDE) + 2 * ALIGN16(MPN)"
-            " + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N) + CF_WIDE(K, N);"
+            " + ALIGN16(ROWS_MAX * K) + ALIGN16(ROWS_MAX * N) + CF_WIDE(K, N)"
+            + (" + LPM / MR * SLIVER(TK) + ALIGN16(MPN * LPM);" if spec.gated else ";")
         )
     w.line("")
     if exponentiates_beside_op1(spec):
@@ -208,7 +209,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         f"    const cf_elem* restrict D, cf_elem* restrict E, const long* sizes,\n"
         f"    const long* strides, float scale, const void* mask_data, const long* mask_strides,\n"
         f"    float* restrict work, long work_per_thread, int nthreads, long outer_m,\n"
-        f"    const long* tiles, const long* code_schedule)"
+        f"    const long* tiles, const long* code_schedule, const cf_elem* restrict bias1,\n"
+        f"    const cf_elem* restrict bias2, const cf_elem* restrict B3)"
     ):
         w.line("CF_TILES(tiles)")
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
@@ -230,7 +232,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         if spec.epilogue is Epilogue.SOFTMAX:
             w.line("/* the scores in base 2: exp(x) = 2^(x log2(e)) */")
             w.line("const float scale2 = scale * CF_LOG2E;")
-        w.line("(void)scale;")
+        w.line("(void)scale; (void)bias1; (void)bias2; (void)B3; /* (null where absent) */")
         w.line("/* mask strides (elements, 0 where it broadcasts): batch0, batch1, m, l */")
         w.line("const long sM0 = mask_strides[0], sM1 = mask_strides[1];")
         w.line("const long sMm = mask_strides[2], sMl = mask_strides[3];")
@@ -248,6 +250,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
             w.line("float* restrict rows_q = col_sum + ALIGN16(MPN); /* see _rows */")
             w.line("float* restrict rows_o = rows_q + ALIGN16(ROWS_MAX * K);")
             w.line("float* restrict rows_w = rows_o + ALIGN16(ROWS_MAX * N); /* (16-bit: _rows) */")
+            if spec.gated:
+                w.line("/* a gated MLP's up projection: its packed panel and its score tile */")
+                w.line("float* restrict Bt3 = rows_w + CF_WIDE(K, N);")
+                w.line("float* restrict P3t = Bt3 + LPM / MR * SLIVER(TK);")
             if spec.epilogue is Epilogue.SOFTMAX and not spec.causal:
                 w.line("/* whose D the packed blocks in Dt hold (reuse_d): where it starts */")
                 w.line("const cf_elem* dt_from = 0;")
@@ -278,7 +284,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"{name}((const cf_elem*)a[0], (const cf_elem*)a[1], (const cf_elem*)a[2],"
             " (cf_elem*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27,"
-            " (float*)a[5], a[6], (int)a[7], a[31], a + 32, a + 36);"
+            " (float*)a[5], a[6], (int)a[7], a[31], a + 32, a + 36, (const cf_elem*)a[40],"
+            " (const cf_elem*)a[41], (const cf_elem*)a[42]);"
         )
     return w.text()
 
@@ -350,5 +357,5 @@ def _split_sum(w: Writer, spec: GemmChainSpec) -> None:
             w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + mo * sEm;")
             w.line(
                 f"if (n_hi > n_lo) {spec.name}_store_e(mc, n_hi - n_lo, et0 + n_lo * LDE, 0,"
-                " E_b + n_lo, sEm, LDE);"
+                " bias2 ? bias2 + n_lo : 0, E_b + n_lo, sEm, LDE);"
             )

@@ -12,6 +12,7 @@ from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointw
 from chainfuse.kernels import MicroKernel
 
 __all__ = [
+    "ACTIVATIONS",
     "HALF",
     "MAX_BATCH",
     "Epilogue",
@@ -42,7 +43,20 @@ class Epilogue(enum.Enum):
     NONE = "none"
     RELU = "relu"
     GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+    QUICK_GELU = "quick_gelu"
+    SILU = "silu"
     SOFTMAX = "softmax"
+
+
+#: the pointwise activations between the GEMMs and the epilogue each one compiles to
+ACTIVATIONS = {
+    Activation.RELU: Epilogue.RELU,
+    Activation.GELU: Epilogue.GELU,
+    Activation.GELU_TANH: Epilogue.GELU_TANH,
+    Activation.QUICK_GELU: Epilogue.QUICK_GELU,
+    Activation.SILU: Epilogue.SILU,
+}
 
 
 @dataclass(frozen=True)
@@ -63,11 +77,15 @@ class GemmChainSpec:
     causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
     safe: bool = True  # softmax: a row with no key gives zeros (SDPA), else NaN (torch.softmax)
     dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16, fp16: fp32 arithmetic)
+    d_transposed: bool = False  # D stored [.., n, l] (nn.Linear's weight) instead of [.., l, n]
+    bias1: bool = False  # a vector over l added to op1's result before f (softmax: the mask's)
+    bias2: bool = False  # a vector over n added to E
+    gated: bool = False  # f(A . B) * (A . B3): a gated MLP's second weight of op1 (B3)
 
     @property
     def name(self) -> str:
-        word = {Epilogue.NONE: "gemm", Epilogue.RELU: "gemm_relu", Epilogue.GELU: "gemm_gelu",
-                Epilogue.SOFTMAX: "gemm_softmax"}[self.epilogue]  # fmt: skip
+        word = "gemm" if self.epilogue is Epilogue.NONE else f"gemm_{self.epilogue.value}"
+        word = f"gated_{word}" if self.gated else word
         word += "_causal" if self.causal else ""
         word += "" if self.mask is MaskKind.NONE else f"_{self.mask.value}mask"
         # every field that shapes the code, spelled without sets (their order changes between
@@ -77,6 +95,11 @@ class GemmChainSpec:
             f"{self.kernel.name}|"
             f"{self.mask.value}|{self.causal}|{self.safe}|{self.dtype.value}"
         )
+        # (only where set: the kernels without them keep their names and cache keys)
+        key += "|dt" if self.d_transposed else ""
+        key += "|b1" if self.bias1 else ""
+        key += "|b2" if self.bias2 else ""
+        key += "|gated" if self.gated else ""
         short = {DType.FLOAT32: "f32", **HALF}[self.dtype]
         return f"{word}_gemm_{short}_{name_hash(key)}"
 
@@ -93,16 +116,29 @@ class GemmChainShape:
     mask_tensor: str | None = None
     causal: bool = False
     safe: bool = True
+    d_transposed: bool = False
+    bias1: str | None = None  # the bias tensors' names (a softmax's bias1 is its mask)
+    bias2: str | None = None
+    gate: str | None = None  # a gated MLP's second weight of op1 (B3), read as B is
 
 
 def match_gemm_chain(chain: Chain) -> GemmChainShape:
-    """Recognise `E = f(A . B) . D`; raise ValueError saying what does not fit."""
+    """Recognise `E = f(A . B) . D` (biases around it allowed) or a gated MLP's
+    `E = (f(A . B) * (A . B3)) . D`; raise ValueError saying what does not fit."""
+    gated = _match_gated(chain)
+    if gated is not None:
+        return gated
     ops = chain.ops
     contractions = [op for op in ops if isinstance(op, Contraction)]
     if len(contractions) != 2 or not isinstance(ops[0], Contraction):
         raise ValueError(f"{chain.name}: the C backend takes two GEMMs with one op between")
     first, second = contractions
-    middle = ops[1:-1]
+    at2 = ops.index(second)
+    middle = list(ops[1:at2])
+    after = ops[at2 + 1 :]
+    bias1 = _as_bias(middle[0]) if middle else None
+    if bias1 is not None:  # (a bias over l, then f)
+        middle.pop(0)
     epilogue = Epilogue.NONE
     if len(middle) > 1:
         raise ValueError(f"{chain.name}: at most one memory-intensive op between the GEMMs")
@@ -110,16 +146,27 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
         op = middle[0]
         if isinstance(op, Softmax):
             epilogue = Epilogue.SOFTMAX
-        elif isinstance(op, Pointwise) and op.fn in (Activation.RELU, Activation.GELU):
-            epilogue = Epilogue.RELU if op.fn is Activation.RELU else Epilogue.GELU
+        elif isinstance(op, Pointwise) and op.fn in ACTIVATIONS:
+            epilogue = ACTIVATIONS[op.fn]
         else:
             raise ValueError(f"{chain.name}: op '{op}' between the GEMMs is not supported yet")
+    bias2 = _as_bias(after[0]) if after else None
+    if len(after) > 1 or (after and bias2 is None):
+        raise ValueError(f"{chain.name}: after the second GEMM only a bias is supported")
     a, b = first.inputs
     c = first.output
     p, d = second.inputs
-    e = second.output
-    if p.tensor != (middle[0].output.tensor if middle else c.tensor):
+    e = second.output if bias2 is None else bias2.output
+    steps = [op for op in (bias1, *middle) if isinstance(op, Pointwise | Softmax)]
+    for op in steps:
+        if op.input.tensor != c.tensor:
+            raise ValueError(f"{chain.name}: '{op}' must read the first GEMM's result")
+        c = op.output
+    if p.tensor != c.tensor:
         raise ValueError(f"{chain.name}: the second GEMM must read the first one's result first")
+    if bias2 is not None and bias2.input.tensor != second.output.tensor:
+        raise ValueError(f"{chain.name}: '{bias2}' must read the second GEMM's result")
+    c = first.output
     for acc in (a, b, c, p, d, e):
         if any(len(ix.terms) != 1 or ix.terms[0][1] != 1 or ix.offset for ix in acc.index):
             raise ValueError(f"{chain.name}: {acc} is not a plain GEMM index (convolution?)")
@@ -129,12 +176,8 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
     batch, (m, l) = cl[:-2], cl[-2:]
     (k,) = first.reduction
     n = e.loops[-1]
-    want = {
-        a.tensor: (*batch, m, k),
-        d.tensor: (*batch, l, n),
-        e.tensor: (*batch, m, n),
-    }
-    for acc in (a, d, e):
+    want = {a.tensor: (*batch, m, k), e.tensor: (*batch, m, n)}
+    for acc in (a, e):
         if acc.loops != want[acc.tensor]:
             raise ValueError(f"{chain.name}: {acc} should be indexed {want[acc.tensor]}")
     if b.loops == (*batch, k, l):
@@ -143,8 +186,17 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
         transposed = True
     else:
         raise ValueError(f"{chain.name}: {b} should be indexed [{batch}, k, l] or [{batch}, l, k]")
+    if d.loops not in ((*batch, l, n), (*batch, n, l)):
+        raise ValueError(f"{chain.name}: {d} should be indexed [{batch}, l, n] or [{batch}, n, l]")
+    for bias, loop in ((bias1, l), (bias2, n)):
+        if bias is not None and bias.operand is not None and bias.operand.loops != (loop,):
+            raise ValueError(f"{chain.name}: the bias of '{bias}' must be a vector over {loop!r}")
     shape = GemmChainShape(tuple(batch), (a.tensor, b.tensor, d.tensor, e.tensor), transposed,
-                           epilogue)  # fmt: skip
+                           epilogue, d_transposed=d.loops == (*batch, n, l),
+                           bias1=None if bias1 is None or bias1.operand is None
+                           else bias1.operand.tensor,
+                           bias2=None if bias2 is None or bias2.operand is None
+                           else bias2.operand.tensor)  # fmt: skip
     soft = middle[0] if middle and isinstance(middle[0], Softmax) else None
     if soft is None:
         return shape
@@ -165,6 +217,37 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
     )
 
 
+def _match_gated(chain: Chain) -> GemmChainShape | None:
+    """The shape of a gated MLP's chain (`builders.gated_mlp_chain`'s form), else None."""
+    ops = chain.ops
+    if len(ops) != 5 or [type(op) for op in ops] != [Contraction, Contraction, Pointwise,
+                                                     Pointwise, Contraction]:  # fmt: skip
+        return None
+    gate_op, up, act, mul, last = ops
+    assert isinstance(gate_op, Contraction) and isinstance(up, Contraction)
+    assert isinstance(act, Pointwise) and isinstance(mul, Pointwise)
+    assert isinstance(last, Contraction)
+    if mul.fn is not Activation.MUL or act.fn not in ACTIVATIONS or mul.operand is None:
+        return None
+    pair = (act.input.tensor, mul.operand.tensor)
+    if pair != (gate_op.output.tensor, up.output.tensor) or mul.input.tensor != act.output.tensor:
+        return None
+    if up.inputs[0] != gate_op.inputs[0] or up.inputs[1].index != gate_op.inputs[1].index:
+        raise ValueError(f"{chain.name}: the gate's and the up projection's GEMMs must read A"
+                         " and their weights alike")  # fmt: skip
+    plain = Chain(chain.name, chain.loops,
+                  tuple(t for t in chain.tensors if t.name not in (up.inputs[1].tensor,
+                        up.output.tensor, act.output.tensor)),
+                  (gate_op, Pointwise(act.fn, act.input, mul.output), last))  # fmt: skip
+    shape = match_gemm_chain(plain)
+    return replace(shape, gate=up.inputs[1].tensor)
+
+
+def _as_bias(op: object) -> Pointwise | None:
+    """`op` if it adds a bias, else None."""
+    return op if isinstance(op, Pointwise) and op.fn is Activation.BIAS else None
+
+
 def writes_e(spec: GemmChainSpec) -> bool:
     """Whether op2 may write E directly (`pack_strips.c`): float32 E (accumulated in place) and no
     softmax (which packs nothing for it: `softmax_writes_e`); the code also asks, at run time,
@@ -179,7 +262,11 @@ def softmax_writes_e(spec: GemmChainSpec) -> bool:
     rescales and the division by the sum act on E's rows. (Its tail strip of queries then runs
     whole mr-row blocks in op2, not a narrow block.) Each output element sums over l in the
     same order either way: bit-identical."""
-    return spec.dtype is DType.FLOAT32 and spec.epilogue is Epilogue.SOFTMAX
+    return (
+        spec.dtype is DType.FLOAT32
+        and spec.epilogue is Epilogue.SOFTMAX
+        and not spec.d_transposed  # (D's rows are then n's: never the packed layout)
+    )
 
 
 def wide_heads(spec: GemmChainSpec) -> tuple[int, ...]:

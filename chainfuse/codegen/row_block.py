@@ -58,6 +58,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     in_place = spec.dtype is DType.FLOAT32  # the micro-kernel reads fp32 slivers in place
     w.line("const cf_elem* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
     w.line("const cf_elem* restrict B_b = B + b0 * sB0 + b1 * sB1;")
+    if spec.gated:  # (B3 lies as B does: its strides)
+        w.line("const cf_elem* restrict B3_b = B3 + b0 * sB0 + b1 * sB1;")
     w.line("const cf_elem* restrict D_b = D + b0 * sD0 + b1 * sD1;")
     w.line("cf_elem* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
     w.line("/* few column strips: a B or D sliver serves too few micro-kernel calls to pay for")
@@ -77,7 +79,8 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line(f"const int to_e = ((N == NR && sDl == NR){heads}) && T_N >= N && l_end > l_lo;")
         _reuse_d(w, spec)
     reused = " && !reuse_d" if softmax else ""
-    w.line(f"const int direct_d = direct{reused} && (few || sDl <= DIRECT_STRIDE);")
+    far_d = "" if spec.d_transposed else " && (few || sDl <= DIRECT_STRIDE)"
+    w.line(f"const int direct_d = direct{reused}{far_d};")
     if spec.mask is MaskKind.ADDITIVE:
         w.line("const cf_elem* mask_b = (const cf_elem*)mask_data + b0 * sM0 + b1 * sM1;")
     elif spec.mask is MaskKind.BOOL:
@@ -110,24 +113,32 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("   where Aᵀ is kept whole, else packed for each) */")
             with w.block("if (TK != K && (AK != K || l0 == l_lo))"):
                 _pack_at(w, uk, "k0", "kc", softmax)
+            weights = [("B_b", "Bt")] + ([("B3_b", "Bt3")] if spec.gated else [])
+            if spec.gated:
+                w.line("/* a gated MLP: the gate's and the up projection's panels side by side */")
             if spec.b_transposed:
-                with w.block("for (int s = 0; s * MR < lc; ++s)"):
-                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                    w.line(
-                        "if (direct_b && (m == MR || m == PART_MR)) continue; /* read in place below */"
-                    )
-                    w.line(
-                        "PACK_A(kc, m, B_b + (l0 + s * MR) * sBr + k0, sBr, Bt + (long)s * SLIVER(kc));"
-                    )
+                for b, bt in weights:
+                    with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                        w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                        w.line(
+                            "if (direct_b && (m == MR || m == PART_MR)) continue; /* read in place below */"
+                        )
+                        w.line(
+                            f"PACK_A(kc, m, {b} + (l0 + s * MR) * sBr + k0, sBr, {bt} + (long)s * SLIVER(kc));"
+                        )
             else:  # (whole slivers read in place below when direct_b)
-                w.line("cf_pack_at_panel(kc, lc, B_b + k0 * sBr + l0, sBr, Bt, !direct_b);")
+                for b, bt in weights:
+                    w.line(f"cf_pack_at_panel(kc, lc, {b} + k0 * sBr + l0, sBr, {bt}, !direct_b);")
                 w.line("/* the panel packed next: B's next k block, or the first D panel */")
                 w.line("cf_pf pf;")
                 w.line(
                     "if (k0 + kc < K) cf_pf_set(&pf, B_b + (k0 + kc) * sBr + l0, sBr,"
                     " (int)(K - k0 - kc < TK ? K - k0 - kc : TK), lc);"
                 )
-                w.line("else cf_pf_set(&pf, D_b + l0 * sDl, sDl, lc, N < T_N ? N : T_N);")
+                if spec.d_transposed:
+                    w.line("else cf_pf_set(&pf, D_b + l0, sDl, (int)(N < T_N ? N : T_N), lc);")
+                else:
+                    w.line("else cf_pf_set(&pf, D_b + l0 * sDl, sDl, lc, N < T_N ? N : T_N);")
                 w.line(
                     "const int pf_rows = cf_pf_share(&pf, (mc + NR - 1) / NR * ((lc + MR - 1) / MR));"
                 )
@@ -149,30 +160,35 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 )
                 if spec.kernel.part_cols and in_place:
                     w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
-                if spec.epilogue is Epilogue.RELU:
+                if spec.epilogue is Epilogue.RELU and not spec.bias1:
                     w.line("/* the relu as each block of the last k block is stored */")
                     w.line("const int acc = (k0 > 0) | (k0 + kc >= K ? RELU_AT_STORE : 0);")
                 else:
                     w.line("const int acc = k0 > 0;")
                 if exponentiates_beside_op1(spec):
                     emit_scores_strip_call(w, spec)
-                with w.block("for (int s = 0; s * MR < lc; ++s)"):
-                    w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
-                    w.line("float* restrict c = Pt + (long)j * LPM * NR + s * MR * NR;")
-                    if not in_place:
-                        w.line(f"{uk}(kc, Bt + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
-                    else:
-                        if spec.b_transposed:
-                            place = "B_b + (l0 + s * MR) * sBr + k0", "sBr", "1"
+                tiles = [("B_b", "Bt", "Pt")] + ([("B3_b", "Bt3", "P3t")] if spec.gated else [])
+                for i, (b, bt, pt) in enumerate(tiles):
+                    if i:
+                        w.line("/* the up projection's scores beside the gate's */")
+                    with w.block("for (int s = 0; s * MR < lc; ++s)"):
+                        w.line("const int m = lc - s * MR < MR ? lc - s * MR : MR;")
+                        w.line(f"float* restrict c = {pt} + (long)j * LPM * NR + s * MR * NR;")
+                        if not in_place:
+                            w.line(f"{uk}(kc, {bt} + (long)s * SLIVER(kc), a, c, NR, m, NR, acc);")
                         else:
-                            place = "B_b + k0 * sBr + l0 + s * MR", "1", "sBr"
-                        packed = "Bt + (long)s * SLIVER(kc)"
-                        _sliver_call(
-                            w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR", room=True
-                        )
-                    if not spec.b_transposed:
-                        w.line("cf_pf_step(&pf, pf_rows);")
-                if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU):
+                            if spec.b_transposed:
+                                place = f"{b} + (l0 + s * MR) * sBr + k0", "sBr", "1"
+                            else:
+                                place = f"{b} + k0 * sBr + l0 + s * MR", "1", "sBr"
+                            packed = f"{bt} + (long)s * SLIVER(kc)"
+                            _sliver_call(
+                                w, spec.kernel, "kc", "direct_b", place, packed, "a, c, NR",
+                                room=True,
+                            )  # fmt: skip
+                        if not spec.b_transposed and i == 0:
+                            w.line("cf_pf_step(&pf, pf_rows);")
+                if spec.epilogue not in (Epilogue.NONE, Epilogue.RELU) or spec.bias1 or spec.gated:
                     w.line("/* the strip's scores are complete and in L1: f on them now */")
                     with w.block("if (k0 + kc >= K)"):
                         emit_epilogue_strip(w, spec, bool(spec.kernel.part_cols) and in_place)
@@ -187,15 +203,29 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
             w.line("/* (whole slivers read in place below when direct_d) */")
             if writes_e(spec):
-                w.line("if (to_e) cf_pack_b_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt);")
-                w.line("else cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
+                if spec.d_transposed:
+                    with w.block("if (to_e)"):
+                        _pack_d_strips(w)
+                    with w.block("else"):
+                        _pack_d_slivers(w, "Dt")
+                else:
+                    w.line("if (to_e) cf_pack_b_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt);")
+                    w.line(
+                        "else cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);"
+                    )
             elif softmax:
                 w.line("/* (or packed for an earlier row block of this batch: reuse_d) */")
                 w.line("float* restrict Dn = Dt + (reuse_d ? n0 / T_N * DTF : 0);")
                 to_e = "!to_e && " if softmax_writes_e(spec) else ""
-                w.line(
-                    f"if ({to_e}fresh_d) cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dn, !direct_d);"
-                )
+                if spec.d_transposed:
+                    with w.block(f"if ({to_e}fresh_d)"):
+                        _pack_d_slivers(w, "Dn")
+                else:
+                    w.line(
+                        f"if ({to_e}fresh_d) cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dn, !direct_d);"
+                    )
+            elif spec.d_transposed:
+                _pack_d_slivers(w, "Dt")
             else:
                 w.line("cf_pack_at_panel(lc, nc, D_b + l0 * sDl + n0, sDl, Dt, !direct_d);")
             if spec.b_transposed:
@@ -208,10 +238,16 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             else:
                 w.line("/* the panel packed next: D's next n block, or B's for the next l block */")
                 w.line("cf_pf pf;")
-                w.line(
-                    "if (n0 + nc < N) cf_pf_set(&pf, D_b + l0 * sDl + n0 + nc, sDl, lc,"
-                    " N - n0 - nc < T_N ? N - n0 - nc : T_N);"
-                )
+                if spec.d_transposed:
+                    w.line(
+                        "if (n0 + nc < N) cf_pf_set(&pf, D_b + (n0 + nc) * sDl + l0, sDl,"
+                        " (int)(N - n0 - nc < T_N ? N - n0 - nc : T_N), lc);"
+                    )
+                else:
+                    w.line(
+                        "if (n0 + nc < N) cf_pf_set(&pf, D_b + l0 * sDl + n0 + nc, sDl, lc,"
+                        " N - n0 - nc < T_N ? N - n0 - nc : T_N);"
+                    )
                 w.line(
                     "else if (l0 + T_L < l_end) cf_pf_set(&pf, B_b + l0 + T_L, sBr,"
                     " (int)TK, l_end - l0 - T_L < T_L ? l_end - l0 - T_L : T_L);"
@@ -274,14 +310,20 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* (to_e: op2 of the last l block stored E's rows over their sums) */")
         with w.block("if (!to_e)"):
             emit_invert_sums(w, spec)
-            w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
+            w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, bias2, E_b, sEm, LDE);")
     elif softmax:
         emit_invert_sums(w, spec)
-        w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
+        w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, bias2, E_b, sEm, LDE);")
     else:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")
         cond = "split == 1 && !to_e" if writes_e(spec) else "split == 1"
-        w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, E_b, sEm, LDE);")
+        w.line(f"if ({cond}) {spec.name}_store_e(mc, N, Et, 0, bias2, E_b, sEm, LDE);")
+    if spec.bias2 and (writes_e(spec) or softmax_writes_e(spec)):
+        w.line("/* op2 wrote E's rows in place: bias2 added to them now, in cache */")
+        with w.block("if (to_e)"), w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("cf_elem* restrict e = E_b + i * sEm;")
+            w.line("#pragma omp simd")
+            w.line("for (long c = 0; c < N; ++c) e[c] += bias2[c];")
 
 
 def _pack_at(w: Writer, uk: str, k0: str, kc: str, scaled: bool) -> None:
@@ -347,6 +389,26 @@ def _sliver_call(
         word = "else if"
 
 
+def _pack_d_slivers(w: Writer, into: str) -> None:
+    """Dᵀ slivers of D stored transposed (`d_transposed`: rows n, l contiguous), as B's
+    transposed slivers are packed: mr rows of n over the l block each, whole ones read in place
+    where `direct_d`."""
+    with w.block("for (int s = 0; s * MR < nc; ++s)"):
+        w.line("const int m = nc - s * MR < MR ? nc - s * MR : MR;")
+        w.line("if (direct_d && (m == MR || m == PART_MR)) continue; /* read in place */")
+        w.line(
+            f"PACK_A(lc, m, D_b + (n0 + s * MR) * sDl + l0, sDl, {into} + (long)s * SLIVER(lc));"
+        )
+
+
+def _pack_d_strips(w: Writer) -> None:
+    """D's nr-column strips for op2 into E's rows (`cf_pack_b_panel`'s layout, [l][NR] each)
+    from D stored transposed: NR rows of n, each contiguous along l, transposed as packed."""
+    with w.block("for (int s = 0; s * NR < nc; ++s)"):
+        w.line("const int n = nc - s * NR < NR ? nc - s * NR : NR;")
+        w.line("PACK_BT(lc, n, D_b + (n0 + s * NR) * sDl + l0, sDl, Dt + (long)s * lc * NR, 1.0f);")
+
+
 def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
     """`reuse_d`: whether this row block packs all of D's l block (every n block: `CF_DTN`) and
     leaves it in the workspace for the next row blocks of its batch (`fresh_d` false there): a
@@ -364,8 +426,9 @@ def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
         " && (M > T_M || (sD0 == 0 && sD1 == 0));"
     )
     w.line("/* (l_lo and l_end are the call's own here: the same for every row block) */")
-    w.line("const int fresh_d = !reuse_d || dt_from != D_b + l_lo * sDl;")
-    w.line("dt_from = reuse_d ? D_b + l_lo * sDl : 0;")
+    at = "D_b + l_lo" if spec.d_transposed else "D_b + l_lo * sDl"
+    w.line(f"const int fresh_d = !reuse_d || dt_from != {at};")
+    w.line(f"dt_from = reuse_d ? {at} : 0;")
 
 
 def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
@@ -386,7 +449,10 @@ def _op2_to_et(w: Writer, spec: GemmChainSpec) -> None:
             if not in_place:
                 w.line(f"{uk}(lc, {dt} + (long)s * SLIVER(lc), p, c, LDE, m, NR, acc);")
             else:
-                place = "D_b + l0 * sDl + n0 + s * MR", "1", "sDl"
+                if spec.d_transposed:
+                    place = "D_b + (n0 + s * MR) * sDl + l0", "sDl", "1"
+                else:
+                    place = "D_b + l0 * sDl + n0 + s * MR", "1", "sDl"
                 packed = f"{dt} + (long)s * SLIVER(lc)"
                 _sliver_call(w, spec.kernel, "lc", "direct_d", place, packed, "p, c, LDE")
             w.line("cf_pf_step(&pf, pf_rows);")
@@ -470,12 +536,16 @@ def emit_store_e(w: Writer, spec: GemmChainSpec) -> None:
     softmax = spec.epilogue is Epilogue.SOFTMAX
     with w.block(
         f"static __attribute__((noinline)) void {spec.name}_store_e(int mc, long N,\n"
-        "    const float* restrict Et, const float* restrict inv_sum, cf_elem* restrict E_b,"
-        " long sEm,\n    long LDE)"
+        "    const float* restrict Et, const float* restrict inv_sum,"
+        " const cf_elem* restrict b2,\n    cf_elem* restrict E_b, long sEm, long LDE)"
     ):
         if not softmax:
             w.line("(void)inv_sum;")
+        w.line("(void)b2; /* bias2 (from this range's first column), or none */")
         scaled = " * inv" if softmax else ""
+        half = spec.dtype is not DType.FLOAT32
+        # 16-bit E: bias2 added before the one rounding; fp32 E: added after the transposition
+        added = " + CF_LOAD(b2[{c}])" if spec.bias2 and half else ""
         first = "0"
         tb = spec.kernel.transpose_block
         uk = spec.kernel.name
@@ -498,13 +568,15 @@ def emit_store_e(w: Writer, spec: GemmChainSpec) -> None:
                         w.line(f"{uk}_transpose(Et + c * LDE + i, LDE, blk, {tb});")
                         with w.block(f"for (int r = 0; r < {tb}; ++r)"):
                             _e_row(w, softmax, "i + r")
+                            plus = added.format(c="c + cc")
                             w.line(
-                                f"for (int cc = 0; cc < {tb}; ++cc) e[c + cc] = CF_STORE(blk[r * {tb} + cc]{scaled});"
+                                f"for (int cc = 0; cc < {tb}; ++cc) e[c + cc] = CF_STORE(blk[r * {tb} + cc]{scaled}{plus});"
                             )
                 with w.block(f"for (int r = 0; r < {tb}; ++r)"):
                     _e_row(w, softmax, "i + r")
+                    plus = added.format(c="c2")
                     w.line(
-                        f"for (long c2 = c; c2 < N; ++c2) e[c2] = CF_STORE(Et[c2 * LDE + i + r]{scaled});"
+                        f"for (long c2 = c; c2 < N; ++c2) e[c2] = CF_STORE(Et[c2 * LDE + i + r]{scaled}{plus});"
                     )
             first = "whole"
         w.line(
@@ -514,7 +586,12 @@ def emit_store_e(w: Writer, spec: GemmChainSpec) -> None:
         with w.block(f"for (int i = {first}; i < mc; ++i)"):
             _e_row(w, softmax, "i")
             with w.block("for (long c = 0; c < N; ++c)"):
-                w.line(f"e[c] = CF_STORE(Et[c * LDE + i]{scaled});")
+                w.line(f"e[c] = CF_STORE(Et[c * LDE + i]{scaled}{added.format(c='c')});")
+        if spec.bias2 and not half:
+            with w.block("for (int i = 0; i < mc; ++i)"):
+                _e_row(w, False, "i")
+                w.line("#pragma omp simd")
+                w.line("for (long c = 0; c < N; ++c) e[c] += b2[c];")
 
 
 def _e_row(w: Writer, softmax: bool, row: str) -> None:

@@ -5,6 +5,7 @@ micro-kernel, each row of B and D read once for all the rows; and the rule that 
 from __future__ import annotations
 
 from chainfuse.codegen.gemm_spec import HALF, Epilogue, GemmChainSpec
+from chainfuse.codegen.softmax import activation_c
 from chainfuse.codegen.writer import Writer
 from chainfuse.ir import MaskKind
 from chainfuse.kernels import MicroKernel
@@ -93,7 +94,8 @@ def emit_rows_invoke(w: Writer, spec: GemmChainSpec, rows: str, first: str, l_en
         f"{spec.name}_rows({rows}, {first}, K, N, l_lo, {l_end}, A + b0 * sA0 + b1 * sA1"
         f" + ({first}) * sAm, sAm, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl,"
         f" E + b0 * sE0 + b1 * sE1 + ({first}) * sEm, sEm, {scale}, {mask}, rows_q, rows_o,"
-        f" rows_w, {et}, LDE);"
+        f" rows_w, {et}, LDE, bias1, bias2,"
+        f" {'B3 + b0 * sB0 + b1 * sB1' if spec.gated else '0'});"
     )
 
 
@@ -116,13 +118,17 @@ def emit_rows(w: Writer, spec: GemmChainSpec) -> None:
         " const cf_elem* restrict B_b,\n    long sBr, const cf_elem* restrict D_b, long sDl,"
         " cf_elem* restrict E_b, long sEm,\n    float qscale, const void* mask_b, long sMm,"
         " long sMl, float* restrict q, float* restrict o,\n    float* restrict wide, float* restrict et,"
-        " long lde)"
+        " long lde, const cf_elem* restrict bias1, const cf_elem* restrict bias2,\n"
+        "    const cf_elem* restrict B3_b)"
     ):
+        w.line("(void)bias1; (void)bias2; (void)B3_b;")
         if spec.mask is MaskKind.NONE:
             w.line("(void)mask_b; (void)sMm; (void)sMl; (void)m0;")
         if spec.dtype not in HALF:
             w.line("(void)wide; /* (16-bit rows are widened into it once for all the rows) */")
         w.line("float s[ROWS_MAX][ROWS_LB] __attribute__((aligned(32)));")
+        if spec.gated:
+            w.line("float s3[ROWS_MAX][ROWS_LB] __attribute__((aligned(32))); /* (B3's scores) */")
         if softmax:
             w.line("float cmax[ROWS_MAX], csum[ROWS_MAX];")
         with w.block("for (int i = 0; i < mc; ++i)"):
@@ -137,37 +143,48 @@ def emit_rows(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (long l0 = l_lo; l0 < l_end; l0 += ROWS_LB)"):
             w.line("const int lb = (int)(l_end - l0 < ROWS_LB ? l_end - l0 : ROWS_LB);")
             half = spec.dtype in HALF
-            if spec.b_transposed:
-                _rows_scores_by_key(w, half)
+            if spec.gated:  # (each in a block of its own: the loops' counters)
+                for b, into in (("B_b", "s"), ("B3_b", "s3")):
+                    with w.block(f"/* the scores of {b} */"):
+                        _rows_scores(w, spec, half, b, into)
             else:
-                _rows_scores_by_k(w, half)
+                _rows_scores(w, spec, half, "B_b", "s")
             with w.block("for (int i = 0; i < mc; ++i)"):
                 w.line("float* restrict si = s[i];")
                 if softmax:
                     _rows_softmax(w, spec)
-                elif spec.epilogue is Epilogue.RELU:
-                    w.line("/* as the micro-kernel's relu: NaN stays NaN, as torch.relu's */")
-                    w.line("for (int l = 0; l < lb; ++l) si[l] = si[l] < 0.0f ? 0.0f : si[l];")
-                elif spec.epilogue is Epilogue.GELU:
+                elif spec.gated:
+                    w.line("/* a gated MLP: f of the gate's scores times the up projection's */")
                     w.line("#pragma omp simd")
                     with w.block("for (int l = 0; l < lb; ++l)"):
-                        w.line(
-                            "si[l] = 0.5f * si[l] * (1.0f + cf_erf(si[l] * 0.70710678118654752f));"
-                        )
+                        w.line("const float x = si[l];")
+                        w.line(f"si[l] = ({activation_c(spec.epilogue, 'x')}) * s3[i][l];")
+                elif spec.epilogue is not Epilogue.NONE or spec.bias1:
+                    w.line("/* (bias1, then) f: NaN stays NaN, as in torch's */")
+                    w.line("#pragma omp simd")
+                    with w.block("for (int l = 0; l < lb; ++l)"):
+                        plus = " + CF_LOAD(bias1[l0 + l])" if spec.bias1 else ""
+                        w.line(f"const float x = si[l]{plus};")
+                        w.line(f"si[l] = {activation_c(spec.epilogue, 'x')};")
                 else:
                     w.line("(void)si;")
-            _rows_add_d(w, half)
+            if spec.d_transposed:
+                _rows_dot_d(w, half)
+            else:
+                _rows_add_d(w, half)
         with w.block("for (int i = 0; i < mc; ++i)"):
             if softmax:
                 empty = "0.0f" if spec.safe else "NAN"  # a row with no key: SDPA's, softmax's
                 w.line(f"const float inv = csum[i] > 0.0f ? 1.0f / csum[i] : {empty};")
+                plus = " + CF_LOAD(bias2[n])" if spec.bias2 else ""
                 w.line(
-                    "for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n] * inv);"
+                    f"for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n] * inv{plus});"
                 )
             else:
                 w.line("if (et) for (long n = 0; n < N; ++n) et[n * lde + i] = o[i * N + n];")
+                plus = " + CF_LOAD(bias2[n])" if spec.bias2 else ""
                 w.line(
-                    "else for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n]);"
+                    f"else for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n]{plus});"
                 )
         if softmax:
             w.line("(void)et; (void)lde;")
@@ -254,7 +271,39 @@ def _rows_add_rows(
             w.line(f"for (long x = 0; x < {width}; ++x) a[x] += w0 * {load};")
 
 
-def _rows_scores_by_key(w: Writer, half: bool) -> None:
+def _rows_scores(w: Writer, spec: GemmChainSpec, half: bool, b: str, into: str) -> None:
+    """`_rows`' scores of the weight at `b` into `into` (B stored [l, k] or [k, l])."""
+    if spec.b_transposed:
+        _rows_scores_by_key(w, half, b, into)
+    else:
+        _rows_scores_by_k(w, half, b, into)
+
+
+def _rows_dot_d(w: Writer, half: bool) -> None:
+    """`_rows`' second GEMM when D is stored [n, l] (nn.Linear's weight): each row of the
+    accumulators gains dot products of its `lb` values of f with four rows of D at a time,
+    along l (16-bit rows widened into `wide` first, once for all the rows)."""
+    with w.block("for (long n = 0; n < N; n += 4)"):
+        w.line("const long n1 = n + 1 < N ? n + 1 : n, n2 = n + 2 < N ? n + 2 : n;")
+        w.line("const long n3 = n + 3 < N ? n + 3 : n;")
+        if half:
+            for j, at in enumerate(("n", "n1", "n2", "n3")):
+                w.line(f"float* restrict d{j} = wide + {j} * ROWS_LB;")
+                w.line(f"cf_widen(D_b + {at} * sDl + l0, d{j}, lb);")
+        else:
+            for j, at in enumerate(("n", "n1", "n2", "n3")):
+                w.line(f"const cf_elem* restrict d{j} = D_b + {at} * sDl + l0;")
+        with w.block("for (int i = 0; i < mc; ++i)"):
+            w.line("float a[4];")
+            w.line("cf_dot4(lb, s[i], d0, d1, d2, d3, a);")
+            w.line("float* restrict oi = o + i * N;")
+            w.line("oi[n] += a[0];")
+            w.line("if (n + 1 < N) oi[n + 1] += a[1];")
+            w.line("if (n + 2 < N) oi[n + 2] += a[2];")
+            w.line("if (n + 3 < N) oi[n + 3] += a[3];")
+
+
+def _rows_scores_by_key(w: Writer, half: bool, b: str = "B_b", into: str = "s") -> None:
     """`_rows`' scores when K is stored [l, k] (attention): dot products along k (16-bit keys
     widened into `wide` first, once for all the rows)."""
     w.line("/* four keys at a time: four independent FMA chains (one waits on its")
@@ -262,30 +311,30 @@ def _rows_scores_by_key(w: Writer, half: bool) -> None:
     w.line("   group re-reads it, and those scores are not kept */")
     with w.block("for (int l = 0; l < lb; l += 4)"):
         if half:
-            w.line("const cf_elem* restrict h0 = B_b + (l0 + l) * sBr;")
+            w.line(f"const cf_elem* restrict h0 = {b} + (l0 + l) * sBr;")
             for j in range(4):
                 w.line(f"float* restrict k{j} = wide + {j} * K;")
                 last = "h0" if j == 0 else f"l + {j} < lb ? h0 + {j} * sBr : h0"
                 w.line(f"cf_widen({last}, k{j}, K);")
         else:
-            w.line("const cf_elem* restrict k0 = B_b + (l0 + l) * sBr;")
+            w.line(f"const cf_elem* restrict k0 = {b} + (l0 + l) * sBr;")
             w.line("const cf_elem* restrict k1 = l + 1 < lb ? k0 + sBr : k0;")
             w.line("const cf_elem* restrict k2 = l + 2 < lb ? k0 + 2 * sBr : k0;")
             w.line("const cf_elem* restrict k3 = l + 3 < lb ? k0 + 3 * sBr : k0;")
         with w.block("for (int i = 0; i < mc; ++i)"):
             w.line("float a[4];")
             w.line("cf_dot4(K, q + i * K, k0, k1, k2, k3, a); /* (fp32 or widened rows) */")
-            w.line("if (l + 4 <= lb) memcpy(&s[i][l], a, sizeof a); /* (one vector store) */")
+            w.line(f"if (l + 4 <= lb) memcpy(&{into}[i][l], a, sizeof a); /* (one vector store) */")
             with w.block("else"):
-                w.line("s[i][l] = a[0];")
-                w.line("if (l + 1 < lb) s[i][l + 1] = a[1];")
-                w.line("if (l + 2 < lb) s[i][l + 2] = a[2];")
+                w.line(f"{into}[i][l] = a[0];")
+                w.line(f"if (l + 1 < lb) {into}[i][l + 1] = a[1];")
+                w.line(f"if (l + 2 < lb) {into}[i][l + 2] = a[2];")
 
 
-def _rows_scores_by_k(w: Writer, half: bool) -> None:
+def _rows_scores_by_k(w: Writer, half: bool, b: str = "B_b", into: str = "s") -> None:
     """`_rows`' scores when B is stored [k, l] (GEMM chains): rows of B added in, vectorised
     along l."""
     with w.block("for (int i = 0; i < mc; ++i)"):
-        w.line("for (int l = 0; l < lb; ++l) s[i][l] = 0.0f;")
-    _rows_add_rows(w, "k", "K", "B_b + k * sBr + l0", "sBr", "q[i * K + k + {j}]", "s[i]", "lb",
-                   half)  # fmt: skip
+        w.line(f"for (int l = 0; l < lb; ++l) {into}[i][l] = 0.0f;")
+    _rows_add_rows(w, "k", "K", f"{b} + k * sBr + l0", "sBr", "q[i * K + k + {j}]", f"{into}[i]",
+                   "lb", half)  # fmt: skip

@@ -204,7 +204,7 @@ def schedule_gemm_chain(
     """The code schedule of `chain` (matched as `shape`) under `plan` with `kernel`: the plan's
     code-level tiles, the backend's changes to them, `overrides` (loop name -> tile) last, and
     the path choices that follow (the module's docstring)."""
-    first, second = chain.contractions
+    first, second = chain.contractions[0], chain.contractions[-1]  # (a gated MLP has three)
     m, l_ = first.output.loops[-2:]
     k, n = first.reduction[0], second.output.loops[-1]
     ext = chain.extents
@@ -221,7 +221,8 @@ def schedule_gemm_chain(
             changes.append(TileChange(tile, code[loop], value, reason))
             code[loop] = value
 
-    if softmax and chain.dtype is DType.FLOAT32 and kernel.nr != N and holds_head(kernel, N):
+    wide = softmax and chain.dtype is DType.FLOAT32 and not shape.d_transposed
+    if wide and kernel.nr != N and holds_head(kernel, N):
         change(n, N, "a wide block holds the whole value head: one n block")
     elif softmax:
         change(n, softmax_n_tile(N, code[n], kernel.mr, kernel.part_rows),
@@ -249,6 +250,10 @@ def schedule_gemm_chain(
         T_N=code[n],
         kernel=kernel,
         dtype=chain.dtype,
+        d_transposed=shape.d_transposed,
+        bias1=shape.bias1 is not None and not softmax,  # (a softmax's is its mask)
+        bias2=shape.bias2 is not None,
+        gated=shape.gate is not None,
     )
     TK = min(K, spec.T_K)
     MPN = -(-spec.T_M // kernel.nr) * kernel.nr

@@ -12,6 +12,7 @@ from chainfuse.kernels import scores_exp_parts
 __all__ = [
     "LAZY_SHIFT",
     "SUM_CAP",
+    "activation_c",
     "emit_epilogue_strip",
     "emit_invert_sums",
     "emit_scores_strip",
@@ -177,12 +178,34 @@ def emit_epilogue_strip(w: Writer, spec: GemmChainSpec, narrow: bool) -> None:
     """f on strip `j` of the score tile (`lc` rows of NR columns), once its k blocks are done
     (a relu is not here: the micro-kernel applies it as it stores, `RELU_AT_STORE`). `narrow`:
     op2 reads only the `nw` columns of a tail strip, and the softmax runs on those alone."""
-    if spec.epilogue is Epilogue.GELU:
-        w.line("/* gelu on the strip */")
+    if spec.epilogue is not Epilogue.SOFTMAX:
+        word = spec.epilogue.value if spec.epilogue is not Epilogue.NONE else ""
+        w.line(
+            f"/* {'bias1, then ' if spec.bias1 else ''}{word} on the strip */".replace(
+                ", then  ", " "
+            )
+        )
         w.line("float* restrict p = Pt + (long)j * LPM * NR;")
-        w.line("#pragma omp simd")
-        with w.block("for (int x = 0; x < lc * NR; ++x)"):
-            w.line("p[x] = 0.5f * p[x] * (1.0f + cf_erf(p[x] * 0.70710678118654752f));")
+        if spec.gated:
+            w.line("/* a gated MLP: f of the gate's scores times the up projection's */")
+            w.line("const float* restrict p3 = P3t + (long)j * LPM * NR;")
+            w.line("#pragma omp simd")
+            with w.block("for (int x = 0; x < lc * NR; ++x)"):
+                w.line("const float g = p[x];")
+                w.line(f"p[x] = ({activation_c(spec.epilogue, 'g')}) * p3[x];")
+            return
+        if not spec.bias1:
+            w.line("#pragma omp simd")
+            with w.block("for (int x = 0; x < lc * NR; ++x)"):
+                w.line(f"p[x] = {activation_c(spec.epilogue, 'p[x]')};")
+            return
+        with w.block("for (int r = 0; r < lc; ++r)"):
+            w.line("const float b = CF_LOAD(bias1[l0 + r]); /* (a row of Pᵀ: one l) */")
+            w.line("float* restrict row = p + r * NR;")
+            w.line("#pragma omp simd")
+            with w.block("for (int c = 0; c < NR; ++c)"):
+                w.line("const float x = row[c] + b;")
+                w.line(f"row[c] = {activation_c(spec.epilogue, 'x')};")
         return
     w.line("/* online softmax down each column (a row of the scores): new max, rescale what the")
     w.line("   sum and Eᵀ hold by exp(old max - new max), exponentiate the strip */")
@@ -198,6 +221,24 @@ def emit_epilogue_strip(w: Writer, spec: GemmChainSpec, narrow: bool) -> None:
         _softmax_strip(w, spec, "NR")
     with w.block("else"):
         _softmax_strip(w, spec, "nw")
+
+
+def activation_c(epilogue: Epilogue, x: str) -> str:
+    """The C expression of a pointwise epilogue on the float `x` (a name: read several times).
+    NaN propagates through each, as through PyTorch's (`cf_sigmoid`)."""
+    if epilogue is Epilogue.NONE:
+        return x
+    if epilogue is Epilogue.RELU:
+        return f"{x} < 0.0f ? 0.0f : {x}"  # (NaN < 0 is false: NaN stays, as torch.relu's)
+    if epilogue is Epilogue.GELU:
+        return f"0.5f * {x} * (1.0f + cf_erf({x} * 0.70710678118654752f))"
+    if epilogue is Epilogue.GELU_TANH:  # x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))
+        return f"{x} * cf_sigmoid(1.5957691216057308f * ({x} + 0.044715f * {x} * {x} * {x}))"
+    if epilogue is Epilogue.QUICK_GELU:
+        return f"{x} * cf_sigmoid(1.702f * {x})"
+    if epilogue is Epilogue.SILU:
+        return f"{x} * cf_sigmoid({x})"
+    raise ValueError(f"activation_c: {epilogue.value} is not pointwise")
 
 
 def _softmax_strip(w: Writer, spec: GemmChainSpec, width: str) -> None:

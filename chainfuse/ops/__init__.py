@@ -7,12 +7,14 @@ structure shares one compiled object on disk: a new sequence length costs a plan
 not a compile, and attention's key lengths share a plan per bucket.
 
     E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
+    y = chainfuse.ops.gated_mlp(x, w1.T, w3.T, w2.T)           # SwiGLU, nn.Linear weights
     y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="relu")
 """
 
 from chainfuse.ops.attention import attention
 from chainfuse.ops.calls import calls
 from chainfuse.ops.conv_chain import conv_chain
+from chainfuse.ops.gated_mlp import gated_mlp, gated_mlp_shape
 from chainfuse.ops.gemm_chain import gemm_chain, gemm_chain_shape
 from chainfuse.ops.sdpa import attention_dims, attention_shape
 
@@ -22,6 +24,8 @@ __all__ = [
     "attention_shape",
     "calls",
     "conv_chain",
+    "gated_mlp",
+    "gated_mlp_shape",
     "gemm_chain",
     "gemm_chain_shape",
 ]

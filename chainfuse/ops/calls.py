@@ -223,6 +223,7 @@ def run(
     kernel.launch(pointers, strides, mask_strides, threads, keys)
     if key is not None or by_keys is not None:
         at = kernel.positions + ((kernel.mask_at,) if mask_strides is not None else ())
+        at += kernel.extra_positions
         shape = tuple(int(s) for s in result.shape)
         layouts = tuple(kernel.layouts(inputs, out, keys))
         entry = Replay(kernel, at, strides, mask_strides, shape, like, keys, layouts)
@@ -244,8 +245,8 @@ def replay(r: Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
     else:  # tensors (of one kind: the key says so): their pointers without a helper's call
         pointers = [operands[at[0]].data_ptr(), operands[at[1]].data_ptr(),
                     operands[at[2]].data_ptr(), out.data_ptr()]  # fmt: skip
-    if r.mask_strides is not None:
-        pointers.append(pointer(operands[at[3]]))
+    for i in at[3:]:  # (the mask, then B3 and the biases)
+        pointers.append(pointer(operands[i]))
     if given:  # (a new result shares memory with nothing)
         disjoint(pointers[3], [pointers[0], pointers[1], pointers[2], *pointers[4:]], r.layouts)
     r.kernel.launch(pointers, r.strides, r.mask_strides, threads, r.keys)
@@ -312,8 +313,27 @@ def _compile_gemm(
     between: Activation | str | None,
     dtype: str,
     threads: int,
+    b_transposed: bool = False,
+    d_transposed: bool = False,
+    bias1: bool = False,
+    bias2: bool = False,
 ) -> Kernel:
-    return compile(builders.gemm_chain(*sizes, between, dtype), threads=threads)
+    chain = builders.gemm_chain(*sizes, between, dtype, b_transposed=b_transposed,
+                                d_transposed=d_transposed, bias1=bias1, bias2=bias2)  # fmt: skip
+    return compile(chain, threads=threads)
+
+
+def _compile_gated(
+    sizes: tuple[int, int, int, int, int],
+    act: Activation | str,
+    dtype: str,
+    threads: int,
+    b_transposed: bool,
+    d_transposed: bool,
+) -> Kernel:
+    chain = builders.gated_mlp_chain(*sizes, act, dtype, b_transposed=b_transposed,
+                                     d_transposed=d_transposed)  # fmt: skip
+    return compile(chain, threads=threads)
 
 
 def _compile_attention(
@@ -365,6 +385,7 @@ class CallCache:
         #: count (the plan is made for it): building and verifying a chain costs more than a
         #: short call
         self.gemm_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_gemm)
+        self.gated_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_gated)
         self.attention_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_attention)
         self.conv_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_conv)
 
@@ -372,7 +393,8 @@ class CallCache:
         """Forget every remembered call, bucket and kernel (calls are then only slower)."""
         for memo in (self.replays, self.by_keys, self.conv_replays, self.buckets):
             memo.reset()
-        for kernels in (self.gemm_kernels, self.attention_kernels, self.conv_kernels):
+        for kernels in (self.gemm_kernels, self.gated_kernels, self.attention_kernels,
+                        self.conv_kernels):  # fmt: skip
             kernels.cache_clear()
 
     def info(self) -> dict[str, CacheInfo]:
@@ -383,6 +405,7 @@ class CallCache:
                                ("conv_replays", self.conv_replays), ("buckets", self.buckets))
         }  # fmt: skip
         for name, kernels in (("gemm_kernels", self.gemm_kernels),
+                              ("gated_kernels", self.gated_kernels),
                               ("attention_kernels", self.attention_kernels),
                               ("conv_kernels", self.conv_kernels)):  # fmt: skip
             held = kernels.cache_info()

@@ -135,10 +135,19 @@ def _four(x: Any) -> tuple[int, int, int, int]:
 
 
 def gemm_chain(
-    A: Any, B: Any, D: Any, between: Any = None, out: Any = None, *, tf32: bool = False
+    A: Any,
+    B: Any,
+    D: Any,
+    between: Any = None,
+    out: Any = None,
+    *,
+    bias1: Any = None,
+    bias2: Any = None,
+    tf32: bool = False,
 ) -> Any:
-    """`between(A @ B) @ D` as one Triton kernel; the semantics of `ops.gemm_chain`."""
-    return mlp(A, B, D, activation=between, out=out, tf32=tf32, _name="A, B, D")
+    """`between(A @ B + bias1) @ D + bias2` as one Triton kernel; the semantics of
+    `ops.gemm_chain` (the activations the Triton generator has)."""
+    return mlp(A, B, D, bias1, bias2, activation=between, out=out, tf32=tf32, _name="A, B, D")
 
 
 def mlp(

@@ -1,7 +1,8 @@
 """PyTorch integration: the only module of chainfuse that needs torch (imported lazily: importing
 `chainfuse` does not import this module).
 
-`attention`, `gemm_chain` and `conv_chain` are also the operators `torch.ops.chainfuse.*`,
+`attention`, `gemm_chain`, `gated_mlp` and `conv_chain` are also the operators
+`torch.ops.chainfuse.*`,
 with shape functions, so that `torch.compile` (and `torch.export`) keep each in their graphs
 as one opaque call instead of tracing into chainfuse's Python, where they would break the graph
 at the kernel's ctypes call. Called outside a compiled region, they run the kernel directly:
@@ -34,7 +35,15 @@ from chainfuse.torch.handoff import (
     torch_gemm_chain,
 )
 
-__all__ = ["SDPAPatch", "attention", "conv_chain", "fallbacks", "gemm_chain", "patch_sdpa"]
+__all__ = [
+    "SDPAPatch",
+    "attention",
+    "conv_chain",
+    "fallbacks",
+    "gated_mlp",
+    "gemm_chain",
+    "patch_sdpa",
+]
 
 
 def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -317,46 +326,103 @@ def _refuse_grad(names: str, *xs: Any) -> None:
 
 @torch.library.custom_op("chainfuse::gemm_chain", mutates_args=(), device_types=("cpu", "cuda"))
 def _gemm_chain_op(
-    A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
+    A: torch.Tensor,
+    B: torch.Tensor,
+    D: torch.Tensor,
+    between: str | None,
+    bias1: torch.Tensor | None,
+    bias2: torch.Tensor | None,
 ) -> torch.Tensor:
     """The operator's CPU and CUDA kernel: `ops.gemm_chain` (CUDA: Triton), which checks every
     argument (or PyTorch's ops, where `gemm_chain_reason` says so)."""
-    why = gemm_chain_reason(A, B, D, between)
+    why = gemm_chain_reason(A, B, D, between, bias1, bias2)
     if why is not None and not torch.is_grad_enabled():
         count(fallbacks, why, "gemm_chain")
-        handed: torch.Tensor = torch_gemm_chain(A, B, D, between)
+        handed: torch.Tensor = torch_gemm_chain(A, B, D, between, bias1, bias2)
         return handed
-    out: torch.Tensor = _on_torch_threads(ops.gemm_chain, A, B, D, between=between)
+    out: torch.Tensor = _on_torch_threads(
+        ops.gemm_chain, A, B, D, between=between, bias1=bias1, bias2=bias2
+    )
     return out
 
 
 @_gemm_chain_op.register_fake
 def _gemm_chain_shape(
-    A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
+    A: torch.Tensor,
+    B: torch.Tensor,
+    D: torch.Tensor,
+    between: str | None,
+    bias1: torch.Tensor | None,
+    bias2: torch.Tensor | None,
 ) -> torch.Tensor:
     """[..., M, N] of A's dtype, contiguous, the batch dims broadcast: `ops.gemm_chain_shape`,
-    which checks the sizes as `ops.gemm_chain` checks them."""
-    return A.new_empty(ops.gemm_chain_shape(A.shape, B.shape, D.shape))
+    which checks the sizes as `ops.gemm_chain` checks them (the biases' too)."""
+    shape = ops.gemm_chain_shape(A.shape, B.shape, D.shape)
+    _bias_shape("bias1", bias1, B.shape[-1], "B's L", A.dtype)
+    _bias_shape("bias2", bias2, D.shape[-1], "D's N", A.dtype)
+    return A.new_empty(shape)
 
 
-def gemm_chain(A: Any, B: Any, D: Any, between: str | None = None) -> Any:
-    """`chainfuse.ops.gemm_chain` for torch tensors: `between(A @ B) @ D` in one kernel
-    (`between`: None, "relu", "gelu" or "softmax"); inside `torch.compile`, the operator
-    `torch.ops.chainfuse.gemm_chain`."""
+def _bias_shape(name: str, bias: torch.Tensor | None, size: Any, what: str, dtype: Any) -> None:
+    """A bias that is not a vector of `size` elements of `dtype`: the error `ops` raises."""
+    if bias is None:
+        return
+    if bias.dim() != 1 or bias.shape[0] != size:
+        raise ValueError(f"{name}: expected shape ({size},) ({what}), got {tuple(bias.shape)}")
+    if bias.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (the inputs'), got {bias.dtype}")
+
+
+def gemm_chain(
+    A: Any, B: Any, D: Any, between: str | None = None, bias1: Any = None, bias2: Any = None
+) -> Any:
+    """`chainfuse.ops.gemm_chain` for torch tensors: `between(A @ B + bias1) @ D + bias2` in one
+    kernel (`between`: None, "relu", "gelu", "gelu_tanh", "quick_gelu", "silu" or "softmax";
+    B and D may be nn.Linear weights' transposes, `W.T`, read as stored); inside
+    `torch.compile`, the operator `torch.ops.chainfuse.gemm_chain`."""
     if torch.compiler.is_compiling():
-        _refuse_grad("A, B, D", A, B, D)
-        return _gemm_chain_op(A, B, D, between)
-    why = gemm_chain_reason(A, B, D, between)
-    if why is not None and not _needs_grad(A, B, D):
+        _refuse_grad("A, B, D, bias1, bias2", A, B, D, bias1, bias2)
+        return _gemm_chain_op(A, B, D, between, bias1, bias2)
+    why = gemm_chain_reason(A, B, D, between, bias1, bias2)
+    if why is not None and not _needs_grad(A, B, D, bias1, bias2):
         ops.gemm_chain_shape(A.shape, B.shape, D.shape)  # (chainfuse's shape errors)
+        _bias_shape("bias1", bias1, B.shape[-1], "B's L", A.dtype)
+        _bias_shape("bias2", bias2, D.shape[-1], "D's N", A.dtype)
         count(fallbacks, why, "gemm_chain")
-        return torch_gemm_chain(A, B, D, between)
-    return _on_torch_threads(ops.gemm_chain, A, B, D, between=between)
+        return torch_gemm_chain(A, B, D, between, bias1, bias2)
+    return _on_torch_threads(ops.gemm_chain, A, B, D, between=between, bias1=bias1, bias2=bias2)
 
 
-def _needs_grad(*xs: torch.Tensor) -> bool:
+@torch.library.custom_op("chainfuse::gated_mlp", mutates_args=(), device_types="cpu")
+def _gated_mlp_op(
+    X: torch.Tensor, W1: torch.Tensor, W3: torch.Tensor, W2: torch.Tensor, act: str
+) -> torch.Tensor:
+    """The operator's CPU kernel: `ops.gated_mlp`, which checks every argument."""
+    out: torch.Tensor = _on_torch_threads(ops.gated_mlp, X, W1, W3, W2, act)
+    return out
+
+
+@_gated_mlp_op.register_fake
+def _gated_mlp_fake(
+    X: torch.Tensor, W1: torch.Tensor, W3: torch.Tensor, W2: torch.Tensor, act: str
+) -> torch.Tensor:
+    """[..., M, N] of X's dtype, contiguous: `ops.gated_mlp_shape`'s checks and result."""
+    return X.new_empty(ops.gated_mlp_shape(X.shape, W1.shape, W3.shape, W2.shape))
+
+
+def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu") -> Any:
+    """`chainfuse.ops.gated_mlp` for torch tensors: `(act(X @ W1) * (X @ W3)) @ W2` in one
+    kernel (Llama's SwiGLU MLP: `gated_mlp(x, gate.weight.T, up.weight.T, down.weight.T)`);
+    inside `torch.compile`, the operator `torch.ops.chainfuse.gated_mlp`."""
+    if torch.compiler.is_compiling():
+        _refuse_grad("X, W1, W3, W2", X, W1, W3, W2)
+        return _gated_mlp_op(X, W1, W3, W2, act)
+    return _on_torch_threads(ops.gated_mlp, X, W1, W3, W2, act)
+
+
+def _needs_grad(*xs: torch.Tensor | None) -> bool:
     """Inputs chainfuse refuses (grad mode on, an input that requires grad): its error stands."""
-    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 def _conv_out(x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:

@@ -108,9 +108,13 @@ def _gemm_chain(batch: int, m: int, n: int, k: int, l_: int, between: Any, dtype
     return builders.gemm_chain(batch, m, n, k, l_, between, dtype)
 
 
-def gemm_chain_reason(A: Any, B: Any, D: Any, between: Any) -> str | None:
+def gemm_chain_reason(
+    A: Any, B: Any, D: Any, between: Any, bias1: Any = None, bias2: Any = None
+) -> str | None:
     """Why this `gemm_chain` call goes to PyTorch (None: chainfuse runs it); an MLP's rows (2-D
-    weights) count as one batch, as `ops.gemm_chain` runs them."""
+    weights) count as one batch, as `ops.gemm_chain` runs them. B and D may be nn.Linear's
+    `W.T` views; biases (vectors of the operands' dtype) are decided as the chain without
+    them is (they move a vector next to a weight)."""
     tensor = torch.Tensor
     if not (isinstance(A, tensor) and isinstance(B, tensor) and isinstance(D, tensor)):
         return None
@@ -120,7 +124,12 @@ def gemm_chain_reason(A: Any, B: Any, D: Any, between: Any) -> str | None:
     if 0 in (*A.shape, *B.shape, *D.shape) or gpu.routed(A, B, D):  # (routed: Triton runs it)
         return None
     for x in (A, B, D):  # (what chainfuse refuses stays refused: its errors)
-        if x.device.type != "cpu" or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        if x.device.type != "cpu" or (x.shape[-1] > 1 and x.stride(-1) != 1 and x is A):
+            return None
+        if x.shape[-1] > 1 and x.stride(-1) != 1 and x.stride(-2) != 1:
+            return None
+    for bias in (bias1, bias2):
+        if bias is not None and (not isinstance(bias, tensor) or bias.dtype != A.dtype):
             return None
     if not (between is None or isinstance(between, str | Activation)):
         return None  # (chainfuse raises its own error for the call)
@@ -136,15 +145,27 @@ def gemm_chain_reason(A: Any, B: Any, D: Any, between: Any) -> str | None:
     return _decide(key, lambda: _gemm_chain(batch, key_bucket(m), n, k, l_, name, dtype), threads)
 
 
-def torch_gemm_chain(A: Any, B: Any, D: Any, between: Any) -> Any:
-    """`between(A @ B) @ D` in PyTorch's own ops, as an unfused 16-bit model runs it (the
-    intermediate in the operands' dtype)."""
+def torch_gemm_chain(
+    A: Any, B: Any, D: Any, between: Any, bias1: Any = None, bias2: Any = None
+) -> Any:
+    """`between(A @ B + bias1) @ D + bias2` in PyTorch's own ops, as an unfused 16-bit model
+    runs it (the intermediate in the operands' dtype)."""
     name = between.value if isinstance(between, Activation) else between
+    F = torch.nn.functional
     C = torch.matmul(A, B)
+    if bias1 is not None:
+        C = C + bias1
     if name == "relu":
         C = torch.relu(C)
     elif name == "gelu":
-        C = torch.nn.functional.gelu(C)
+        C = F.gelu(C)
+    elif name == "gelu_tanh":
+        C = F.gelu(C, approximate="tanh")
+    elif name == "quick_gelu":
+        C = C * torch.sigmoid(1.702 * C)
+    elif name == "silu":
+        C = F.silu(C)
     elif name == "softmax":
         C = torch.softmax(C, dim=-1)
-    return torch.matmul(C, D)
+    E = torch.matmul(C, D)
+    return E if bias2 is None else E + bias2

@@ -43,6 +43,17 @@ static inline float cf_exp_neg(float x)
     return p * two_n; /* NaN in, NaN out: it went through every step */
 }
 
+/* 1 / (1 + exp(-z)) from exp(-|z|), which cannot overflow: silu's, quick gelu's and tanh
+   gelu's gate (0.5 (1 + tanh(u)) = sigmoid(2u)). Below z = -88 it is 0 (cf_exp_neg holds its
+   argument there; the true value is under 1e-38), so x sigmoid(x) of -inf is NaN, as
+   PyTorch's silu; NaN stays NaN. Selects only: loops over it vectorise. */
+static inline float cf_sigmoid(float z)
+{
+    const float e = cf_exp_neg(-fabsf(z));
+    const float r = 1.0f / (1.0f + e);
+    return z >= 0.0f ? r : z < -88.0f ? 0.0f : e * r;
+}
+
 /* 2^(v - s) for v <= s, with s given as c = 0x1.8p23 + 127 - s and lo = s - 127: the softmax
    works in base 2 (its scale carries log2(e)), which spares the ln2 range reduction. The
    shifter adds c to v, so that t = v + c carries n = round(v - s) in its low bits (s an integer,
