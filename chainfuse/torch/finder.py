@@ -198,11 +198,10 @@ def _mlp(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | str:
     act = activation_at(g1.end)  # (a written-out activation has several users of g1's result)
     if act is None:
         node, why = _walk(g1.end, taken)
-        if why:
-            return why
+        # (through a view: a written-out activation's several users are the view's)
         act = activation_at(taken[-1]) if taken else None
         if act is None:
-            return _why(node)
+            return why or _why(node)
     taken.extend(act.nodes)
     node, why = _walk(act.end, taken)
     g2 = gemms.get(node)
