@@ -11,7 +11,10 @@ most orders are equivalent (docs/design.md):
    exceed outer ones. At the outermost level the objective counts the cores' deal, as `estimate`.
 3. *Rank.* Every structure is ranked by `estimate(...).time_s`, then refined (all of them for a
    plain chain, the best `SCREENED` for a convolution); one whose least flops cannot beat the
-   best so far is skipped. Unfused execution is costed too; the chain is fused where faster.
+   best so far by more than `model.TIE` is skipped. Unfused execution is costed too.
+4. *Choose* (`model.choose`): the fastest plan, or among those within `TIE` of it the one moving
+   the fewest bytes from the outermost level; a fused plan moving more of them than the unfused
+   execution is chosen only where predicted faster by more than `TIE`.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from chainfuse.hardware import Hardware, MemoryLevel, resolve
 from chainfuse.ir import Chain, Contraction, Role, Softmax
 from chainfuse.kernels import Problem, select
 from chainfuse.model import (
+    TIE,
     Cost,
     LevelCost,
     LoopKind,
     Nest,
     causal_softmax,
+    choose,
     code_level,
     computed_share,
     deal,
@@ -379,9 +384,9 @@ class _Search:
         return score
 
     def cannot_beat(self, nest: Nest, parallel: Sequence[str], best: Cost) -> bool:
-        """Whether no tiles can make `nest` faster than `best`: its least flops on as many cores
-        as its parallel loops can occupy, perfectly balanced, already take that long (up to a
-        relative 1e-9, below which a win does not matter)."""
+        """Whether no tiles can make `nest` tie with `best` or beat it: its least flops on as many
+        cores as its parallel loops can occupy, perfectly balanced, take longer than `best` by
+        more than `TIE` (`model.rank`: within it, a plan moving fewer bytes would win)."""
         units = math.prod(self.ext[n] for n in parallel)
         workers = max(1, min(self.threads, units))
         if self.split is not None and nest.fused:
@@ -389,7 +394,7 @@ class _Search:
         least: float = least_flops(nest)
         if nest.fused:  # (a causal softmax's rows in blocks of one: the scores kept)
             least *= computed_share(self.chain, dict.fromkeys(self.ext, 1))
-        return least / (self.peak * workers) >= best.time_s * (1 - 1e-9)
+        return least / (self.peak * workers) > best.time_s * (1 + TIE)
 
     def _free(self, nest: Nest) -> tuple[list[str], dict[str, tuple[str, ...]]]:
         """The loops whose tiles are searched (twins follow their leader) and the twins."""
@@ -660,29 +665,22 @@ def plan(
     scored.sort(key=lambda c: c[0].time_s)  # stable: ties keep the enumeration order
 
     # refining every structure keeps a larger cache from losing the optimum (the quick search
-    # can rank last what refining makes best); convolutions cost too much per evaluation
+    # can rank last what refining makes best); convolutions cost too much per evaluation.
+    # Every structure that may tie with the fastest is refined, so traffic can decide the tie.
     plain = all(nest.plain for _, nest, _, _ in scored)
-    refined: set[Nest] = set()
+    final: dict[Nest, _Choice] = {c[1]: c for c in scored}
     for _, nest, _, parallel in scored if plain else scored[:SCREENED]:
         assert best is not None
         if search.cannot_beat(nest, parallel, best[0]):
             continue
         tiles_all = search.all_levels(nest, parallel, rounds=2 if plain else 1)
-        refined.add(nest)
         if tiles_all is None:
             continue
         cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
+        if cost.time_s <= final[nest][0].time_s * (1 + 1e-9):  # (refining keeps the time)
+            final[nest] = (cost, nest, tiles_all, parallel)
         if cost.time_s < best[0].time_s:
-            best = (cost, nest, tiles_all, parallel)
-    if best is not None and best[1] not in refined:
-        # a compute-bound winner is skipped above (nothing can beat it), but its quick tiles
-        # still move more bytes than they need to: refine it, keeping its time
-        _, nest, _, parallel = best
-        tiles_all = search.all_levels(nest, parallel, rounds=2 if plain else 1)
-        if tiles_all is not None:
-            cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
-            if cost.time_s <= best[0].time_s * (1 + 1e-9):
-                best = (cost, nest, tiles_all, parallel)
+            best = final[nest]
 
     unfused = _unfused(chain, search, batch, taps, hw, nthreads)
     considered = len(seen) + 1
@@ -692,14 +690,13 @@ def plan(
             f"no plan of {chain.name} fits {hw.name}: its smallest tiles need more than "
             f"{USABLE:.0%} of level {lv.name} ({lv.capacity}-byte capacity)"
         )
-    use_fused = best is not None and (
-        fuse is True or unfused is None or best[0].time_s <= unfused[0].time_s
-    )
     if fuse is True and best is None:
         raise PlanningError(f"no fused plan of {chain.name} fits {hw.name}")
-    chosen = best if use_fused else unfused
-    assert chosen is not None
-    cost, nest, tiles_all, parallel = chosen
+    # the fastest, or among plans that tie with it the one moving the fewest outer bytes
+    # (`model.rank`); unless forced, unfused execution competes under the same rule
+    fused = [(c[0], c) for c in final.values()]
+    cost, chosen = choose(fused, None if fuse is True or unfused is None else (unfused[0], unfused))
+    _, nest, tiles_all, parallel = chosen
     # the split, where it puts cores the deal of the parallel loops leaves idle to work
     used_split = None
     share = splits(nest, tiles_all, parallel, split) if nest.fused else None

@@ -1,10 +1,11 @@
 """The analytical data-movement model: what a block loop nest moves, holds and computes.
 
 Pure functions of (Chain, schedule, tiles, Hardware): `nest` (order, compute-at, legality),
-`traffic` (bytes per level), `softmax` (online and causal softmax terms), `time` (`estimate`).
+`traffic` (bytes per level), `softmax` (online and causal softmax terms), `time` (`estimate`), `rank` (which plan to run).
 """
 
 from chainfuse.model.nest import LoopKind, Nest, OpNest
+from chainfuse.model.rank import TIE, choose
 from chainfuse.model.softmax import (
     RESCALE_STEPS,
     causal_share,
@@ -28,6 +29,7 @@ from chainfuse.model.traffic import (
 
 __all__ = [
     "RESCALE_STEPS",
+    "TIE",
     "Cost",
     "LevelCost",
     "LoopKind",
@@ -35,6 +37,7 @@ __all__ = [
     "OpNest",
     "causal_share",
     "causal_softmax",
+    "choose",
     "code_level",
     "compulsory_bytes",
     "computed_share",

@@ -16,6 +16,7 @@ from chainfuse.builders import attention_chain, gemm_chain
 from chainfuse.hardware import Hardware
 from chainfuse.ir import Chain
 from chainfuse.model import Nest, compulsory_bytes, estimate, level_cost
+from chainfuse.model.rank import TIE
 from chainfuse.planner import USABLE, Plan, PlanningError, plan
 
 XEON = "xeon-gold-6240"
@@ -67,8 +68,8 @@ def _check_plan(p: Plan, chain: Chain, hw: Hardware) -> None:
     # bytes read from every level outside the first cache, DRAM at least the compulsory bytes
     moved = p.predicted_bytes
     assert list(moved) == [lv.name for lv in hw.levels[1:]]
-    if p.fused:
-        assert p.predicted_time_s <= p.unfused_time_s
+    if p.fused:  # (within `TIE`, the plan moving fewer outer bytes wins: `model.rank`)
+        assert p.predicted_time_s <= p.unfused_time_s * (1 + TIE)
     assert moved[hw.levels[-1].name] >= compulsory_bytes(chain)
     if p.fused:  # a fused producer may recompute (halo, loops it does not use)
         assert p.flops >= chain.flops()
@@ -254,7 +255,10 @@ def test_plan_accepts_preset_name_and_forced_fusion() -> None:
     unfused = plan(chain, XEON, fuse=False)
     assert fused.fused and not unfused.fused
     assert unfused.depth == 0
-    assert min(fused.predicted_time_s, unfused.predicted_time_s) == by_name.predicted_time_s
+    assert by_name in (fused, unfused)
+    assert by_name.predicted_time_s <= (1 + TIE) * min(
+        fused.predicted_time_s, unfused.predicted_time_s
+    )
     assert plan(chain, XEON, threads=1).threads == 1
 
 
