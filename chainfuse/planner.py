@@ -29,7 +29,6 @@ from typing import Any
 
 from chainfuse.hardware import Hardware, MemoryLevel, resolve
 from chainfuse.ir import Chain, Contraction, Role, Softmax
-from chainfuse.kernels import Problem, select
 from chainfuse.model import (
     TIE,
     Cost,
@@ -41,13 +40,16 @@ from chainfuse.model import (
     code_level,
     computed_share,
     deal,
+    efficiency,
     estimate,
+    kernel_of,
     least_flops,
     level_cost,
     moved_bytes,
     rescale_factors,
     rescaled,
     splits,
+    traffic,
 )
 
 __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
@@ -55,6 +57,7 @@ __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
 # fraction of a level the working set may fill: caches are not ideal (conflicts, code, the
 # lines the hardware prefetchers bring) (docs/tuning.md)
 USABLE = 0.6
+TIED = 2  # structures that can only tie with the fastest refined (docs/tuning.md#tie)
 SCREENED = 3  # structures refined when costing is slow (affine indices); plain chains: all
 MAX_PREFIX = 4  # longest shared prefix enumerated (beyond it the orders are equivalent in practice)
 
@@ -209,21 +212,13 @@ def _size(n: float) -> str:
 
 
 def register_block(chain: Chain, hardware: Hardware) -> tuple[int, int]:
-    """The (mr, nr) register block of the micro-kernel `kernels.select` picks for the chain.
+    """The (mr, nr) register block of the micro-kernel `kernels.select` picks for the chain
+    (`model.kernel_of`); (1, 1) where there is none.
 
     Rows of a contraction's output tile come in multiples of mr, columns of nr.
     """
-    first = chain.contractions[0] if chain.contractions else None
-    ext = chain.extents
-    if first is None or len(first.output.index) < 2:
-        return 1, 1
-    rows, cols = first.output.index[-2].loops[0], first.output.index[-1].loops[0]
-    red = math.prod(ext[n] for n in first.reduction) or 1
-    try:
-        kernel = select(Problem(chain.dtype, ext[rows], ext[cols], red), hardware)
-    except ValueError:
-        return 1, 1  # no CPU micro-kernel for this dtype here: plan without a register block
-    return kernel.mr, kernel.nr
+    kernel = kernel_of(chain, hardware)
+    return (1, 1) if kernel is None else (kernel.mr, kernel.nr)
 
 
 def _roles(chain: Chain) -> tuple[list[str], list[str]]:
@@ -328,6 +323,7 @@ class _Search:
         names = [lv.name for lv in self.hw.levels]
         self.code = names.index(code_level(self.hw))  # the level the generated code tiles
         self.rescaled = rescaled(self.chain)
+        self.efficiency = efficiency(self.chain, self.hw)
         self.causal = causal_softmax(self.chain) is not None
         self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
         self.units: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
@@ -373,20 +369,34 @@ class _Search:
                 workers, imbalance = deal(dims, self.threads, split)
                 bw = self._bandwidth(level, workers)
             flops: float = cost.flops
-            if level == self.code and nest.fused:  # the online softmax's rescaling (`model`)
-                factors = rescale_factors(self.chain, tiles, self.rescaled)
-                flops = sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
             moved = cost.total
             if self.causal and nest.fused:  # (what the code reads: `model.moved_bytes`)
                 moved = sum(b for _, _, b in moved_bytes(nest, cost, tiles))
+            if level == self.code:  # the code's tiles: rescaling, calls, packing (`model`)
+                factors = (1.0,) * len(cost.op_flops)
+                if nest.fused:
+                    factors = rescale_factors(self.chain, tiles, self.rescaled)
+                if self.efficiency is not None:
+                    stretch = self.efficiency.stretch(tiles, self.ext)
+                    factors = tuple(f * x for f, x in zip(factors, stretch, strict=True))
+                    flops = self.efficiency.pack_flops(moved)
+                else:
+                    flops = 0.0
+                flops += sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
             score = (moved / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score
         return score
 
     def cannot_beat(self, nest: Nest, parallel: Sequence[str], best: Cost) -> bool:
-        """Whether no tiles can make `nest` tie with `best` or beat it: its least flops on as many
-        cores as its parallel loops can occupy, perfectly balanced, take longer than `best` by
-        more than `TIE` (`model.rank`: within it, a plan moving fewer bytes would win)."""
+        """Whether `nest` is not worth costing next to `best`: its `least_time` already takes as
+        long as `best` with its flops at the peak (up to a relative 1e-9, below which a win
+        does not matter). Exact without the micro-kernel's efficiency terms; with them, a
+        structure computing no more than `best` is assumed to gain nothing from them."""
+        return self.least_time(nest, parallel) >= best.plain_s * (1 - 1e-9)
+
+    def least_time(self, nest: Nest, parallel: Sequence[str]) -> float:
+        """A bound no tiles beat: `nest`'s least flops at the peak on as many cores as its
+        parallel loops can occupy, perfectly balanced."""
         units = math.prod(self.ext[n] for n in parallel)
         workers = max(1, min(self.threads, units))
         if self.split is not None and nest.fused:
@@ -394,7 +404,7 @@ class _Search:
         least: float = least_flops(nest)
         if nest.fused:  # (a causal softmax's rows in blocks of one: the scores kept)
             least *= computed_share(self.chain, dict.fromkeys(self.ext, 1))
-        return least / (self.peak * workers) > best.time_s * (1 + TIE)
+        return least / (self.peak * workers)
 
     def _free(self, nest: Nest) -> tuple[list[str], dict[str, tuple[str, ...]]]:
         """The loops whose tiles are searched (twins follow their leader) and the twins."""
@@ -666,21 +676,35 @@ def plan(
 
     # refining every structure keeps a larger cache from losing the optimum (the quick search
     # can rank last what refining makes best); convolutions cost too much per evaluation.
-    # Every structure that may tie with the fastest is refined, so traffic can decide the tie.
+    # Of the structures that cannot beat the fastest but tie with it at their quick tiles,
+    # `TIED` are refined, those whose quick tiles move the fewest outer bytes first.
     plain = all(nest.plain for _, nest, _, _ in scored)
     final: dict[Nest, _Choice] = {c[1]: c for c in scored}
-    for _, nest, _, parallel in scored if plain else scored[:SCREENED]:
-        assert best is not None
-        if search.cannot_beat(nest, parallel, best[0]):
-            continue
-        tiles_all = search.all_levels(nest, parallel, rounds=2 if plain else 1)
+    rounds = 2 if plain else 1
+
+    def refine(nest: Nest, parallel: tuple[str, ...]) -> _Choice | None:
+        tiles_all = search.all_levels(nest, parallel, rounds=rounds)
         if tiles_all is None:
-            continue
+            return None
         cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
         if cost.time_s <= final[nest][0].time_s * (1 + 1e-9):  # (refining keeps the time)
             final[nest] = (cost, nest, tiles_all, parallel)
-        if cost.time_s < best[0].time_s:
-            best = final[nest]
+        return final[nest]
+
+    tied: list[_Choice] = []
+    for choice in scored if plain else scored[:SCREENED]:
+        assert best is not None
+        _, nest, _, parallel = choice
+        if nest is not best[1] and search.cannot_beat(nest, parallel, best[0]):
+            if choice[0].time_s <= best[0].time_s * (1 + TIE):
+                tied.append(choice)  # its quick tiles already tie: refined below
+            continue
+        done = refine(nest, parallel)
+        if done is not None and done[0].time_s < best[0].time_s:
+            best = done
+    tied.sort(key=lambda c: traffic(c[0]))
+    for _, nest, _, parallel in tied[:TIED]:
+        refine(nest, parallel)
 
     unfused = _unfused(chain, search, batch, taps, hw, nthreads)
     considered = len(seen) + 1

@@ -1,11 +1,12 @@
 """The analytical data-movement model: what a block loop nest moves, holds and computes.
 
 Pure functions of (Chain, schedule, tiles, Hardware): `nest` (order, compute-at, legality),
-`traffic` (bytes per level), `softmax` (online and causal softmax terms), `time` (`estimate`), `rank` (which plan to run).
+`traffic` (bytes per level), `softmax` (online and causal softmax terms), `efficiency` (the micro-kernel's), `time` (`estimate`), `rank` (which plan to run).
 """
 
+from chainfuse.model.efficiency import Efficiency, efficiency, kernel_of
 from chainfuse.model.nest import LoopKind, Nest, OpNest
-from chainfuse.model.rank import TIE, choose
+from chainfuse.model.rank import TIE, choose, traffic
 from chainfuse.model.softmax import (
     RESCALE_STEPS,
     causal_share,
@@ -31,6 +32,7 @@ __all__ = [
     "RESCALE_STEPS",
     "TIE",
     "Cost",
+    "Efficiency",
     "LevelCost",
     "LoopKind",
     "Nest",
@@ -42,8 +44,10 @@ __all__ = [
     "compulsory_bytes",
     "computed_share",
     "deal",
+    "efficiency",
     "estimate",
     "example_dv",
+    "kernel_of",
     "keys_share",
     "least_flops",
     "level_cost",
@@ -51,4 +55,5 @@ __all__ = [
     "rescale_factors",
     "rescaled",
     "splits",
+    "traffic",
 ]
