@@ -57,8 +57,8 @@ __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
 # fraction of a level the working set may fill: caches are not ideal (conflicts, code, the
 # lines the hardware prefetchers bring) (docs/tuning.md)
 USABLE = 0.6
-UNFUSED_ROUNDS = 2  # coordinate rounds of the unfused execution's tiles (as a plain fused nest's)
-TIED = 2  # structures that can only tie with the fastest refined (docs/tuning.md#tie)
+UNFUSED_ROUNDS = 2  # rounds refining the unfused execution's tiles (docs/tuning.md)
+TIED = 2  # structures that can only tie with the fastest refined (docs/tuning.md#tied)
 SCREENED = 3  # structures refined when costing is slow (affine indices); plain chains: all
 MAX_PREFIX = 4  # longest shared prefix enumerated (beyond it the orders are equivalent in practice)
 

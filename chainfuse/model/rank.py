@@ -22,7 +22,8 @@ from chainfuse.model.time import Cost
 
 __all__ = ["TIE", "choose", "faster", "traffic"]
 
-#: Relative difference of predicted times below which two plans tie and traffic decides.
+#: Relative difference of predicted times below which two plans tie and traffic decides
+#: (docs/tuning.md).
 TIE = 0.02
 
 _T = TypeVar("_T")
