@@ -47,7 +47,8 @@ def _between_op(
     if between is None:
         return None
     if between == "softmax":
-        return Softmax(_plain(src, *loops), _plain(dst, *loops), axis=axis)
+        # unsafe: a row of all -inf scores is NaN, as the unfused torch.softmax gives
+        return Softmax(_plain(src, *loops), _plain(dst, *loops), axis=axis, safe=False)
     try:
         fn = Activation(between)
     except ValueError:

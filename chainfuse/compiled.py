@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from chainfuse.codegen.amx_chain import amx_arithmetic, amx_describe, emit_amx_chain
 from chainfuse.codegen.conv import (
@@ -510,6 +511,39 @@ class ConvKernel(_Built):
     ) -> Any:
         out, pointers, strides, _ = self.bind(x, w1, w2, b1, b2, out)
         self.launch(pointers, strides, get_num_threads())
+        return self.padded_taps(out, w1, w2)
+
+    def padded_taps(self, out: Any, w1: Any, w2: Any) -> Any:
+        """`out` with NaN where the arithmetic puts one and the kernel, skipping padded taps,
+        did not: a non-finite weight times a padding zero is NaN (0 * inf, 0 * NaN). Such a
+        weight makes its output channel NaN wherever its tap reads the padding, and a NaN in
+        the first conv's output reaches every position of the second's that reads it. Weights
+        and sizes alone decide where (the same positions in every image); finite weights, or
+        no padding, cost one finiteness check."""
+        s = self.shape
+        bad1 = s.pad1 > 0 and not _finite(w1)
+        bad2 = s.pad2 > 0 and not _finite(w2)
+        if not (bad1 or bad2):
+            return out
+        nan = np.zeros((s.K2, s.P2, s.Q2), dtype=bool)
+        if bad1:  # the first conv's NaN positions, then each second-conv position reading one
+            first = _nan_taps(w1, (s.H, s.W), (s.P1, s.Q1), s.st1, s.pad1).any(axis=0)
+            inside = np.pad(first, 1)  # rows and columns -1, P1 / Q1: padding, never NaN
+            r = np.arange(s.P2)[:, None] * s.st2 - s.pad2 + np.arange(s.R2)[None, :]
+            c = np.arange(s.Q2)[:, None] * s.st2 - s.pad2 + np.arange(s.S2)[None, :]
+            r, c = np.clip(r, -1, s.P1) + 1, np.clip(c, -1, s.Q1) + 1
+            reads = np.asarray(inside[r[:, None, :, None], c[None, :, None, :]], dtype=bool)
+            nan |= reads.any(axis=(2, 3)).reshape(1, s.P2, s.Q2)
+        if bad2:
+            nan |= _nan_taps(w2, (s.P1, s.Q1), (s.P2, s.Q2), s.st2, s.pad2)
+        if not nan.any():
+            return out
+        if isinstance(out, np.ndarray):
+            out[:, nan] = np.nan
+        else:
+            import torch
+
+            out[:, torch.from_numpy(nan)] = float("nan")
         return out
 
     def bind(
@@ -561,3 +595,30 @@ class ConvKernel(_Built):
             x, w1, w2, b1, b2, out, self._geometry, at, at + 32, at + 64, at + 96,
             base, base + 4 * self._shared, self._per, threads,
         )  # fmt: skip
+
+
+def _finite(w: Any) -> bool:
+    if isinstance(w, np.ndarray):
+        return bool(np.isfinite(w).all())
+    import torch
+
+    return bool(torch.isfinite(w).all())
+
+
+def _nan_taps(
+    w: Any, size: tuple[int, int], out: tuple[int, int], stride: int, pad: int
+) -> NDArray[np.bool_]:
+    """[K, P, Q]: where output channel k at (p, q) reads the padding through a non-finite
+    weight of `w` [K, C, R, S] (input `size`, output `out`)."""
+    bad = ~np.isfinite(np.asarray(w.float() if hasattr(w, "float") else w, np.float32))
+    taps = bad.any(axis=1).reshape(bad.shape[0], -1).astype(np.float32)  # [K, R*S]
+
+    def outside(n: int, length: int, span: int) -> NDArray[np.bool_]:  # [out, taps]
+        at = np.arange(length)[:, None] * stride - pad + np.arange(span)[None, :]
+        found: NDArray[np.bool_] = (at < 0) | (at >= n)
+        return found
+
+    rows, cols = outside(size[0], out[0], w.shape[2]), outside(size[1], out[1], w.shape[3])
+    padded = (rows[:, None, :, None] | cols[None, :, None, :]).reshape(out[0] * out[1], -1)
+    found: NDArray[np.bool_] = (taps @ padded.T.astype(np.float32)).reshape(-1, *out) > 0
+    return found

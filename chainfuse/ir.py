@@ -267,7 +267,9 @@ class Softmax:
     """Row softmax over loop `axis` of `scale * input (+ additive mask | masked where False)`.
 
     `causal` masks positions whose `axis` index exceeds the `row` index (PyTorch's `is_causal`,
-    top-left aligned). A row with every position masked gives zeros (PyTorch's CPU behaviour).
+    top-left aligned). A bool mask is added as 0 / -inf (as SDPA converts it: a NaN or +inf score
+    stays NaN where masked). `safe`: a row with no position above -inf gives zeros (PyTorch's
+    CPU SDPA); unsafe, NaN (`torch.softmax`, the unfused chain).
     """
 
     input: Access
@@ -278,6 +280,7 @@ class Softmax:
     mask_kind: MaskKind = MaskKind.NONE
     causal: bool = False
     row: str | None = None
+    safe: bool = True
 
     @property
     def reads(self) -> tuple[Access, ...]:
@@ -297,6 +300,8 @@ class Softmax:
             extra += f", {self.mask_kind.value} mask {self.mask}"
         if self.causal:
             extra += ", causal"
+        if not self.safe:
+            extra += ", unsafe"
         return f"{self.output} = softmax[{self.axis}]({self.input}{extra})"
 
 
@@ -537,7 +542,8 @@ def _op_data(op: Op) -> dict[str, Any]:
                 "alpha": op.alpha}  # fmt: skip
     return {"op": "softmax", "input": _access_data(op.input), "output": _access_data(op.output),
             "axis": op.axis, "scale": op.scale, "mask": _access_data(op.mask),
-            "mask_kind": op.mask_kind.value, "causal": op.causal, "row": op.row}  # fmt: skip
+            "mask_kind": op.mask_kind.value, "causal": op.causal, "row": op.row,
+            "safe": op.safe}  # fmt: skip
 
 
 def _need(acc: Access | None) -> Access:
@@ -555,7 +561,8 @@ def _op_from(data: dict[str, Any]) -> Op:
                          float(data["alpha"]))  # fmt: skip
     return Softmax(_need(_access_from(data["input"])), _need(_access_from(data["output"])),
                    data["axis"], float(data["scale"]), _access_from(data["mask"]),
-                   MaskKind(data["mask_kind"]), bool(data["causal"]), data["row"])  # fmt: skip
+                   MaskKind(data["mask_kind"]), bool(data["causal"]), data["row"],
+                   bool(data.get("safe", True)))  # fmt: skip
 
 
 def _to_data(chain: Chain) -> dict[str, Any]:

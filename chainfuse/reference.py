@@ -15,11 +15,12 @@ checked against them:
   so a 64-channel 56x56 convolution takes well under a second.
 - `Pointwise`: identity, relu, exact-erf gelu (`torch.nn.functional.gelu`'s default),
   `alpha * x` (scale) and `x + operand` (bias, broadcast over the loops the operand lacks).
-- `Softmax` over loop `axis`: `scale * x`, plus an additive mask, or keep only where a bool mask
-  is True (PyTorch SDPA's convention), or keep only `axis <= row` when causal (PyTorch's
-  `is_causal`, top-left aligned: `torch.ones(L, S).tril(0)`). Stable (the row max is subtracted).
-  A row whose every position is masked (or is -inf) gives zeros, not NaN: that is what PyTorch's
-  CPU SDPA returns for fully masked rows (it uses a "safe" softmax there).
+- `Softmax` over loop `axis`: `scale * x`, plus an additive mask, or plus -inf where a bool mask
+  is False (PyTorch SDPA's convention: a NaN or +inf score stays NaN there), and keep only
+  `axis <= row` when causal (PyTorch's `is_causal`, top-left aligned:
+  `torch.ones(L, S).tril(0)`; keys after the query are not read). Stable (the row max is
+  subtracted). A safe softmax's row whose every position is masked (or is -inf) gives zeros, as
+  PyTorch's CPU SDPA returns for fully masked rows; an unsafe one's gives NaN, as `torch.softmax`.
 
 Bool masks stay numpy bool arrays; every other tensor is evaluated in float64.
 """
@@ -351,28 +352,26 @@ def _softmax(
     # array the oracle makes, and fresh allocations of that size cost more than the arithmetic.
     x: F64 = np.empty([extents[loop] for loop in out])
     np.multiply(_aligned(op.input, _real(env, op.input), extents, out), op.scale, out=x)
-    keep: NDArray[np.bool_] | None = None
     if op.mask is not None and op.mask_kind is MaskKind.ADDITIVE:
         np.add(x, _aligned(op.mask, _real(env, op.mask), extents, out), out=x)
     elif op.mask is not None and op.mask_kind is MaskKind.BOOL:
         mask = np.asarray(env[op.mask.tensor])
         if mask.dtype != np.bool_:
             raise ValueError(f"softmax '{op}': bool mask {op.mask.tensor!r} has dtype {mask.dtype}")
-        keep = _aligned(op.mask, mask, extents, out)
+        with np.errstate(invalid="ignore"):  # +inf - inf: NaN, as SDPA's sum gives
+            np.add(x, -np.inf, out=x, where=~_aligned(op.mask, mask, extents, out))
     if op.causal:
         if op.row is None:
             raise ValueError(f"softmax '{op}': causal needs a row loop")
         ranks = len(out)
         col = np.arange(extents[op.axis]).reshape(_along(out.index(op.axis), ranks))
         row = np.arange(extents[op.row]).reshape(_along(out.index(op.row), ranks))
-        causal = col <= row
-        keep = causal if keep is None else keep & causal
-    if keep is not None:
-        np.copyto(x, -np.inf, where=~keep)
+        np.copyto(x, -np.inf, where=~(col <= row))
     axis = out.index(op.axis)
     with np.errstate(invalid="ignore"):  # inf - inf in rows holding +inf: NaN, as it should be
         peak = np.max(x, axis=axis, keepdims=True)
-        empty = peak == -np.inf  # every position masked (or -inf): the row is zeros
+        # every position masked (or -inf): zeros when safe, else -inf - -inf makes the row NaN
+        empty = (peak == -np.inf) & op.safe
         np.subtract(x, np.where(empty, 0.0, peak), out=x)
         np.exp(x, out=x)
         total = np.sum(x, axis=axis, keepdims=True)
@@ -576,7 +575,8 @@ def softmax_error(
     A softmax turns a *relative* error of its input into an *absolute* error of an exponent:
     scores `s = scale * sum_k q_k k_k` computed with relative error `tau` (the same random-walk
     estimate as `tolerance`: `tau = c * sqrt(K * u_acc**2 + u**2)`, relative to `sum_k |q_k k_k|`)
-    come out as `s + d` with `|d| <= delta = tau * |scale| * sum_k |q_k k_k| + c * u * |s|`, and
+    come out as `s + d` with `|d| <= delta = tau * |scale| * sum_k |q_k k_k| + c * u * |s|` (plus
+    `c * u * |mask|` where a finite additive mask is added), and
     `exp(s + d)` is off by a factor up to `exp(delta)`. With O(1) scores that is the relative
     error `tolerance` already allows; with large inputs (|q|, |k| ~ 100) `delta` reaches 1 and
     more, and an exact kernel rightly differs from the oracle by far more than `tolerance`.
@@ -620,6 +620,12 @@ def softmax_error(
     size = _aligned(sm.input, _real(absolute, sm.input), extents, out)
     scores = np.abs(_aligned(sm.input, _real(env, sm.input), extents, out) * sm.scale)
     delta = tau * abs(sm.scale) * size + _SAFETY * u * scores
+    if sm.mask is not None and sm.mask_kind is MaskKind.ADDITIVE:  # s + mask, rounded once
+        mask = np.abs(_aligned(sm.mask, _real(env, sm.mask), extents, out))
+        delta = delta + _SAFETY * u * np.where(np.isfinite(mask), mask, 0.0)
+    # a score made non-finite by an inf or NaN input is exact (-inf: a key of weight 0; +inf or
+    # NaN: the row is NaN, compared exactly): no error of its own, and no inf - inf below
+    delta = np.where(np.isfinite(delta), delta, 0.0)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         lp = np.log(probs)  # -inf where masked or underflowed: those terms vanish below
         top = np.argmax(probs, axis=axis)

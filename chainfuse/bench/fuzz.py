@@ -54,9 +54,9 @@ class Outcome(enum.Enum):
     CRASH = "crash"
     UNCLEAR = "unclear"
     SKIPPED = "skipped"
-    #: a documented difference (README, limits): NaN/inf met only by zeros the kernel never
-    #: multiplies (a conv's padded taps, attention's masked keys) does not reach the output; or
-    #: PyTorch's NaN/inf placement differs from the float64 reference's, which the result has
+    #: a documented difference (README, limits): a NaN/inf in keys after a causal query, which
+    #: the kernel does not read; or PyTorch's NaN/inf placement differs from the float64
+    #: reference's (its answer depends on its path there), and the result has the reference's
     DOCUMENTED = "documented"
 
     @property
@@ -113,8 +113,8 @@ class Summary:
         total = collections.Counter(r.outcome for r in self.results)
         lines.append(
             f"{len(self.results)} cases in {self.seconds:.1f} s: {total[Outcome.OK]} ok, "
-            f"{total[Outcome.REFUSED]} refused, {total[Outcome.DOCUMENTED]} NaN/inf meeting"
-            f" only skipped zeros or as the reference (documented), {total[Outcome.WRONG]} wrong, "
+            f"{total[Outcome.REFUSED]} refused, {total[Outcome.DOCUMENTED]} NaN/inf in unread"
+            f" causal keys or as the reference (documented), {total[Outcome.WRONG]} wrong, "
             f"{total[Outcome.CRASH]} crash, {total[Outcome.UNCLEAR]} unclear, "
             f"{total[Outcome.SKIPPED]} skipped"
         )
@@ -228,20 +228,19 @@ def judge(case: Case) -> tuple[Outcome, str]:
             )
     if skipped.any():
         return Outcome.DOCUMENTED, (
-            f"{int(skipped.sum())} elements as the README documents (skipped zeros, no keys, a"
-            " NaN PyTorch drops)"
+            f"{int(skipped.sum())} elements as the README documents (keys a causal mask"
+            " excludes, a row with no key, a NaN PyTorch drops)"
         )
     return Outcome.OK, ""
 
 
 def _skipped_zeros(case: Case, actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
     """Elements finite here but not in `expected`, in a case where that is the documented
-    difference (NaN/inf present, and zeros the kernel skips: masked keys, padded taps)."""
+    difference: NaN/inf in a causal attention, whose kernel does not read the keys after a
+    query (the reference multiplies their values by 0)."""
     features = set(case.features)
     special = bool(features & {"nan", "inf"})
-    skips = (
-        case.op == "attention" and bool(features & {"causal", "mask-bool", "mask-additive"})
-    ) or (case.op == "conv_chain" and "padding" in features)
+    skips = case.op == "attention" and "causal" in features
     if not (special and skips):
         return np.zeros(actual.shape, dtype=bool)
     found: np.ndarray = ~np.isnan(actual) & np.isnan(expected)
@@ -251,11 +250,11 @@ def _skipped_zeros(case: Case, actual: np.ndarray, expected: np.ndarray) -> np.n
 
 def _as_reference(actual: np.ndarray, theirs: np.ndarray, case: Case) -> np.ndarray:
     """Elements where PyTorch's NaN/inf placement differs from the float64 reference's and the
-    result follows the reference: a softmax row of all -inf scores (no keys: zeros, PyTorch
-    NaN), or a NaN PyTorch's result drops."""
+    result follows the reference: an attention row with no key (zeros; PyTorch's SDPA gives
+    zeros or NaN by dtype and path), or a NaN PyTorch's result drops (its causal SDPA skips
+    some keys after a query, and some of its convolutions skip padded taps)."""
     ref = case.expected
-    softmax = case.op == "attention" or "softmax" in case.features
-    no_keys = softmax & np.isnan(theirs) & np.isfinite(ref) & np.isfinite(actual)
+    no_keys = (case.op == "attention") & np.isnan(theirs) & np.isfinite(ref) & np.isfinite(actual)
     dropped = np.isfinite(theirs) & np.isnan(ref) & np.isnan(actual)
     found: np.ndarray = no_keys | dropped
     return found

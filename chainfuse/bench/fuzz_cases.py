@@ -88,15 +88,6 @@ def oracle_torch(fn: Callable[[Any], Any]) -> Callable[[], np.ndarray] | None:
     return run
 
 
-def finite_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-    """`inputs` for `reference.assert_close`'s softmax term, or None where some are not finite
-    (that term assumes finite scores; non-finite elements are compared exactly anyway)."""
-    for v in inputs.values():
-        if v.dtype != np.bool_ and not np.isfinite(v).all():
-            return None
-    return inputs
-
-
 def describe_operand(o: Operand) -> str:
     """name: kind dtype shape strides, as the reproducer prints it."""
     x = o.array

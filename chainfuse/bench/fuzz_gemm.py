@@ -14,7 +14,6 @@ from chainfuse import builders, ops
 from chainfuse.bench.fuzz_cases import (
     Case,
     describe_operand,
-    finite_inputs,
     flat,
     gemm_flops_ok,
     layout_for,
@@ -204,7 +203,7 @@ def gemm_case(
         oracle = oracle_torch(lambda t: _unfused(t, full, between, dtype).reshape(*lead, M, N))
     return Case("gemm_chain", dtype, tuple(features), operands, call, expected, chain,
                 _NAMES, desc + "  " + "; ".join(describe_operand(o) for o in operands),
-                finite_inputs(full), oracle, may_refuse, out)  # fmt: skip
+                full, oracle, may_refuse, out)  # fmt: skip
 
 
 def _unfused(torch: Any, full: dict[str, np.ndarray], between: str | None, dtype: str) -> Any:

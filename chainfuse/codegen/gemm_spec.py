@@ -61,6 +61,7 @@ class GemmChainSpec:
     kernel: MicroKernel
     mask: MaskKind = MaskKind.NONE  # softmax: an additive (float) or boolean (byte) mask input
     causal: bool = False  # softmax: positions with l > m are masked (PyTorch's is_causal)
+    safe: bool = True  # softmax: a row with no key gives zeros (SDPA), else NaN (torch.softmax)
     dtype: DType = DType.FLOAT32  # of the inputs and the output (bf16, fp16: fp32 arithmetic)
 
     @property
@@ -74,7 +75,7 @@ class GemmChainSpec:
         key = (
             f"{self.batch}|{self.tensors}|{self.b_transposed}|{self.epilogue.value}|"
             f"{self.kernel.name}|"
-            f"{self.mask.value}|{self.causal}|{self.dtype.value}"
+            f"{self.mask.value}|{self.causal}|{self.safe}|{self.dtype.value}"
         )
         short = {DType.FLOAT32: "f32", **HALF}[self.dtype]
         return f"{word}_gemm_{short}_{name_hash(key)}"
@@ -91,6 +92,7 @@ class GemmChainShape:
     mask: MaskKind = MaskKind.NONE
     mask_tensor: str | None = None
     causal: bool = False
+    safe: bool = True
 
 
 def match_gemm_chain(chain: Chain) -> GemmChainShape:
@@ -159,6 +161,7 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
         mask=soft.mask_kind,
         mask_tensor=None if soft.mask is None else soft.mask.tensor,
         causal=soft.causal,
+        safe=soft.safe,
     )
 
 

@@ -182,7 +182,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("   sums (inv, the sums' inverses) with no pass of their own after it */")
             w.line("const int last_l = to_e && l0 + T_L >= l_end;")
             with w.block("if (last_l)"):
-                emit_invert_sums(w)
+                emit_invert_sums(w, spec)
         with w.block("for (long n0 = 0; n0 < N; n0 += T_N)"):
             w.line("const int nc = (int)(N - n0 < T_N ? N - n0 : T_N);")
             w.line("/* (whole slivers read in place below when direct_d) */")
@@ -273,10 +273,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     if softmax_writes_e(spec):
         w.line("/* (to_e: op2 of the last l block stored E's rows over their sums) */")
         with w.block("if (!to_e)"):
-            emit_invert_sums(w)
+            emit_invert_sums(w, spec)
             w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
     elif softmax:
-        emit_invert_sums(w)
+        emit_invert_sums(w, spec)
         w.line(f"{spec.name}_store_e(mc, N, Et, col_sum, E_b, sEm, LDE);")
     else:
         w.line("/* (split l: the second pass adds the shares up and stores them) */")

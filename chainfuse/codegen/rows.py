@@ -159,7 +159,8 @@ def emit_rows(w: Writer, spec: GemmChainSpec) -> None:
             _rows_add_d(w, half)
         with w.block("for (int i = 0; i < mc; ++i)"):
             if softmax:
-                w.line("const float inv = csum[i] > 0.0f ? 1.0f / csum[i] : 0.0f;")
+                empty = "0.0f" if spec.safe else "NAN"  # a row with no key: SDPA's, softmax's
+                w.line(f"const float inv = csum[i] > 0.0f ? 1.0f / csum[i] : {empty};")
                 w.line(
                     "for (long n = 0; n < N; ++n) E_b[i * sEm + n] = CF_STORE(o[i * N + n] * inv);"
                 )
@@ -180,7 +181,7 @@ def _rows_softmax(w: Writer, spec: GemmChainSpec) -> None:
         w.line("for (int l = 0; l < lb; ++l) si[l] += cf_mask2(CF_LOAD(mk[(l0 + l) * sMl]));")
     elif spec.mask is MaskKind.BOOL:
         w.line("const unsigned char* restrict mk = (const unsigned char*)mask_b + (m0 + i) * sMm;")
-        w.line("for (int l = 0; l < lb; ++l) si[l] = mk[(l0 + l) * sMl] ? si[l] : -INFINITY;")
+        w.line("for (int l = 0; l < lb; ++l) si[l] += mk[(l0 + l) * sMl] ? 0.0f : -INFINITY;")
     if spec.causal:
         w.line("/* keys after the query (l > m): the caller's l_end ends at the block's last */")
         w.line("for (int l = 0; l < lb; ++l) si[l] = l0 + l > m0 + i ? -INFINITY : si[l];")

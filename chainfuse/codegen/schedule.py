@@ -242,6 +242,7 @@ def schedule_gemm_chain(
         epilogue=shape.epilogue,
         mask=shape.mask,
         causal=shape.causal,
+        safe=shape.safe,
         T_M=code[m],
         T_L=code[l_],
         T_K=code[k],

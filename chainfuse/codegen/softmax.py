@@ -165,11 +165,12 @@ def emit_scores_strip_call(w: Writer, spec: GemmChainSpec) -> None:
             w.line("continue;")
 
 
-def emit_invert_sums(w: Writer) -> None:
-    """The row block's softmax sums replaced by their inverses (0 for a row with none), what
-    E's rows are multiplied by."""
+def emit_invert_sums(w: Writer, spec: GemmChainSpec) -> None:
+    """The row block's softmax sums replaced by their inverses, what E's rows are multiplied by;
+    a row with no key (a sum of 0) gets 0 when the softmax is safe, else NaN."""
+    empty = "0.0f" if spec.safe else "NAN"
     with w.block("for (int i = 0; i < mc; ++i)"):
-        w.line("col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : 0.0f;")
+        w.line(f"col_sum[i] = col_sum[i] > 0.0f ? 1.0f / col_sum[i] : {empty};")
 
 
 def emit_epilogue_strip(w: Writer, spec: GemmChainSpec, narrow: bool) -> None:
@@ -261,14 +262,14 @@ def _softmax_strip(w: Writer, spec: GemmChainSpec, width: str) -> None:
                             w.line("#pragma omp simd")
                             with w.block(f"for (int c = 0; c < {tb}; ++c)"):
                                 w.line("float* restrict pc = p + (r + i) * NR + c0 + c;")
-                                if bool_mask:  # (a select: a score of inf is masked too)
-                                    w.line(f"*pc = blk[i * {tb} + c] == 0.0f ? *pc : -INFINITY;")
+                                if bool_mask:  # (0 / -inf added: NaN and +inf give NaN)
+                                    w.line(f"*pc += blk[i * {tb} + c];")
                                 else:
                                     w.line(f"*pc += cf_mask2(blk[i * {tb} + c]);")
                 with w.block("for (; r < lc; ++r)"):
                     if bool_mask:
-                        w.line("for (int c = 0; c < NR; ++c) p[r * NR + c] = rows[c * sMm + r] ? "
-                               "p[r * NR + c] : -INFINITY;")  # fmt: skip
+                        w.line("for (int c = 0; c < NR; ++c) p[r * NR + c] += rows[c * sMm + r] ? "
+                               "0.0f : -INFINITY;")  # fmt: skip
                     else:
                         w.line(
                             "for (int c = 0; c < NR; ++c) p[r * NR + c] += cf_mask2(rows[c * sMm + r]);"
@@ -339,8 +340,10 @@ def _masked_rows(
             if spec.mask is MaskKind.ADDITIVE and not added:
                 w.line("v += add;" if per_row else f"v += cf_mask2(CF_LOAD(mask_b[{at}]));")
             elif spec.mask is MaskKind.BOOL and not added:
-                w.line(
-                    "v = keep ? v : -INFINITY;" if per_row else f"v = mask_b[{at}] ? v : -INFINITY;"
+                w.line(  # added as SDPA adds it: a NaN or +inf score stays NaN where masked
+                    "v += keep ? 0.0f : -INFINITY;"
+                    if per_row
+                    else f"v += mask_b[{at}] ? 0.0f : -INFINITY;"
                 )
             if spec.causal:
                 w.line("v = l0 + r > q[c] ? -INFINITY : v;")

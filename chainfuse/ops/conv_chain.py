@@ -67,7 +67,8 @@ def conv_chain(
             hit = replays.get(key)
             if hit is not None:
                 replays.hits += 1
-                return replay_conv(hit, (x, w1, w2, b1, b2), out, threads)
+                done = replay_conv(hit, (x, w1, w2, b1, b2), out, threads)
+                return hit.kernel.padded_taps(done, w1, w2)
             replays.misses += 1
     if subclassed(x, w1, w2, b1, b2, out):  # (np.memmap and such: plain arrays over their memory)
         found = conv_chain(plain(x), plain(w1), plain(w2), plain(b1), plain(b2), stride, padding,
@@ -118,7 +119,7 @@ def conv_chain(
         calls.conv_replays.remember(
             key, ConvReplay(kernel, strides, kernel.out_shape, channels_last, layouts)
         )
-    return out
+    return kernel.padded_taps(out, w1, w2)
 
 
 def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:

@@ -67,9 +67,9 @@ def test_specials_through_each_activation_are_torchs(
         monkeypatch.setattr(chainfuse.compiler, "select_weighted", lambda *a: REFERENCE_KERNEL)
     values = [NAN, INF, -INF, 3e38, -3e38, 0.0, -0.0, 2.5, -2.5, 1e-30, -1e-30]
     if between == "softmax":
-        # a row of only -inf scores gives zeros, as a fully masked row (torch: NaN); scores
-        # beyond FLT_MAX / log2(e) overflow the base-2 exponent's scaling (known limits)
-        values = [NAN, INF, 1e38, -1e38, 0.0, -0.0, 2.5, -2.5, 1e-30, -1e-30]
+        # (a row of only -inf scores is NaN, as torch.softmax's); scores beyond
+        # FLT_MAX / log2(e) overflow the base-2 exponent's scaling (a known limit)
+        values = [NAN, INF, -INF, 1e38, -1e38, 0.0, -0.0, 2.5, -2.5, 1e-30, -1e-30]
     M = 37  # (tails of every micro-kernel's block)
     A = np.resize(np.array(values, np.float32), (1, M, 1))
     B, D = np.ones((1, 1, 1), np.float32), np.ones((1, 1, 1), np.float32)
