@@ -11,7 +11,8 @@ most orders are equivalent (docs/design.md):
    exceed outer ones. At the outermost level the objective counts the cores' deal, as `estimate`.
 3. *Rank.* Every structure is ranked by `estimate(...).time_s`, then refined (all of them for a
    plain chain, the best `SCREENED` for a convolution); one whose least flops cannot beat the
-   best so far by more than `model.TIE` is skipped. Unfused execution is costed too.
+   best so far (its time with the flops at the peak) is skipped, except `TIED` of those whose
+   quick tiles tie with it. Unfused execution is costed too, its best order refined.
 4. *Choose* (`model.choose`): the fastest plan, or among those within `TIE` of it the one moving
    the fewest bytes from the outermost level; a fused plan moving more of them than the unfused
    execution is chosen only where predicted faster by more than `TIE`.
