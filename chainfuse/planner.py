@@ -38,6 +38,7 @@ from chainfuse.model import (
     Nest,
     causal_softmax,
     choose,
+    code_flops,
     code_level,
     computed_share,
     deal,
@@ -375,25 +376,16 @@ class _Search:
             if self.causal and nest.fused:  # (what the code reads: `model.moved_bytes`)
                 moved = sum(b for _, _, b in moved_bytes(nest, cost, tiles))
             if level == self.code:  # the code's tiles: rescaling, calls, packing (`model`)
-                factors = (1.0,) * len(cost.op_flops)
-                if nest.fused:
-                    factors = rescale_factors(self.chain, tiles, self.rescaled)
-                if self.efficiency is not None:
-                    stretch = self.efficiency.stretch(tiles, self.ext)
-                    factors = tuple(f * x for f, x in zip(factors, stretch, strict=True))
-                    flops = self.efficiency.pack_flops(moved)
-                else:
-                    flops = 0.0
-                flops += sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
+                factors = rescale_factors(self.chain, tiles, self.rescaled) if nest.fused else None
+                flops = code_flops(self.efficiency, cost.op_flops, factors, tiles, self.ext, moved)
             score = (moved / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score
         return score
 
     def cannot_beat(self, nest: Nest, parallel: Sequence[str], best: Cost) -> bool:
-        """Whether `nest` is not worth costing next to `best`: its `least_time` already takes as
-        long as `best` with its flops at the peak (up to a relative 1e-9, below which a win
-        does not matter). Exact without the micro-kernel's efficiency terms; with them, a
-        structure computing no more than `best` is assumed to gain nothing from them."""
+        """Whether `nest` is not worth costing: its `least_time` already takes as long as `best`
+        with its flops at the peak (to a relative 1e-9). Exact without the micro-kernel's terms;
+        with them, a structure computing no less than `best` is taken to gain nothing by them."""
         return self.least_time(nest, parallel) >= best.plain_s * (1 - 1e-9)
 
     def least_time(self, nest: Nest, parallel: Sequence[str]) -> float:
@@ -677,9 +669,8 @@ def plan(
     scored.sort(key=lambda c: c[0].time_s)  # stable: ties keep the enumeration order
 
     # refining every structure keeps a larger cache from losing the optimum (the quick search
-    # can rank last what refining makes best); convolutions cost too much per evaluation.
-    # Of the structures that cannot beat the fastest but tie with it at their quick tiles,
-    # `TIED` are refined, those whose quick tiles move the fewest outer bytes first.
+    # can rank last what refining makes best); convolutions cost too much per evaluation. Of
+    # those that cannot beat the best but tie with it, `TIED` moving the fewest bytes are refined
     plain = all(nest.plain for _, nest, _, _ in scored)
     final: dict[Nest, _Choice] = {c[1]: c for c in scored}
     rounds = 2 if plain else 1
@@ -718,8 +709,7 @@ def plan(
         )
     if fuse is True and best is None:
         raise PlanningError(f"no fused plan of {chain.name} fits {hw.name}")
-    # the fastest, or among plans that tie with it the one moving the fewest outer bytes
-    # (`model.rank`); unless forced, unfused execution competes under the same rule
+    # the fastest, or of those tying with it the one moving the fewest outer bytes (`model.rank`)
     fused = [(c[0], c) for c in final.values()]
     cost, chosen = choose(fused, None if fuse is True or unfused is None else (unfused[0], unfused))
     _, nest, tiles_all, parallel = chosen
@@ -794,12 +784,10 @@ def _unfused(
     # the best order's tiles refined as a fused nest's are: quick tiles alone can make
     # unfused execution look several times slower than it is (an MLP's, on many cores)
     if best is not None and best_same is not None:
-        _, nest, _, lead = best
-        tiles = search.all_levels(best_same, lead, rounds=UNFUSED_ROUNDS)
-        if tiles is not None:
-            cost = estimate(best_same, tiles, hw, lead, threads)
-            if cost.time_s < best[0].time_s:
-                best = (cost, nest, tiles, lead)
+        tiles = search.all_levels(best_same, best[3], rounds=UNFUSED_ROUNDS)
+        refined = estimate(best_same, tiles, hw, best[3], threads) if tiles else None
+        if tiles and refined and refined.time_s < best[0].time_s:
+            best = (refined, best[1], tiles, best[3])
     return best
 
 

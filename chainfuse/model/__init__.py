@@ -4,7 +4,7 @@ Pure functions of (Chain, schedule, tiles, Hardware): `nest` (order, compute-at,
 `traffic` (bytes per level), `softmax` (online and causal softmax terms), `efficiency` (the micro-kernel's), `time` (`estimate`), `rank` (which plan to run).
 """
 
-from chainfuse.model.efficiency import Efficiency, efficiency, kernel_of
+from chainfuse.model.efficiency import Efficiency, code_flops, efficiency, kernel_of
 from chainfuse.model.nest import LoopKind, Nest, OpNest
 from chainfuse.model.rank import TIE, choose, traffic
 from chainfuse.model.softmax import (
@@ -40,6 +40,7 @@ __all__ = [
     "causal_share",
     "causal_softmax",
     "choose",
+    "code_flops",
     "code_level",
     "compulsory_bytes",
     "computed_share",

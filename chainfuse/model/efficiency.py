@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from chainfuse.hardware import DeviceKind, Hardware
@@ -31,7 +31,7 @@ from chainfuse.ir import Chain, Contraction
 from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.calibration import Calibration, calibration
 
-__all__ = ["Efficiency", "efficiency", "kernel_of"]
+__all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
 
 
 @functools.lru_cache(maxsize=512)
@@ -88,3 +88,22 @@ def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
         return None
     steps = tuple(op.reduction if isinstance(op, Contraction) else () for op in chain.ops)
     return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize)
+
+
+def code_flops(
+    terms: Efficiency | None,
+    op_flops: Sequence[int],
+    factors: Sequence[float] | None,
+    tiles: Mapping[str, int],
+    extents: Mapping[str, int],
+    moved: int,
+) -> float:
+    """The flops' worth of the work at the code level's `tiles` (the planner's objective there):
+    each op's flops times its softmax `factors` (None: 1) and `terms`' stretch, plus packing the
+    `moved` bytes."""
+    factors = factors or (1.0,) * len(op_flops)
+    if terms is None:
+        return sum(f * x for f, x in zip(op_flops, factors, strict=True))
+    stretch = terms.stretch(tiles, extents)
+    flops = sum(f * x * y for f, x, y in zip(op_flops, factors, stretch, strict=True))
+    return flops + terms.pack_flops(moved)
