@@ -4,7 +4,7 @@ chainfuse plan bert-base --hw xeon-gold-6240
 chainfuse plan --gemm 12,512,64,64,512 --between softmax --json
 chainfuse plan --conv 64,56,56,64,64,1,1 --kernels 1,3 --between relu
 chainfuse hw [--hw PRESET]
-chainfuse bench [gemm-chain|attention|conv-chain|all] [--quick] [--threads 1,2] [--out DIR]
+chainfuse bench [gemm-chain|attention|conv-chain|models|all] [--quick] [--threads 1,2] [--out DIR]
 chainfuse fuzz --cases 10000 [--seed S] [--ops gemm_chain,attention,conv_chain] [--dtypes ...]
 chainfuse fuzz --seed S --case N        # rerun one case, printing its operands
 """
@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 from chainfuse.bench import workloads
 from chainfuse.builders import conv_chain_spec, gemm_chain
-from chainfuse.hardware import presets, resolve
-from chainfuse.ir import Chain
+from chainfuse.hardware import DeviceKind, Hardware, presets, resolve
+from chainfuse.ir import Chain, DType
+from chainfuse.kernels.amx import amx_path, amx_report
 from chainfuse.planner import PlanningError, timed_plan
 from chainfuse.simulate import simulate
 
@@ -64,6 +65,16 @@ def _plan(args: argparse.Namespace) -> int:
     print()
     print(result)
     print(f"  planned in {seconds * 1e3:.1f} ms")
+    if chain.dtype in (DType.BFLOAT16, DType.FLOAT16) and hw.kind is DeviceKind.CPU:
+        print(f"  arithmetic: {_arithmetic(chain.dtype, hw)}")
+        if (
+            args.hw in (None, "detect")
+            and hw.matrix_engine(chain.dtype)
+            and not amx_path(chain.dtype)
+        ):
+            print(
+                f"  (here the AMX kernels do not run, so compiled kernels are fp32-fma: {amx_report()})"
+            )
     if args.simulate:
         sim = simulate(chain, result, hw)
         print("  level   predicted     simulated")
@@ -72,8 +83,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _arithmetic(dtype: DType, hw: Hardware) -> str:
+    """The path a 16-bit chain is planned for on `hw` (`Hardware.for_chain`)."""
+    if hw.matrix_engine(dtype):
+        peak = hw.peak(dtype) / 1e9
+        return f"amx-bf16 (AMX tiles, 32x32 block; {peak:,.0f} GFLOP/s a core)"
+    return f"fp32-fma ({dtype.value} widened to fp32; {hw.peak(DType.FLOAT32) / 1e9:,.0f} GFLOP/s a core)"
+
+
 def _hw(args: argparse.Namespace) -> int:
-    print(resolve(args.hw))
+    hw = resolve(args.hw)
+    print(hw)
+    if args.hw in (None, "detect"):
+        print(f"AMX: {amx_report()}")
+    elif hw.amx:
+        print("AMX: in this preset's ISA (planning only: this host is not checked)")
     return 0
 
 
@@ -81,7 +105,12 @@ def _bench(args: argparse.Namespace) -> int:
     from chainfuse.bench import runner
 
     rest = list(args.rest)
-    return runner.main(rest[1:] if rest[:1] == ["--"] else rest)
+    rest = rest[1:] if rest[:1] == ["--"] else rest
+    if rest[:1] == ["models"]:  # whole models end to end (needs torch and transformers)
+        from chainfuse.bench import models
+
+        return models.main(rest[1:])
+    return runner.main(rest)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -102,7 +131,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default="3,1", metavar="R1,R2", help="conv kernel sizes")
     p.add_argument("--between", default="none",
                    choices=["none", "relu", "gelu", "softmax"])  # fmt: skip
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+    )
     p.add_argument("--hw", default="detect", help=hw_help)
     p.add_argument("--threads", type=int, default=None, help="cores to plan for")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -112,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark against PyTorch/numpy, write a report",
                        add_help=False)  # fmt: skip
     b.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="[gemm-chain|attention|conv-chain|all] [--quick] ... (see --help)")  # fmt: skip
+                   help="[gemm-chain|attention|conv-chain|models|all] [--quick] ... (see --help)")  # fmt: skip
     b.set_defaults(run=_bench)
 
     f = sub.add_parser("fuzz", help="run random cases of every op against the reference")

@@ -21,11 +21,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from chainfuse.codegen.amx_chain import amx_arithmetic, amx_describe, emit_amx_chain
+from chainfuse.codegen.amx_conv import AmxConvSpec, amx_conv_arithmetic, emit_amx_conv_chain
 from chainfuse.codegen.conv import (
     GEOMETRY,
     ConvChainShape,
     ConvChainSpec,
     ConvTiles,
+    Halo,
     emit_conv_chain,
     geometry,
 )
@@ -33,7 +35,7 @@ from chainfuse.codegen.gemm_chain import PACKED, emit_gemm_chain
 from chainfuse.codegen.gemm_spec import GemmChainShape
 from chainfuse.codegen.schedule import CodeSchedule
 from chainfuse.ir import Affine, Chain, MaskKind, Softmax
-from chainfuse.kernels.amx import AmxPath
+from chainfuse.kernels.amx import FP32_FMA, AmxPath
 from chainfuse.operands import (
     Layout,
     apart,
@@ -49,7 +51,7 @@ from chainfuse.operands import (
 from chainfuse.planner import Plan
 from chainfuse.runtime import build_recipe, get_num_threads, load
 
-__all__ = ["ALONE_S", "AmxKernel", "ConvKernel", "Kernel"]
+__all__ = ["ALONE_S", "AmxConvKernel", "AmxKernel", "ConvKernel", "Kernel"]
 
 _A, _B, _D, _E = PACKED["A"], PACKED["B"], PACKED["D"], PACKED["E"]
 _STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)
@@ -450,11 +452,18 @@ class ConvKernel(_Built):
         self.halo = spec.halo
         self.halo_reason = halo_reason
         self.name = spec.name
+        self.arithmetic = f"{FP32_FMA}: fp32 micro-kernel {spec.kernel.name}, fp32 intermediate"
         lib = self._build(
             lambda: emit_conv_chain(spec, header), spec.name, spec.name,
             spec.kernel.cflags,
         )  # fmt: skip
-        self._fn = getattr(lib, spec.name)
+        self._load(lib, shape, geometry(shape, tiles))
+
+    def _load(self, lib: ctypes.CDLL, shape: ConvChainShape, values: tuple[int, ...]) -> None:
+        """The entry points of a loaded conv object (`emit_conv_chain`'s signatures, which the
+        AMX conv kernel shares), its geometry and workspace sizes, the operands' shapes."""
+        name = self.name
+        self._fn = getattr(lib, name)
         self._fn.restype = None
         longs = ctypes.POINTER(ctypes.c_long)
         self._fn.argtypes = (
@@ -468,10 +477,10 @@ class ConvKernel(_Built):
                 ctypes.c_int,
             ]
         )
-        workspace = getattr(lib, f"{spec.name}_workspace")
+        workspace = getattr(lib, f"{name}_workspace")
         workspace.restype = ctypes.c_long
         workspace.argtypes = [longs, longs]
-        self._geometry = (ctypes.c_long * len(GEOMETRY))(*geometry(shape, tiles))
+        self._geometry = (ctypes.c_long * len(GEOMETRY))(*values)
         per = ctypes.c_long(0)
         self._shared = int(workspace(self._geometry, ctypes.byref(per)))
         self._per = int(per.value)
@@ -490,6 +499,9 @@ class ConvKernel(_Built):
     def out_shape(self) -> tuple[int, ...]:
         """The result's shape, [N, K2, P2, Q2]."""
         return self._shapes["out"]
+
+    #: the dtype of every operand and the result
+    _dtype = "float32"
 
     def __repr__(self) -> str:
         return f"ConvKernel({self.name}, halo={self.halo.value}, {self.tiles}, {self.path})"
@@ -553,20 +565,20 @@ class ConvKernel(_Built):
         pointers of x, w1, w2, b1, b2 (None: no bias), out, the strides of x, w1, w2, out,
         whether a new out is channels-last (None: the caller's)). What `launch` takes; the
         strides depend on the operands' shapes and strides only (`ops` replays them)."""
-        shapes = self._shapes
-        ax = dense_strides("x", x, shapes["x"])
-        a1 = dense_strides("w1", w1, shapes["w1"])
-        a2 = dense_strides("w2", w2, shapes["w2"])
-        bias1 = None if b1 is None else dense_strides("b1", b1, shapes["b1"])[0]
-        bias2 = None if b2 is None else dense_strides("b2", b2, shapes["b2"])[0]
+        shapes, dt = self._shapes, self._dtype
+        ax = dense_strides("x", x, shapes["x"], dtype=dt)
+        a1 = dense_strides("w1", w1, shapes["w1"], dtype=dt)
+        a2 = dense_strides("w2", w2, shapes["w2"], dtype=dt)
+        bias1 = None if b1 is None else dense_strides("b1", b1, shapes["b1"], dtype=dt)[0]
+        bias2 = None if b2 is None else dense_strides("b2", b2, shapes["b2"], dtype=dt)[0]
         channels_last = None
         given = out is not None
         if out is None:
             # channels-last: C innermost (with C = 1 both orders are dense; strides decide)
             xs = ax[1]
             channels_last = xs[1] == 1 and dense_in((0, 2, 3, 1), shapes["x"], xs)
-            out = empty_like_input(x, shapes["out"], channels_last)
-        ao = dense_strides("out", out, shapes["out"], writable=True)
+            out = empty_like_input(x, shapes["out"], channels_last, dt)
+        ao = dense_strides("out", out, shapes["out"], writable=True, dtype=dt)
         strides = (*ax[1], *a1[1], *a2[1], *ao[1])
         pointers = [ax[0], a1[0], a2[0], bias1, bias2, ao[0]]
         if given:  # (a new out shares memory with nothing)
@@ -595,6 +607,48 @@ class ConvKernel(_Built):
             x, w1, w2, b1, b2, out, self._geometry, at, at + 32, at + 64, at + 96,
             base, base + 4 * self._shared, self._per, threads,
         )  # fmt: skip
+
+
+class AmxConvKernel(ConvKernel):
+    """A bf16 conv -> [relu] -> conv chain on AMX tiles (`codegen.amx_conv`): `ConvKernel`'s
+    calling convention (bf16 operands and result), its own source and build flags (`path`:
+    the tile unit, or its emulation). Every band recomputes the rows of Z it reads."""
+
+    _dtype = "bfloat16"
+
+    def __init__(
+        self,
+        chain: Chain,
+        plan_: Plan,
+        spec: AmxConvSpec,
+        shape: ConvChainShape,
+        band_rows: int,
+        header: str,
+        path: AmxPath,
+    ) -> None:
+        self.chain = chain
+        self.plan = plan_
+        self.amx_spec = spec
+        self.amx_path = path
+        self.shape = shape
+        self.tiles = ConvTiles(band_rows, 0, 0, 0)
+        self.halo = Halo.RECOMPUTE
+        self.halo_reason = "the AMX conv kernel recomputes the rows of Z each band reads"
+        self.name = spec.name
+        self.arithmetic = amx_conv_arithmetic(path)
+        lib = self._build(
+            lambda: emit_amx_conv_chain(spec, header, path), f"{path.value}\n{spec.name}",
+            spec.name, path.cflags,
+        )  # fmt: skip
+        values = {**shape.__dict__, "TP2": band_rows, "CB1": 0, "CB2": 0, "KC": 0}
+        self._load(lib, shape, tuple(int(values[k]) for k in GEOMETRY))
+
+    def __repr__(self) -> str:
+        return f"AmxConvKernel({self.name}, {self.amx_path.value}, T_P2={self.tiles.band_rows})"
+
+    def padded_taps(self, out: Any, w1: Any, w2: Any) -> Any:
+        """`out` as it is: the tiles multiply the padding's zeros too (0 * inf is NaN there)."""
+        return out
 
 
 def _finite(w: Any) -> bool:

@@ -17,8 +17,15 @@ from chainfuse.codegen.amx_chain import (
     amx_schedule,
     amx_unsupported,
 )
+from chainfuse.codegen.amx_conv import (
+    AmxConvSpec,
+    amx_conv_band_rows,
+    amx_conv_header,
+    amx_conv_unsupported,
+)
 from chainfuse.codegen.common import chain_lines
 from chainfuse.codegen.conv import (
+    ConvChainShape,
     ConvChainSpec,
     ConvTiles,
     Halo,
@@ -28,17 +35,25 @@ from chainfuse.codegen.conv import (
 )
 from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, match_gemm_chain
 from chainfuse.codegen.schedule import schedule_gemm_chain
-from chainfuse.compiled import AmxKernel, ConvKernel, Kernel
+from chainfuse.compiled import AmxConvKernel, AmxKernel, ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType
 from chainfuse.kernels import Problem, select_weighted
-from chainfuse.kernels.amx import AMX_BF16_32X32, amx_path
+from chainfuse.kernels.amx import AMX_BF16_32X32, ENV_AMX, FP32_FMA, amx_absent, amx_path
 from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError
 from chainfuse.runtime import get_num_threads
 from chainfuse.runtime.plans import remembered_plan
 
-__all__ = ["AmxKernel", "ConvKernel", "Kernel", "arithmetic", "compile", "compile_conv"]
+__all__ = [
+    "AmxConvKernel",
+    "AmxKernel",
+    "ConvKernel",
+    "Kernel",
+    "arithmetic",
+    "compile",
+    "compile_conv",
+]
 
 
 def _structure(chain: Chain, batch: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
@@ -90,7 +105,8 @@ def compile(
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
     path = amx_path(chain.dtype)
-    if path is not None and not amx_unsupported(shape):
+    why_not = amx_unsupported(shape, (ext[k], ext[n])) if path is not None else ""
+    if path is not None and not why_not:
         uk = AMX_BF16_32X32
         quanta = {m: uk.nr, l_: uk.mr, n: uk.mr}
         planned_for = threads if threads is not None else get_num_threads()
@@ -112,14 +128,16 @@ def compile(
     # with fewer row blocks than threads the kernel's threads split l (not a softmax's: its
     # shares would need their maxima merged), in whole mr-row slivers
     split = None if shape.epilogue is Epilogue.SOFTMAX else (l_, kernel.mr)
-    chosen = remembered_plan(chain, hw, planned_for, (order, depth), quanta, split)
+    # (16-bit operands are widened to fp32: planned at the FMA units' rate, never an engine's)
+    fma = hw.fp32_units() if chain.dtype is not DType.FLOAT32 else hw
+    chosen = remembered_plan(chain, fma, planned_for, (order, depth), quanta, split)
     schedule = schedule_gemm_chain(chain, shape, chosen, kernel, hw, tiles)
     spec = schedule.spec
-    header = _header(chain, chosen, spec)
-    return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec))
+    header = _header(chain, chosen, spec, why_not)
+    return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec, why_not))
 
 
-def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
+def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec, why_not: str = "") -> str:
     """The source's opening comment: the chain's structure only (no sizes, no tiles: those are
     arguments, so the same source, and the same compiled object, serves every size and every
     plan; `Kernel.plan` says which one a kernel runs)."""
@@ -132,26 +150,28 @@ def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec) -> str:
         "tiles T_M, T_L, T_K, T_N: run-time arguments\n"
         f"micro-kernel {spec.kernel.name} ({spec.kernel.mr}x{spec.kernel.nr}); "
         f"epilogue {spec.epilogue.value}; parallel over the batch and m\n"
-        f"arithmetic: {arithmetic(spec)}"
+        f"arithmetic: {arithmetic(spec, why_not)}"
     )
 
 
-def arithmetic(spec: GemmChainSpec) -> str:
-    """What the kernel computes in, said plainly (the plan's record of the path taken)."""
+def arithmetic(spec: GemmChainSpec, why_not: str = "") -> str:
+    """What the kernel computes in, said plainly (the plan's record of the path taken): the
+    path's name first (`FP32_FMA` here; `AmxPath` for the tile kernels), then how; for bf16,
+    why not on AMX (`why_not`: the AMX generator's reason, else `amx_absent`'s)."""
     uk = spec.kernel.name
     if spec.dtype is DType.BFLOAT16:
         return (
-            f"bf16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
-            "fp32 intermediate, output rounded to bf16 once (no AMX / AVX512-BF16 kernel is "
-            "registered for this CPU)"
+            f"{FP32_FMA}: bf16 inputs and output, widened to fp32 while packing; fp32 "
+            f"micro-kernel {uk}, fp32 intermediate, output rounded to bf16 once "
+            f"({why_not or amx_absent(spec.dtype)})"
         )
     if spec.dtype is DType.FLOAT16:
         return (
-            f"fp16 inputs and output, widened to fp32 while packing; fp32 micro-kernel {uk}, "
-            "fp32 intermediate, output rounded to fp16 once (no AVX512-FP16 / AMX-FP16 kernel "
-            "is registered)"
+            f"{FP32_FMA}: fp16 inputs and output, widened to fp32 while packing; fp32 "
+            f"micro-kernel {uk}, fp32 intermediate, output rounded to fp16 once (no AVX512-FP16 "
+            "/ AMX-FP16 kernel is registered)"
         )
-    return f"fp32 micro-kernel {uk}, fp32 intermediate"
+    return f"{FP32_FMA}: fp32 micro-kernel {uk}, fp32 intermediate"
 
 
 def _is_conv(chain: Chain) -> bool:
@@ -180,14 +200,16 @@ def compile_conv(
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
-    if chain.dtype is not DType.FLOAT32:
+    if chain.dtype not in (DType.FLOAT32, DType.BFLOAT16):
         raise TypeError(
-            f"{chain.name}: only float32 chains compile for now, got {chain.dtype.value}"
+            f"{chain.name}: float32 and bfloat16 (AMX) conv chains compile, got {chain.dtype.value}"
         )
     if after not in (None, "relu"):
         raise ValueError(f"after: expected None or 'relu', got {after!r}")
     hw = resolve(hardware)
     shape = match_conv_chain(chain)
+    if chain.dtype is DType.BFLOAT16:
+        return _compile_amx_conv(chain, shape, hw, threads, tiles, halo, after)
     # pixels run along the micro-kernel's mr rows, output channels along its nr columns; both
     # convolutions run with the kernel, weighed by flops (a conv2 of 16 channels idles 3/4 of a
     # 64-wide block)
@@ -200,19 +222,7 @@ def compile_conv(
         ],
         hw,
     )
-    n_first = shape.N > 1
-    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
-    structure = (order, 3 if n_first else 2)
-    try:
-        chosen = remembered_plan(chain, hw, threads, structure, {})
-    except PlanningError:
-        if len(hw.levels) < 3:
-            raise
-        # the smallest fused block overflows the innermost cache (a wide window over many
-        # channels of the intermediate, e.g. 5x5 x 127): the kernel still runs, its micro-kernel
-        # streaming from the next level, so plan the levels from there out
-        outer = dataclasses.replace(hw, levels=hw.levels[1:])
-        chosen = remembered_plan(chain, outer, threads, structure, {})
+    chosen = _conv_plan(chain, shape, hw, threads)
     planned = chosen.tiles_at(code_level(hw)) or {}
     code = code_tiles(shape, planned, hw.levels[0].capacity, kernel.nr)
     picks = {"p2": code.band_rows, "c": code.c_block, "k1": code.k1_block}
@@ -232,6 +242,58 @@ def compile_conv(
     spec = ConvChainSpec(kernel, shape.relu_mid, after == "relu", decided)
     header = _conv_header(spec, after)
     return ConvKernel(chain, chosen, spec, shape, code, reason, header)
+
+
+def _conv_plan(chain: Chain, shape: ConvChainShape, hw: Hardware, threads: int | None) -> Plan:
+    """The plan of a conv chain in the structure the conv backends implement (`_CONV_ORDER`)."""
+    n_first = shape.N > 1
+    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
+    structure = (order, 3 if n_first else 2)
+    try:
+        return remembered_plan(chain, hw, threads, structure, {})
+    except PlanningError:
+        if len(hw.levels) < 3:
+            raise
+        # the smallest fused block overflows the innermost cache (a wide window over many
+        # channels of the intermediate, e.g. 5x5 x 127): the kernel still runs, its micro-kernel
+        # streaming from the next level, so plan the levels from there out
+        outer = dataclasses.replace(hw, levels=hw.levels[1:])
+        return remembered_plan(chain, outer, threads, structure, {})
+
+
+def _compile_amx_conv(
+    chain: Chain,
+    shape: ConvChainShape,
+    hw: Hardware,
+    threads: int | None,
+    tiles: Mapping[str, int] | None,
+    halo: Halo | str | None,
+    after: str | None,
+) -> AmxConvKernel:
+    """A bf16 conv chain: on AMX tiles (or their emulation), or a clear error saying why not
+    (there is no fp32-arithmetic bf16 conv kernel to fall back to)."""
+    path = amx_path(chain.dtype)
+    if path is None:
+        raise TypeError(
+            f"{chain.name}: bfloat16 conv chains run on AMX tiles only, and not here: "
+            f"{amx_absent(chain.dtype)}; pass float32 tensors, or set {ENV_AMX}=emulate"
+        )
+    why = amx_conv_unsupported(shape)
+    if why:
+        raise ValueError(f"{chain.name}: {why}")
+    if halo is not None and Halo(halo) is not Halo.RECOMPUTE:
+        raise ValueError(f"halo: the AMX conv kernel recomputes its halo, got {halo!r}")
+    band_rows = amx_conv_band_rows(shape, threads if threads is not None else get_num_threads())
+    for loop, t in (tiles or {}).items():
+        if loop != "p2":
+            raise ValueError(f"tiles: the AMX conv kernel takes a tile of p2 only, got {loop!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
+        band_rows = min(t, shape.P2)
+    chosen = _conv_plan(chain, shape, hw, threads)
+    spec = AmxConvSpec(shape.relu_mid, after == "relu")
+    return AmxConvKernel(chain, chosen, spec, shape, band_rows,
+                         amx_conv_header(spec, path, after), path)  # fmt: skip
 
 
 def _conv_header(spec: ConvChainSpec, after: str | None) -> str:

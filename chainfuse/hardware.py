@@ -47,6 +47,8 @@ from typing import Any, TypeVar
 from chainfuse.ir import DType
 
 __all__ = [
+    "AMX_TILES",
+    "AMX_TILE_BYTES",
     "DEFAULT_BYTES_PER_CYCLE",
     "DEFAULT_CACHES",
     "DEFAULT_CLOCK_HZ",
@@ -100,10 +102,17 @@ DEFAULT_CACHES: tuple[tuple[int, int, bool], ...] = (
 DEFAULT_CLOCK_HZ = 2.0e9
 DEFAULT_DRAM_BYTES = 8 * 1024**3
 
-# Peak-FLOP assumptions for detect(): two FMA pipes per core (2 flops a lane a cycle); VDPBF16PS
-# twice the fp32 rate; AMX-BF16 1024 flops a cycle a core (16x32 by 32x16 tiles, Intel's figure).
+# Peak-FLOP assumptions for detect(): two FMA pipes per core (2 flops a lane a cycle); AMX-BF16
+# 1024 flops a cycle a core (16x32 by 32x16 tiles, Intel's figure). VDPBF16PS is no faster than
+# fp32 FMA (measured on an AMX Xeon: half its rate), so AVX512-BF16 alone adds no bf16 peak.
 FMA_UNITS = 2
 AMX_BF16_FLOPS_PER_CYCLE = 1024.0
+
+# AMX's tile registers (palette 1): 8 tiles of 16 rows x 64 bytes, the innermost storage of a
+# bf16 chain on AMX. The AMX micro-kernel's 32 x 32 block (4 fp32 accumulator tiles, 2 of A,
+# 2 of B) fills all of them, so its shape is the tile level's block (docs/design.md).
+AMX_TILES = 8
+AMX_TILE_BYTES = 1024
 
 # Cores whose FP pipes are narrower than their widest vector ISA run each wide instruction in
 # halves: (vendor_id, family, first model, last model) -> pipe bytes (Zen/Zen+ and Dhyana: AVX2
@@ -290,6 +299,43 @@ class Hardware:
         lanes = max(1, self.vector_bytes // 4)
         return lanes * _fused(self.isa) * self.peak(dtype) / self.peak(DType.FLOAT32)
 
+    @property
+    def amx(self) -> bool:
+        """Whether the machine has AMX-TILE and AMX-BF16 (whether this process may use them is
+        `kernels.amx.amx_status`'s question)."""
+        return {Isa.AMX_TILE, Isa.AMX_BF16} <= self.isa
+
+    @property
+    def tile_capacity(self) -> int:
+        """Bytes of the matrix engine's tile registers (`AMX_TILES` x `AMX_TILE_BYTES`), 0 where
+        there is none."""
+        return AMX_TILES * AMX_TILE_BYTES if self.amx else 0
+
+    def matrix_engine(self, dtype: DType | str) -> bool:
+        """Whether chainfuse's kernels compute `dtype` on a matrix engine here: bf16 on AMX."""
+        return DType.parse(dtype) is DType.BFLOAT16 and self.amx
+
+    def for_chain(self, dtype: DType | str) -> Hardware:
+        """The machine as chainfuse's kernels for a chain of `dtype` see it. A CPU computes a
+        16-bit chain on its matrix engine where `matrix_engine` says so (its peak is the
+        engine's), else widened to fp32 on the FMA units (`fp32_units`: its peak is float32's,
+        whatever 16-bit rate the machine's own libraries reach). GPUs and fp32 chains: as is."""
+        wanted = DType.parse(dtype)
+        half = wanted in (DType.BFLOAT16, DType.FLOAT16)
+        if self.kind is not DeviceKind.CPU or not half or self.matrix_engine(wanted):
+            return self
+        return self.fp32_units()
+
+    def fp32_units(self) -> Hardware:
+        """This machine with its 16-bit units taken away: no AMX flags, no 16-bit peaks (they
+        fall back to float32's). What a kernel that widens 16-bit operands to fp32 runs on."""
+        half = (DType.BFLOAT16, DType.FLOAT16)
+        isa = self.isa - {Isa.AMX_TILE, Isa.AMX_BF16}
+        peaks = tuple((d, f) for d, f in self.peak_flops if d not in half)
+        if isa == self.isa and peaks == self.peak_flops:
+            return self
+        return dataclasses.replace(self, isa=isa, peak_flops=peaks)
+
     def level(self, name: str) -> MemoryLevel:
         for lv in self.levels:
             if lv.name == name:
@@ -375,6 +421,12 @@ class Hardware:
             "".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + row[4] for row in rows
         ]
         lines.append(f"peak per core  {peaks}")
+        if self.amx:
+            tiles = f"{AMX_TILES} x {_size(AMX_TILE_BYTES)}"
+            lines.append(
+                f"AMX tiles {tiles} (innermost level of bf16 chains; block 32x32), "
+                f"bf16 peak {_rate(self.peak(DType.BFLOAT16), 'FLOP/s')} per core"
+            )
         return "\n".join(lines)
 
 
@@ -662,8 +714,6 @@ def _peaks(
     peaks = {DType.FLOAT32: fp32, DType.FLOAT64: fp32 / 2 if lanes32 else fp32}
     if Isa.AMX_BF16 in isa and Isa.AMX_TILE in isa:
         peaks[DType.BFLOAT16] = clock_hz * AMX_BF16_FLOPS_PER_CYCLE
-    elif Isa.AVX512_BF16 in isa:
-        peaks[DType.BFLOAT16] = 2 * fp32
     return tuple(peaks.items())
 
 

@@ -176,14 +176,16 @@ def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def dense_strides(name: str, x: Any, shape: tuple[int, ...], writable: bool = False) -> Arg:
-    """A float32 CPU array in NCHW or channels-last (NHWC) memory order, or a contiguous 1-D one.
+def dense_strides(
+    name: str, x: Any, shape: tuple[int, ...], writable: bool = False, dtype: str = "float32"
+) -> Arg:
+    """A `dtype` CPU array in NCHW or channels-last (NHWC) memory order, or a contiguous 1-D one.
 
     The kernel reads and writes through strides, so both orders are zero-copy; any other layout
     (a strided view) is refused rather than silently copied. The checks are `check`'s, and a
     (shape, strides) pair found dense once is remembered (layouts only, never data).
     """
-    arg = check(name, x, shape, writable, "float32", inner_contiguous=False)
+    arg = check(name, x, shape, writable, dtype, inner_contiguous=False)
     strides = arg[1]
     if (shape, strides) not in _DENSE:
         orders = _ORDERS if len(shape) == 4 else ((0,),)
@@ -215,17 +217,21 @@ def dense_in(order: tuple[int, ...], shape: tuple[int, ...], strides: tuple[int,
     return True
 
 
-def empty_like_input(x: Any, shape: tuple[int, ...], channels_last: bool) -> Any:
-    """A new result of `x`'s kind in `x`'s memory order (numpy: NCHW or an NHWC-ordered view)."""
+def empty_like_input(
+    x: Any, shape: tuple[int, ...], channels_last: bool, dtype: str = "float32"
+) -> Any:
+    """A new result of `x`'s kind in `x`'s memory order (numpy: NCHW or an NHWC-ordered view),
+    of `dtype` (x's own kind of it: a torch dtype for a tensor, numpy's for an array)."""
     if is_torch(x):
         import torch
 
         fmt = torch.channels_last if channels_last else torch.contiguous_format
-        return torch.empty(shape, dtype=torch.float32, memory_format=fmt)
+        return torch.empty(shape, dtype=getattr(torch, dtype), memory_format=fmt)
+    np_dtype = x.dtype if dtype != "float32" else np.float32
     if channels_last:
         N, K, P, Q = shape
-        return np.empty((N, P, Q, K), dtype=np.float32).transpose(0, 3, 1, 2)
-    return np.empty(shape, dtype=np.float32)
+        return np.empty((N, P, Q, K), dtype=np_dtype).transpose(0, 3, 1, 2)
+    return np.empty(shape, dtype=np_dtype)
 
 
 #: Where an operand's elements lie: (first byte, one past the last byte) relative to its data

@@ -215,8 +215,8 @@ def _size(n: float) -> str:
 
 
 def register_block(chain: Chain, hardware: Hardware) -> tuple[int, int]:
-    """The (mr, nr) register block of the micro-kernel `kernels.select` picks for the chain
-    (`model.kernel_of`); (1, 1) where there is none.
+    """The (mr, nr) register block of the chain's micro-kernel (`model.kernel_of`: the one
+    `kernels.select` picks, or the AMX block for a bf16 chain on AMX); (1, 1) where none.
 
     Rows of a contraction's output tile come in multiples of mr, columns of nr.
     """
@@ -624,7 +624,8 @@ def plan(
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
-    hw = resolve(hardware)
+    # (a 16-bit chain on a CPU without its engine is planned at the fp32 units' rate)
+    hw = resolve(hardware).for_chain(chain.dtype)
     nthreads = threads or hw.cores
     if nthreads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads}")

@@ -33,7 +33,7 @@ source "$CHAINFUSE_VENV/bin/activate"
 _stamp="$CHAINFUSE_VENV/.chainfuse-setup"
 _want="$(sha256sum "$CHAINFUSE_ROOT/pyproject.toml" | cut -d' ' -f1) $CHAINFUSE_TORCH"
 if [[ -f "$_stamp" && "$(cat "$_stamp")" == "$_want" ]] \
-    && python -c 'import chainfuse, torch, pytest, ruff, mypy, matplotlib' 2>/dev/null; then
+    && python -c 'import chainfuse, torch, pytest, ruff, mypy, matplotlib, transformers' 2>/dev/null; then
     _setup_log "reusing $CHAINFUSE_VENV"
 else
     _setup_log "installing $CHAINFUSE_TORCH and chainfuse[dev,bench] into $CHAINFUSE_VENV"

@@ -300,10 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0.1, help="per timing")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument(
+        "--isa", choices=["amx"], help="amx: the AMX-BF16 tile block against the TDPBF16PS probe"
+    )
+    parser.add_argument(
+        "--emulate", action="store_true", help="with --isa amx: the emulated build (correctness)"
+    )
+    parser.add_argument(
         "--calibrate", action="store_true", help="measure the model's efficiency terms (JSON)"
     )
     parser.add_argument("--write", action="store_true", help="with --calibrate: store them")
     args = parser.parse_args(argv)
+    if args.isa == "amx":
+        return _amx(parser, args)
+    if args.emulate:
+        parser.error("--emulate goes with --isa amx")
     kernel = None
     if args.kernel is not None:
         kernel = next(k for k in available() if k.name == args.kernel)
@@ -320,6 +330,27 @@ def main(argv: list[str] | None = None) -> int:
             write(entries)
         return 0
     print(measure(kernel, args.kc, args.seconds, args.repeat))
+    return 0
+
+
+def _amx(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--isa amx``: the AMX block on the unit, or through the emulation with ``--emulate``."""
+    from chainfuse.bench import amx
+    from chainfuse.kernels.amx import AmxPath, amx_status
+
+    if args.kernel is not None:
+        parser.error("--kernel names an FMA micro-kernel; --isa amx measures amx_bf16_32x32")
+    usable, why = amx_status()
+    if not usable and not args.emulate:
+        print(
+            f"no AMX: {why}. The AMX micro-kernel needs a CPU with AMX-TILE and AMX-BF16 and "
+            "the kernel's permission; add --emulate for a correctness smoke run of the emulated "
+            "build (its speed is not the unit's)",
+            file=sys.stderr,
+        )
+        return 2
+    path = AmxPath.EMULATED if args.emulate else AmxPath.REAL
+    print(amx.measure(path, args.kc, args.seconds, args.repeat))
     return 0
 
 

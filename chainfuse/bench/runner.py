@@ -22,11 +22,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from chainfuse.bench import attention, fidelity, gemm_chain, report, workloads
+from chainfuse.bench import amx, attention, fidelity, gemm_chain, report, workloads
 from chainfuse.bench.fidelity import Fidelity
 from chainfuse.bench.harness import set_threads
 from chainfuse.bench.probe import fp32_peak_gflops, measure_machine
-from chainfuse.bench.results import HALF_SUFFIX, Result
+from chainfuse.bench.results import HALF_SUFFIX, Result, suite_name
+from chainfuse.hardware import Hardware
+from chainfuse.ir import DType
+from chainfuse.kernels.amx import ENV_AMX, AmxPath, amx_mode, amx_path, amx_status
 
 __all__ = ["Progress", "main"]
 
@@ -178,6 +181,7 @@ def _main(argv: Sequence[str] | None) -> int:
           f"{times['warm_first_call_s'] * 1e3:.1f} ms, its second call "
           f"{times['warm_second_call_s'] * 1e3:.1f} ms")  # fmt: skip
 
+    amx_peak = _amx_probe(dtypes, extra, "before")
     progress = Progress(total)
     results: list[Result] = []
     runs: dict[str, Callable[[], list[Result]]] = {
@@ -201,6 +205,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if again > machine.peak_gflops:
         machine = dataclasses.replace(machine, peak_gflops=again)
     peak = machine.peak_gflops
+    if amx_peak is not None:
+        amx_peak = max(amx_peak, _amx_probe(dtypes, extra, "after") or 0.0)
+    # bf16 suites run on AMX: their % of peak is of the AMX probe
+    peaks = {suite_name(s, "bfloat16"): (amx_peak, "AMX") for s in SUITES} if amx_peak else {}
     # each suite's headline figures (its targets are stated in them), where it has them
     summaries = {"gemm-chain": gemm_chain.summarise, "attention": attention.summarise}
     for suite in dict.fromkeys(r.suite for r in results):
@@ -210,7 +218,8 @@ def _main(argv: Sequence[str] | None) -> int:
         summarise = summaries.get(base)
         if summarise is not None:
             key = suite.replace("-", "_") + "_headline_figures"
-            extra[key] = summarise([r for r in results if r.suite == suite], peak)
+            suite_peak = peaks.get(suite, (peak, "FP32"))[0]
+            extra[key] = summarise([r for r in results if r.suite == suite], suite_peak)
 
     fids: list[Fidelity] = []
     if args.top > 0:
@@ -232,8 +241,8 @@ def _main(argv: Sequence[str] | None) -> int:
                                                   args.top, progress=progress))  # fmt: skip
 
     command = "chainfuse bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    files = report.write(Path(args.out), results, fids, machine, extra, command.strip())
-    for s in report.summary_rows(results, peak):
+    files = report.write(Path(args.out), results, fids, machine, extra, command.strip(), peaks)
+    for s in report.summary_rows(results, peak, peaks):
         print(f"{s['suite']:<11} {s['threads']}t  geomean x{s['geomean_speedup']:.2f}  "
               f"min x{s['min_speedup']:.2f}  over the fastest baseline ({s['cases']} cases)")  # fmt: skip
     for f in fids:
@@ -241,6 +250,34 @@ def _main(argv: Sequence[str] | None) -> int:
               f"(without kernel terms {f.rho_plain:.2f}), tuning gap {f.tuning_gap:.1%}")  # fmt: skip
     print("wrote " + ", ".join(str(p) for p in files))
     return 0
+
+
+def _amx_probe(dtypes: Sequence[str], extra: dict[str, Any], when: str) -> float | None:
+    """For a bf16 run: the AMX probe's GFLOP/s per core where the AMX kernels run on the unit
+    (recorded in `extra["amx_probe_gflops"]`), else None with a line saying why the bf16
+    figures are of the FP32 probe. Random operands (zeros overstate the unit's speed)."""
+    if "bfloat16" not in dtypes:
+        return None
+    path = amx_path(DType.BFLOAT16)
+    if path is AmxPath.REAL:
+        gflops = amx.probe_gflops()
+        if gflops is not None:
+            extra.setdefault("amx_probe_gflops", {})[when] = gflops
+            nominal = Hardware.detect().peak(DType.BFLOAT16) / 1e9
+            print(f"AMX bf16 probe ({when}): {gflops:.1f} GFLOP/s per core (nominal "
+                  f"{nominal:.1f}); bf16 % of peak is of the AMX probe")  # fmt: skip
+            return gflops
+    if when == "before":
+        usable, why = amx_status()
+        if path is AmxPath.EMULATED:
+            why = f"{ENV_AMX}=emulate: the emulated AMX kernels, slow by design"
+        elif usable:
+            why = f"{ENV_AMX}={amx_mode().value}: the AMX kernels are not used"
+        else:
+            why = f"no AMX: {why}"
+        extra["amx"] = why
+        print(f"bf16: {why}; bf16 % of peak is of the FP32 probe")
+    return None
 
 
 def _run_conv(

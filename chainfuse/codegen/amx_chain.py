@@ -6,13 +6,23 @@ emulation (any host; `kernels.amx.AmxPath`). The blocks::
 
     for (b, m_o) claimed by this thread:          # MB rows of m (T_M), parallel
         A's rows: in place (k whole 32s, whole 16-row tiles), else packed once, zero-padded
-        for l_o:                                   # blocks of T_L keys (whole 32s)
+        for l_o:                                   # blocks of T_L keys (whole 32s); causal:
+                                                   # only up to the block's last row's key
             pack B[:, l_o] and D[l_o, :] as VNNI tiles (zeros past k, l and n)
-            for m_i in m_o, 32 rows at a time:
+            for m_i in m_o, 32 rows at a time:     # causal: its keys only, in whole 32s
                 S = A[m_i, :] . B[:, l_o]          # op1: fp32 tiles over all of k
-                P = bf16(f(S))                     # fp32 f (softmax: online, per row)
+                P = bf16(f(S))                     # fp32 f (softmax: online, per row; scaled,
+                                                   # masked, causal compare, then exp)
                 Eacc[m_i, :] (+)= P . D[l_o, :]    # op2: fp32 tiles, kept in scratch
         E[m_o, :] = bf16(Eacc)                     # (softmax: Eacc / the rows' sums)
+
+A softmax's mask (boolean: bytes, True takes part, added as 0 / -inf as SDPA adds it; additive:
+bf16, added to the scaled scores) is read element by element through its strides along
+(batch0, batch1, m, l), 0 where it broadcasts, as the fp32 path reads it; `is_causal` masks keys
+past the query (top-left aligned, a select). A row with no key above -inf gets zeros where the
+softmax is safe (attention), else NaN. NaN and inf go through as in PyTorch's unfused ops: a
+NaN score poisons its row (the max skips it, its exponential does not), masked or not, an inf
+score makes its row NaN; keys the causal loop never computes cannot.
 
 The intermediate is rounded to bf16 before op2, as PyTorch's unfused bf16 chain rounds it (f
 itself runs on the fp32 scores, one rounding fewer than PyTorch's bf16 C then bf16 f(C)); E is
@@ -43,11 +53,13 @@ from chainfuse.planner import Plan
 __all__ = [
     "AMX_MAX_L",
     "AMX_MAX_M",
+    "AMX_MAX_WORKSPACE",
     "amx_arithmetic",
     "amx_describe",
     "amx_header",
     "amx_schedule",
     "amx_unsupported",
+    "amx_workspace_bytes",
     "emit_amx_chain",
 ]
 
@@ -57,12 +69,35 @@ AMX_MAX_M = 256
 AMX_MAX_L = 512
 
 
-def amx_unsupported(shape: GemmChainShape) -> str:
-    """Why the AMX generator does not take a chain of `shape` ("" when it does)."""
-    if shape.mask is not MaskKind.NONE:
-        return "a masked softmax"
-    if shape.causal:
-        return "a causal softmax"
+#: Bytes of one thread's workspace at most (`CF_AMX_REGIONS` at the largest tiles): k and n
+#: run whole in tiles, so a chain whose K or N is larger takes the fp32 path, which tiles them
+AMX_MAX_WORKSPACE = 64 << 20
+
+
+def amx_workspace_bytes(K: int, N: int) -> int:
+    """One thread's workspace (`CF_AMX_REGIONS`) at the largest tiles, in bytes."""
+    kp, lde, mb, tl = _r32(K), -(-N // 16) * 16, AMX_MAX_M, AMX_MAX_L
+
+    def a16(x: int) -> int:
+        return -(-x // 16) * 16
+
+    floats = (a16(kp * tl // 2) + a16(tl * lde // 2) + a16(mb * kp // 2) + a16(32 * tl)
+              + a16(16 * tl) + a16(mb * lde) + 2 * a16(mb))  # fmt: skip
+    return 4 * floats
+
+
+def amx_unsupported(shape: GemmChainShape, k_n: tuple[int, int] | None = None) -> str:
+    """Why the AMX generator does not take a chain of `shape` ("" when it does). It takes every
+    two-GEMM chain `match_gemm_chain` recognises (the four betweens, masks of both kinds and
+    causal softmaxes, B stored either way) whose reduction and output widths `k_n` = (K, N),
+    when given, keep a thread's workspace within `AMX_MAX_WORKSPACE`."""
+    if k_n is not None:
+        need = amx_workspace_bytes(*k_n)
+        if need > AMX_MAX_WORKSPACE:
+            return (
+                f"K = {k_n[0]} and N = {k_n[1]} run whole in AMX tiles: {need} bytes of workspace"
+                f" a thread, past {AMX_MAX_WORKSPACE}"
+            )
     return ""
 
 
@@ -137,6 +172,12 @@ def amx_describe(schedule: CodeSchedule, path: AmxPath) -> str:
         " (op2), 16-row and 16-column tails in single tiles",
         f"  B and D packed as VNNI tiles per l block; A read in place where {k} is whole 32s",
     ]
+    if spec.mask is not MaskKind.NONE:
+        lines.append(f"  {spec.mask.value} mask read through its strides, added in fp32")
+    if spec.causal:
+        lines.append(
+            f"  causal: blocks of {l_} past a block's last query skipped, the diagonal compared"
+        )
     return "\n".join(lines)
 
 
@@ -184,7 +225,8 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
     with w.block(
         f"void {name}(const uint16_t* restrict A, const uint16_t* restrict B,\n"
         "    const uint16_t* restrict D, uint16_t* restrict E, const long* sizes,\n"
-        "    const long* strides, float scale, float* restrict work, long work_per_thread,\n"
+        "    const long* strides, float scale, const void* restrict mask_data,\n"
+        "    const long* mask_strides, float* restrict work, long work_per_thread,\n"
         "    int nthreads, const long* tiles)"
     ):
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
@@ -194,7 +236,9 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         w.line("const long sD0 = strides[6], sD1 = strides[7], sDl = strides[8];")
         w.line("const long sE0 = strides[9], sE1 = strides[10], sEm = strides[11];")
         w.line("CF_AMX_REGIONS(tiles, K, N)")
-        w.line("(void)scale;")
+        w.line("const long sM0 = mask_strides[0], sM1 = mask_strides[1];")
+        w.line("const long sMm = mask_strides[2], sMl = mask_strides[3];")
+        w.line("(void)scale; (void)mask_data; (void)sM0; (void)sM1; (void)sMm; (void)sMl;")
         w.line("const long KB = KP / 32; /* k blocks of 32: op1's tile steps */")
         w.line("const long mblocks = (M + MB - 1) / MB, blocks = nb0 * nb1 * mblocks;")
         w.line("long next_blk = 0; /* the next block to claim: see cf_claim */")
@@ -219,14 +263,15 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
             w.line("CF_TILE_RELEASE();")
     w.line("")
     w.line("/* the same with every argument in one array (gemm_chain.PACKED's layout): what")
-    w.line("   compiled.Kernel calls; the mask, outer_m and code_schedule slots are not read */")
+    w.line("   compiled.Kernel calls; the outer_m and code_schedule slots are not read */")
     with w.block(f"void {name}_packed(const long* a)"):
         w.line("const uint32_t bits = (uint32_t)a[8];")
         w.line("float scale;")
         w.line("memcpy(&scale, &bits, sizeof scale);")
         w.line(
             f"{name}((const uint16_t*)a[0], (const uint16_t*)a[1], (const uint16_t*)a[2],"
-            " (uint16_t*)a[3], a + 9, a + 15, scale, (float*)a[5], a[6], (int)a[7], a + 32);"
+            " (uint16_t*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27, (float*)a[5],"
+            " a[6], (int)a[7], a + 32);"
         )
     return w.text()
 
@@ -321,8 +366,20 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (long i = 0; i < mc; ++i)"):
             w.line("row_max[i] = -INFINITY;")
             w.line("row_sum[i] = 0.0f;")
-    with w.block("for (long l0 = 0; l0 < L; l0 += TLP)"):
-        w.line("const long lc = L - l0 < TLP ? L - l0 : TLP;")
+    if spec.mask is MaskKind.BOOL:
+        w.line("const unsigned char* restrict mask_b =")
+        w.line("    (const unsigned char*)mask_data + b0 * sM0 + b1 * sM1;")
+    elif spec.mask is MaskKind.ADDITIVE:
+        w.line(
+            "const uint16_t* restrict mask_b = (const uint16_t*)mask_data + b0 * sM0 + b1 * sM1;"
+        )
+    if spec.causal:
+        w.line("/* causal: keys past the block's last query are masked for all its rows */")
+        w.line("const long l_end = m0 + mc < L ? m0 + mc : L;")
+    else:
+        w.line("const long l_end = L;")
+    with w.block("for (long l0 = 0; l0 < l_end; l0 += TLP)"):
+        w.line("const long lc = l_end - l0 < TLP ? l_end - l0 : TLP;")
         w.line("const long LB = CF_R32(lc) / 32, LT = 2 * LB; /* blocks of 32 keys, tiles of 16 */")
         w.line("/* this l block of B (k x l) and of D (l x n) as VNNI tiles */")
         if spec.b_transposed:
@@ -335,16 +392,24 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         with w.block("for (long r0 = 0; r0 < mc; r0 += 32)"):
             w.line("const long rows = mc - r0 < 32 ? mc - r0 : 32;")
             w.line("const long rt16 = rows > 16 ? 32 : 16; /* the rows the tiles compute */")
+            if spec.causal:
+                w.line("/* causal: these rows' keys only (the first l block always has some) */")
+                w.line("const long need = m0 + r0 + rows - l0;")
+                w.line("const long lr = need < lc ? need : lc;")
+                w.line("if (lr <= 0) continue;")
+            else:
+                w.line("const long lr = lc; /* the keys these rows take */")
+            w.line("const long LBr = CF_R32(lr) / 32, LTr = 2 * LBr;")
             w.line(
                 "const uint16_t* restrict a = (const uint16_t*)((const char*)a_rows + r0 * lda);"
             )
-            w.line("/* op1: S = A[rows, :] . B[:, l0 : l0 + lc], fp32 tiles over all of k */")
-            with w.block("for (long c0 = 0; c0 < LT; c0 += 2)"):
+            w.line("/* op1: S = A[rows, :] . B[:, l0 : l0 + lr], fp32 tiles over all of k */")
+            with w.block("for (long c0 = 0; c0 < LTr; c0 += 2)"):
                 w.line("const uint16_t* restrict b = Bp + c0 * KB * 512;")
                 w.line("if (rows > 16) cf_amx_r2c2(KB, a, lda, b, KB, S + c0 * 16, 4 * TLP, 0);")
                 w.line("else cf_amx_r1c2(KB, a, lda, b, KB, S + c0 * 16, 4 * TLP, 0);")
             _emit_epilogue(w, spec)
-            w.line("/* op2: Eacc[rows, :] (+)= P . D[l0 : l0 + lc, :], fp32 tiles */")
+            w.line("/* op2: Eacc[rows, :] (+)= P . D[l0 : l0 + lr, :], fp32 tiles */")
             with w.block("for (long c0 = 0; c0 < NT; c0 += 2)"):
                 w.line("const uint16_t* restrict d = Dp + c0 * LB * 512;")
                 w.line("float* restrict e = Eacc + r0 * LDE + c0 * 16;")
@@ -353,9 +418,10 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
                     head = "if (rows > 16)" if rt == 2 else "else"
                     with w.block(head):
                         w.line(
-                            f"if (c0 + 1 < NT) cf_amx_r{rt}c2(LB, P, 2 * TLP, d, LB, e, 4 * LDE, acc);"
+                            f"if (c0 + 1 < NT) cf_amx_r{rt}c2(LBr, P, 2 * TLP, d, LB, e, 4 * LDE,"
+                            " acc);"
                         )
-                        w.line(f"else cf_amx_r{rt}c1(LB, P, 2 * TLP, d, LB, e, 4 * LDE, acc);")
+                        w.line(f"else cf_amx_r{rt}c1(LBr, P, 2 * TLP, d, LB, e, 4 * LDE, acc);")
     w.line(
         "/* E = bf16(Eacc), rounded once"
         + (", each row divided by its sum */" if softmax else " */")
@@ -364,7 +430,10 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("const float* restrict src = Eacc + i * LDE;")
         w.line("uint16_t* restrict dst = E_b + i * sEm;")
         if softmax:
-            w.line("const float inv = 1.0f / row_sum[i];")
+            empty = "0.0f" if spec.safe else "NAN"
+            w.line("/* a row with no key above -inf has no mass: zeros where the softmax is safe")
+            w.line("   (SDPA), else NaN (torch.softmax); a NaN in Eacc stays */")
+            w.line(f"const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : {empty};")
             w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j] * inv);")
         else:
             w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j]);")
@@ -374,14 +443,15 @@ def _emit_epilogue(w: Writer, spec: GemmChainSpec) -> None:
     """P = bf16(f(S)) on the rows the tiles computed, zeros past the l block's keys."""
     ep = spec.epilogue
     if ep is Epilogue.SOFTMAX:
-        _emit_online_softmax(w)
+        _emit_online_softmax(w, spec)
         return
     w.line(f"/* P = bf16({ep.value if ep is not Epilogue.NONE else 'S'}), f in fp32; zeros past"
-           " lc (D's rows there are zero too) */")  # fmt: skip
+           " lr (D's rows there are zero too) */")  # fmt: skip
     with w.block("for (long i = 0; i < rt16; ++i)"):
         w.line("const float* restrict s = S + i * TLP;")
         w.line("uint16_t* restrict p = P + i * TLP;")
-        with w.block("for (long j = 0; j < lc; ++j)"):
+        w.line("#pragma omp simd")
+        with w.block("for (long j = 0; j < lr; ++j)"):
             if ep is Epilogue.RELU:
                 w.line("const float v = s[j] < 0.0f ? 0.0f : s[j]; /* NaN stays NaN */")
             elif ep is Epilogue.GELU:
@@ -391,34 +461,54 @@ def _emit_epilogue(w: Writer, spec: GemmChainSpec) -> None:
             else:
                 w.line("const float v = s[j];")
             w.line("p[j] = cf_to_bf16(v);")
-        w.line("for (long j = lc; j < LB * 32; ++j) p[j] = 0;")
+        w.line("for (long j = lr; j < LBr * 32; ++j) p[j] = 0;")
 
 
-def _emit_online_softmax(w: Writer) -> None:
-    """The online softmax of the block's scores: per row the running max and sum; a row's E
-    so far rescaled when its max grows; P = bf16(exp(s - max)), its sum of the rounded values
-    (the weights op2 really applies)."""
+def _emit_online_softmax(w: Writer, spec: GemmChainSpec) -> None:
+    """The online softmax of the block's scores: per row the scores scaled, masked and
+    compared with the query (causal) in place, the running max and sum; a row's E so far
+    rescaled when its max grows; P = bf16(exp(s - max)), its sum of the rounded values (the
+    weights op2 really applies). A row with no unmasked key so far keeps zero mass."""
     w.line("/* online softmax in fp32 per row: a new max rescales the row's E and sum so far;")
-    w.line("   P = bf16(exp(scale s - max)), summed as rounded (the weights op2 applies) */")
+    w.line("   P = bf16(exp(v - max)), v = scale s (+ mask), summed as rounded (the weights op2")
+    w.line("   applies); the max skips NaN (its exponential is NaN: the row is poisoned) */")
     with w.block("for (long i = 0; i < rt16; ++i)"):
-        w.line("const float* restrict s = S + i * TLP;")
+        w.line("float* restrict s = S + i * TLP;")
         w.line("uint16_t* restrict p = P + i * TLP;")
         with w.block("if (i >= rows)"):
-            w.line("for (long j = 0; j < LB * 32; ++j) p[j] = 0; /* rows past the block's */")
+            w.line("for (long j = 0; j < LBr * 32; ++j) p[j] = 0; /* rows past the block's */")
             w.line("continue;")
         w.line("const long r = r0 + i;")
+        if spec.mask is not MaskKind.NONE:
+            w.line("const long mk = (m0 + r) * sMm + l0 * sMl; /* the row's mask at key l0 */")
         w.line("float mx = row_max[r];")
-        w.line("for (long j = 0; j < lc; ++j) mx = scale * s[j] > mx ? scale * s[j] : mx;")
+        w.line("/* (vector lanes each skip NaN: the max of their maxima never holds one) */")
+        w.line("#pragma omp simd reduction(max : mx)")
+        with w.block("for (long j = 0; j < lr; ++j)"):
+            w.line("float v = scale * s[j];")
+            if spec.mask is MaskKind.ADDITIVE:
+                w.line("v += cf_from_bf16(mask_b[mk + j * sMl]);")
+            elif spec.mask is MaskKind.BOOL:
+                w.line("v += mask_b[mk + j * sMl] ? 0.0f : -INFINITY; /* as SDPA: NaN stays */")
+            if spec.causal:
+                w.line("v = l0 + j > m0 + r ? -INFINITY : v;")
+            w.line("s[j] = v;")
+            w.line("mx = v > mx ? v : mx;")
         with w.block("if (mx > row_max[r] && l0 > 0)"):
-            w.line("const float alpha = cf_exp_neg(row_max[r] - mx);")
+            w.line("/* (a row with no mass so far: its E and sum are zeros, or NaN from V) */")
+            w.line(
+                "const float alpha = row_max[r] == -INFINITY ? 0.0f : cf_exp_neg(row_max[r] - mx);"
+            )
             w.line("float* restrict e = Eacc + r * LDE;")
             w.line("for (long j = 0; j < N; ++j) e[j] *= alpha;")
             w.line("row_sum[r] *= alpha;")
         w.line("row_max[r] = mx;")
+        w.line("const float shift = mx == -INFINITY ? 0.0f : mx; /* all masked: every p is 0 */")
         w.line("float sum = 0.0f;")
-        with w.block("for (long j = 0; j < lc; ++j)"):
-            w.line("const uint16_t h = cf_to_bf16(cf_exp_neg(scale * s[j] - mx));")
+        w.line("#pragma omp simd reduction(+ : sum)")
+        with w.block("for (long j = 0; j < lr; ++j)"):
+            w.line("const uint16_t h = cf_to_bf16(cf_exp_neg(s[j] - shift));")
             w.line("p[j] = h;")
             w.line("sum += cf_from_bf16(h);")
         w.line("row_sum[r] += sum;")
-        w.line("for (long j = lc; j < LB * 32; ++j) p[j] = 0;")
+        w.line("for (long j = lr; j < LBr * 32; ++j) p[j] = 0;")

@@ -34,11 +34,15 @@ __all__ = [
     "AMX_CFLAGS",
     "EMULATE_CFLAGS",
     "ENV_AMX",
+    "FP32_FMA",
     "AmxMode",
     "AmxPath",
+    "amx_absent",
     "amx_mode",
     "amx_path",
+    "amx_report",
     "amx_status",
+    "emit_tap_block",
     "emit_tile_block",
 ]
 
@@ -52,6 +56,11 @@ _SYS_ARCH_PRCTL = 158  # x86-64
 _ARCH_GET_XCOMP_PERM = 0x1022
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
+
+
+#: the name `Kernel.arithmetic` gives the path that widens 16-bit inputs and computes on fp32
+#: vector (FMA) units; `AmxPath` names the tile paths
+FP32_FMA = "fp32-fma"
 
 
 class AmxMode(enum.Enum):
@@ -96,6 +105,41 @@ def amx_path(dtype: DType) -> AmxPath | None:
     if mode is AmxMode.AUTO and amx_status()[0]:
         return AmxPath.REAL
     return None
+
+
+def amx_report() -> str:
+    """One line on AMX in this process, as `chainfuse hw` prints it: whether the unit is there
+    and permitted (`available`, `no AMX`, `permission refused`) and what ``CHAINFUSE_AMX`` makes
+    of it (`off`, `auto`, `emulated`)."""
+    usable, why = amx_status()
+    if usable:
+        unit = f"available ({why})"
+    elif why.startswith(("the CPU lacks", "AMX needs")):
+        unit = f"no AMX ({why})"
+    else:
+        unit = f"permission refused ({why})"
+    mode = amx_mode()
+    if mode is AmxMode.EMULATE:
+        use = "bf16 AMX kernels run through the C emulation (bit-exact, slow)"
+    elif mode is AmxMode.AUTO:
+        use = "bf16 AMX kernels " + ("in use" if usable else "cannot run here")
+    else:
+        use = "bf16 AMX kernels not used"
+    return f"{unit}; {ENV_AMX}={mode.value}: {use}"
+
+
+def amx_absent(dtype: DType) -> str:
+    """Why a chain of `dtype` does not run on AMX here, for `Kernel.arithmetic` ("" when it
+    does: `amx_path` gives a path)."""
+    if dtype is not DType.BFLOAT16:
+        return f"AMX takes bf16, this chain is {dtype.value}"
+    mode = amx_mode()
+    if mode is AmxMode.OFF:
+        return f"AMX kernels not enabled ({ENV_AMX}=off; auto or emulate runs them)"
+    if mode is AmxMode.AUTO:
+        usable, why = amx_status()
+        return "" if usable else f"{ENV_AMX}=auto, no AMX here: {why}"
+    return ""
 
 
 @functools.cache
@@ -197,6 +241,51 @@ static void {name}(long kb, const uint16_t* A, long lda, const uint16_t* B, long
 {a_rows}
 {b_cols}
 {dots}
+    }}
+{store}
+}}
+"""
+
+
+def emit_tap_block(rt: int, ct: int) -> str:
+    """C of ``cf_amx_taps_r<rt>c<ct>``: `emit_tile_block`'s block for a convolution, its fp32
+    accumulators kept in tiles over every tap: ``C = sum over taps t, blocks p of 32 channels``
+    of ``A(t, p) . B(t, p)``, where ``A(t, p)`` is the 16-row tile at ``A + toff[t] + 32p``
+    (rows ``lda`` bytes apart) and column tile c's ``B(t, p)`` is the VNNI tile at
+    ``B + (c * bstride + t * cb + p) * 512``; C is written once, rows ``ldc`` bytes apart."""
+    if rt not in (1, 2) or ct not in (1, 2):
+        raise ValueError(f"a tile block is 1 or 2 tiles a side, got {rt}x{ct}")
+    acc = [(r, c, _ACC[2 * r + c]) for r in range(rt) for c in range(ct)]
+
+    def at(r: int, c: int) -> str:
+        parts = ["(char*)C", *([f"{16 * r} * ldc"] if r else []), *([f"{64 * c}"] if c else [])]
+        return " + ".join(parts)
+
+    zero = "\n".join(f"    CF_TILE_ZERO({t});" for _, _, t in acc)
+    a_rows = "\n".join(
+        f"            CF_TILE_LOADD({_A[r]}, (const char*)a{f' + {16 * r} * lda' if r else ''}, lda);"
+        for r in range(rt)
+    )
+    b_cols = "\n".join(
+        f"            CF_TILE_LOADD({_B[c]}, b{' + bstride * 512' if c else ''}, 64);"
+        for c in range(ct)
+    )
+    dots = "\n".join(f"            CF_TILE_DPBF16PS({t}, {_A[r]}, {_B[c]});" for r, c, t in acc)
+    store = "\n".join(f"    CF_TILE_STORED({t}, {at(r, c)}, ldc);" for r, c, t in acc)
+    return f"""
+/* {16 * rt}x{16 * ct} fp32 block = sum over taps of A . B in tiles (kernels.amx.emit_tap_block) */
+static void cf_amx_taps_r{rt}c{ct}(long taps, const long* toff, long cb, const uint16_t* A,
+                                 long lda, const uint16_t* B, long bstride, float* C, long ldc)
+{{
+{zero}
+    for (long t = 0; t < taps; ++t) {{
+        for (long p = 0; p < cb; ++p) {{
+            const uint16_t* a = A + toff[t] + 32 * p;
+            const uint16_t* b = B + (t * cb + p) * 512;
+{a_rows}
+{b_cols}
+{dots}
+        }}
     }}
 {store}
 }}

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from chainfuse.hardware import DeviceKind, Hardware
 from chainfuse.ir import Chain, Contraction
 from chainfuse.kernels import MicroKernel, Problem, select
+from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.kernels.calibration import Calibration, calibration
 
 __all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
@@ -36,8 +37,11 @@ __all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
 
 @functools.lru_cache(maxsize=512)
 def kernel_of(chain: Chain, hardware: Hardware) -> MicroKernel | None:
-    """The micro-kernel `kernels.select` picks for the chain's first contraction on `hardware`;
-    None where there is none (no contraction of two loops, no CPU kernel for the dtype)."""
+    """The micro-kernel `kernels.select` picks for the chain's first contraction on `hardware`
+    (a bf16 chain on AMX: the AMX block, which fills the tile registers); None where there is
+    none (no contraction of two loops, no CPU kernel for the dtype)."""
+    if hardware.matrix_engine(chain.dtype):
+        return AMX_BF16_32X32
     first = chain.contractions[0] if chain.contractions else None
     if first is None or len(first.output.index) < 2:
         return None
@@ -80,8 +84,9 @@ class Efficiency:
 
 @functools.lru_cache(maxsize=512)
 def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
-    """The chain's terms on `hardware`; None off a CPU or without a micro-kernel."""
-    if hardware.kind is not DeviceKind.CPU:
+    """The chain's terms on `hardware`; None off a CPU, on a matrix engine (no calibration of
+    its own yet) or without a micro-kernel."""
+    if hardware.kind is not DeviceKind.CPU or hardware.matrix_engine(chain.dtype):
         return None
     kernel = kernel_of(chain, hardware)
     if kernel is None:

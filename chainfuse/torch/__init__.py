@@ -26,8 +26,15 @@ from chainfuse import ops
 from chainfuse.ops.arguments import grad_refused
 from chainfuse.ops.attention import known_attention
 from chainfuse.runtime.threads import call_threads, reset_call_threads, threads_for
+from chainfuse.torch.handoff import (
+    attention_reason,
+    count,
+    fallbacks,
+    gemm_chain_reason,
+    torch_gemm_chain,
+)
 
-__all__ = ["SDPAPatch", "attention", "conv_chain", "gemm_chain", "patch_sdpa"]
+__all__ = ["SDPAPatch", "attention", "conv_chain", "fallbacks", "gemm_chain", "patch_sdpa"]
 
 
 def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -50,7 +57,13 @@ def _attention_op(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """The operator's CPU kernel: `ops.attention`, which checks every argument."""
+    """The operator's CPU kernel: `ops.attention`, which checks every argument (or PyTorch's
+    SDPA, where `attention_reason` says so)."""
+    handed: torch.Tensor | None = _handed_attention(
+        q, k, v, attn_mask, is_causal, scale, enable_gqa
+    )
+    if handed is not None:
+        return handed
     out: torch.Tensor = _on_torch_threads(
         ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa,
@@ -96,7 +109,18 @@ def attention(
     q's heads. `dropout_p` (keyword-only here) must be 0. Inputs that require grad are refused
     while grad mode is on (no backward): use `torch.no_grad()` or `torch.inference_mode()`.
     Inside `torch.compile` it is the operator `torch.ops.chainfuse.attention` (see the module).
+    A 16-bit call no AMX kernel runs goes to PyTorch's SDPA where the model predicts it faster
+    (`handoff`), counted in `fallbacks`.
     """
+    return _attend(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, decide=True)
+
+
+def _attend(
+    q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool, scale: float | None,
+    dropout_p: float, enable_gqa: bool, decide: bool,
+) -> Any:  # fmt: skip
+    """`attention`; `decide=False`: chainfuse's kernel without asking whether PyTorch's is
+    faster (`patch_sdpa` has asked)."""
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -113,6 +137,10 @@ def attention(
         _refuse_grad("q, k, v, attn_mask", q, k, v, attn_mask)
         return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
+    if decide and q.dtype in _HALF and dropout_p == 0:
+        handed = _handed_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+        if handed is not None:
+            return handed
     if dropout_p.__class__ is float and dropout_p == 0.0:
         # a call like one made before (a decoding step) without the context below, a
         # measurable share of a short call
@@ -122,6 +150,29 @@ def attention(
             return done
     return _on_torch_threads(ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                              scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _torch_sdpa() -> Any:
+    """PyTorch's SDPA as it was before the outermost active patch."""
+    return _ACTIVE[0]._saved if _ACTIVE else torch.nn.functional.scaled_dot_product_attention
+
+
+def _handed_attention(
+    q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool, scale: float | None,
+    enable_gqa: bool,
+) -> Any:  # fmt: skip
+    """PyTorch's SDPA of a 16-bit call that chainfuse's kernels could run but the model predicts
+    slower than PyTorch's (`handoff`), counted in `fallbacks`; None for every other call."""
+    why = attention_reason(q, k, v, attn_mask, is_causal)
+    if why is None or _unsupported(q, k, v, attn_mask, 0.0) is not None:
+        return None  # (chainfuse's own errors, or not a call its kernels take)
+    ops.attention_shape(q.shape, k.shape, v.shape, enable_gqa)  # (chainfuse's shape errors)
+    count(fallbacks, why, "attention")
+    return _torch_sdpa()(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)  # fmt: skip
 
 
 def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> str | None:
@@ -168,9 +219,11 @@ class SDPAPatch:
     A call chainfuse's kernels cannot run (another device, float64, dropout_p > 0 while
     training, inputs that require grad, 1-D inputs, a last dimension that is not contiguous)
     goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
-    per reason; with `strict=True` it is an error instead. `calls` counts the calls chainfuse
-    ran. Errors of the call itself (mismatched shapes) are raised as chainfuse raises them, never
-    passed on. Patches nest; each restores what it replaced. The patch is process-wide (the
+    per reason; with `strict=True` it is an error instead. A 16-bit call that no AMX kernel
+    runs and for which the model predicts PyTorch's SDPA faster (`handoff`) goes there too,
+    counted the same way (with `strict=True`, chainfuse's kernel runs it). `calls` counts the
+    calls chainfuse ran. Errors of the call itself (mismatched shapes) are raised as chainfuse
+    raises them, never passed on. Patches nest; each restores what it replaced. The patch is process-wide (the
     module attribute), not per thread.
     """
 
@@ -215,9 +268,23 @@ class SDPAPatch:
     ) -> Any:
         """SDPA's signature (its fifth positional argument is dropout_p)."""
         why = _unsupported(query, key, value, attn_mask, dropout_p)
+        # (compiled, the operator decides when it runs)
+        if (
+            why is None
+            and query.dtype in _HALF
+            and not self.strict
+            and not torch.compiler.is_compiling()
+        ):
+            why = attention_reason(query, key, value, attn_mask, is_causal)
+            if why is not None:  # (the kernels could run it: no error under strict)
+                ops.attention_shape(query.shape, key.shape, value.shape, enable_gqa)
+                count(self.fallbacks, why, "patch_sdpa")
+                return self._saved(query, key, value, attn_mask=attn_mask, is_causal=is_causal,
+                                   scale=scale, enable_gqa=enable_gqa)  # fmt: skip
         if why is None:
             self.calls += 1
-            return attention(query, key, value, attn_mask, is_causal, scale, enable_gqa=enable_gqa)
+            return _attend(query, key, value, attn_mask, is_causal, scale, 0.0, enable_gqa,
+                           decide=False)  # fmt: skip
         if self.strict:
             raise ValueError(f"scaled_dot_product_attention: chainfuse cannot run calls with {why}")
         if not self.fallbacks[why]:
@@ -252,7 +319,13 @@ def _refuse_grad(names: str, *xs: Any) -> None:
 def _gemm_chain_op(
     A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, between: str | None
 ) -> torch.Tensor:
-    """The operator's CPU kernel: `ops.gemm_chain`, which checks every argument."""
+    """The operator's CPU kernel: `ops.gemm_chain`, which checks every argument (or PyTorch's
+    ops, where `gemm_chain_reason` says so)."""
+    why = gemm_chain_reason(A, B, D, between)
+    if why is not None and not torch.is_grad_enabled():
+        count(fallbacks, why, "gemm_chain")
+        handed: torch.Tensor = torch_gemm_chain(A, B, D, between)
+        return handed
     out: torch.Tensor = _on_torch_threads(ops.gemm_chain, A, B, D, between=between)
     return out
 
@@ -273,7 +346,17 @@ def gemm_chain(A: Any, B: Any, D: Any, between: str | None = None) -> Any:
     if torch.compiler.is_compiling():
         _refuse_grad("A, B, D", A, B, D)
         return _gemm_chain_op(A, B, D, between)
+    why = gemm_chain_reason(A, B, D, between)
+    if why is not None and not _needs_grad(A, B, D):
+        ops.gemm_chain_shape(A.shape, B.shape, D.shape)  # (chainfuse's shape errors)
+        count(fallbacks, why, "gemm_chain")
+        return torch_gemm_chain(A, B, D, between)
     return _on_torch_threads(ops.gemm_chain, A, B, D, between=between)
+
+
+def _needs_grad(*xs: torch.Tensor) -> bool:
+    """Inputs chainfuse refuses (grad mode on, an input that requires grad): its error stands."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
 def _conv_out(x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
@@ -382,3 +465,10 @@ def conv_chain(
         return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
     return _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=stride, padding=padding,
                              between=between, after=after)  # fmt: skip
+
+
+# the torch.compile backend ("chainfuse") and its explainer: after the operators they emit
+from chainfuse.torch.backend import compile  # noqa: E402
+from chainfuse.torch.explain import explain  # noqa: E402
+
+__all__ += ["compile", "explain"]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import chainfuse
 from chainfuse import reference
-from chainfuse.codegen.amx_chain import emit_amx_chain
+from chainfuse.codegen.amx_chain import AMX_MAX_L, AMX_MAX_M, amx_workspace_bytes, emit_amx_chain
 from chainfuse.compiled import ALONE_S
 from chainfuse.compiler import AmxKernel, compile
 from chainfuse.kernels.amx import ENV_AMX, AmxPath, amx_status
@@ -93,11 +93,28 @@ def test_amx_attention_without_mask_matches_reference() -> None:
     check_against_reference(_amx(chain), chain, seed=2, convert=_bf16)
 
 
-def test_masked_or_causal_attention_keeps_the_fp32_path() -> None:
-    for chain in (chainfuse.attention_chain(1, 1, 8, 8, 8, 8, causal=True, dtype="bfloat16"),
-                  chainfuse.attention_chain(1, 1, 8, 8, 8, 8, mask="bool", dtype="bfloat16")):  # fmt: skip
-        kernel = compile(chain)
-        assert not isinstance(kernel, AmxKernel) and "fp32 micro-kernel" in kernel.arithmetic
+def test_a_reduction_too_long_for_whole_tiles_takes_the_fp32_path_and_says_why() -> None:
+    # k runs whole in AMX tiles: past AMX_MAX_WORKSPACE the fp32 path (which tiles k) runs it
+    chain = chainfuse.gemm_chain(1, 3, 2, 50_000, 5, "relu", dtype="bfloat16")
+    kernel = compile(chain)
+    assert not isinstance(kernel, AmxKernel)
+    assert kernel.arithmetic.startswith("fp32-fma:") and "K = 50000" in kernel.arithmetic
+    check_against_reference(kernel, chain, seed=1, convert=_bf16)
+
+
+def test_the_workspace_bound_is_the_kernels_own() -> None:
+    # amx_workspace_bytes (what the dispatch weighs) is the C's CF_AMX_REGIONS at the largest tiles
+    chain = chainfuse.gemm_chain(1, AMX_MAX_M, 24, 40, AMX_MAX_L, "softmax", dtype="bfloat16")
+    kernel = _amx(chain, {"m": AMX_MAX_M, "l": AMX_MAX_L})
+    assert (kernel.spec.T_M, kernel.spec.T_L) == (AMX_MAX_M, AMX_MAX_L)
+    assert 4 * kernel._per == amx_workspace_bytes(40, 24)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_only_bf16_chains_take_amx(dtype: str) -> None:
+    chain = chainfuse.attention_chain(1, 1, 8, 8, 8, 8, causal=True, mask="bool", dtype=dtype)
+    kernel = compile(chain)
+    assert not isinstance(kernel, AmxKernel) and kernel.arithmetic.startswith("fp32-fma:")
 
 
 @pytest.mark.parametrize("between", BETWEEN)
@@ -169,6 +186,17 @@ def test_amx_nan_and_inf_propagate_as_pytorch(between: str | None, bad: float) -
     assert np.array_equal(np.isneginf(ours), np.isneginf(theirs))
     assert not np.isfinite(ours).all()
     reference.assert_close(ours, reference.run(chain, x)["E"], chain, inputs=x)
+
+
+def test_amx_softmax_of_an_all_minus_inf_row_is_nan_as_torch_softmax() -> None:
+    # gemm_chain's softmax is unsafe (torch.softmax's); attention's safe rows: test_amx_attention
+    chain = chainfuse.gemm_chain(1, 20, 9, 8, 40, "softmax", dtype="bfloat16")
+    x = reference.random_inputs(chain, seed=2)
+    x["A"][0, 5] = 0.0
+    x["A"][0, 5, 0] = float("-inf")  # row 5's scores: -inf (B's first row all positive)
+    x["B"][0, 0] = np.abs(x["B"][0, 0]) + 0.5
+    ours = _amx(chain)(*(_bf16(x[t.name]) for t in chain.inputs)).float().numpy()
+    assert np.isnan(ours[0, 5]).all() and np.isfinite(np.delete(ours[0], 5, axis=0)).all()
 
 
 def test_amx_kernel_says_what_it_computes_in(monkeypatch: pytest.MonkeyPatch) -> None:

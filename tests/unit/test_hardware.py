@@ -14,7 +14,7 @@ from chainfuse.hardware import DeviceKind, Hardware, Isa, MemoryLevel, presets, 
 from chainfuse.ir import DType
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
-PRESETS = ("a100", "ascend-910", "h100", "h200", "xeon-gold-6240")
+PRESETS = ("a100", "ascend-910", "h100", "h200", "xeon-8480", "xeon-gold-6240")
 
 
 @pytest.fixture
@@ -269,6 +269,7 @@ def test_detect_reads_caches_isa_and_clock(
     assert (hw.vector_bytes, hw.vector_registers) == (64, 32)
     assert hw.peak(DType.FLOAT32) == 3e9 * 2 * 2 * 16
     assert hw.peak(DType.BFLOAT16) == 3e9 * hardware.AMX_BF16_FLOPS_PER_CYCLE
+    assert hw.matrix_engine(DType.BFLOAT16) and hw.tile_capacity == 8 * KIB
     assert hw.level("L1").bandwidth == 3e9 * hardware.DEFAULT_BYTES_PER_CYCLE[1]
     assert "Fake Xeon" in hw.name
 
@@ -338,3 +339,12 @@ def test_resolve_accepts_none_names_and_machines(fresh_detect: None) -> None:
 def test_resolve_rejects_other_types(bad: object) -> None:
     with pytest.raises(TypeError, match="hardware"):
         resolve(bad)  # type: ignore[arg-type]
+
+
+def test_avx512_bf16_alone_adds_no_bf16_peak() -> None:
+    # VDPBF16PS runs at half the FMA rate on an AMX Xeon: bf16 falls back to the fp32 peak
+    isa = frozenset({Isa.AVX2, Isa.FMA, Isa.AVX512F, Isa.AVX512_BF16})
+    peaks = dict(hardware._peaks(isa, 64, 2e9))
+    assert DType.BFLOAT16 not in peaks and peaks[DType.FLOAT32] == 2e9 * 2 * 2 * 16
+    amx = dict(hardware._peaks(isa | {Isa.AMX_TILE, Isa.AMX_BF16}, 64, 2e9))
+    assert amx[DType.BFLOAT16] == 2e9 * hardware.AMX_BF16_FLOPS_PER_CYCLE

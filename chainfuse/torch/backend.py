@@ -1,0 +1,300 @@
+"""The `torch.compile` backend "chainfuse": find the chains of a model's graph, fuse each one
+where the fused kernel is measured faster, and compile the rest with Inductor.
+
+    model = torch.compile(model, backend="chainfuse")         # the entry point: no import needed
+    model = chainfuse.torch.compile(model, mode="eager")      # options: see `Options`
+
+Per graph Dynamo hands over (torch-level ops, parameters as inputs):
+  1. a graph that needs a backward (grad mode on and an input that requires grad) goes to
+     Inductor unchanged: chainfuse's kernels are for inference;
+  2. the parameters become constants of the graph (freezing), so that weights can be packed once
+     and Inductor freezes them too (its `freezing` option alone, set after Dynamo traced, does
+     not: Dynamo has already made the parameters inputs);
+  3. the graph runs once on the example inputs (every node's value recorded), `finder.find`
+     lists the chains, `rewrite.Emitter` writes each as one chainfuse operator, `decide` times it
+     against the unfused nodes and keeps the faster;
+  4. the rewritten graph goes to Inductor (`compile_fx`, freezing on) or runs as it is (eager).
+The chainfuse operators have shape functions over symbolic sizes: a graph compiled with dynamic
+shapes serves every sequence length without building another kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from chainfuse.torch.decide import Decision, decide, predicted_time
+from chainfuse.torch.finder import ChainKind, Found, find
+from chainfuse.torch.kinds import value_of
+from chainfuse.torch.rewrite import Capabilities, Emitter, external_inputs
+from chainfuse.torch.unfold import unfold
+
+__all__ = ["Backend", "ChainReport", "Options", "Report", "backend", "compile"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """`mode`: "inductor" (compile the rewritten graph with Inductor) or "eager" (run it as
+    is); `freeze`: treat the parameters as constants (inference; weights changed after the
+    compile are not seen, as with Inductor's freezing); `measure`: time each chain against its
+    unfused ops (False: fuse every chain the build can run); `fuse`: False finds and reports
+    only."""
+
+    mode: str = "inductor"
+    freeze: bool = True
+    measure: bool = True
+    fuse: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("inductor", "eager"):
+            raise ValueError(f"mode: expected 'inductor' or 'eager', got {self.mode!r}")
+
+
+@dataclass
+class ChainReport:
+    name: str
+    form: str
+    fused: bool
+    why: str
+    decision: Decision | None = None
+
+
+@dataclass
+class Report:
+    """What the backend did with every graph it compiled (filled as graphs are compiled)."""
+
+    graphs: int = 0
+    chains: list[ChainReport] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class Backend:
+    """A Dynamo backend: `backend(gm, example_inputs) -> callable`."""
+
+    def __init__(self, options: Options | None = None, report: Report | None = None) -> None:
+        self.options = options or Options()
+        self.report = report if report is not None else Report()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        self.report.graphs += 1
+        training = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        )
+        if training:
+            self.report.notes.append(
+                f"graph {self.report.graphs}: needs a backward (grad mode on, inputs that "
+                "require grad): compiled unchanged (chainfuse's kernels are for inference)"
+            )
+            return self._compile(gm, list(example_inputs), freeze=False)
+        keep = (
+            _freeze(gm, example_inputs) if self.options.freeze else list(range(len(example_inputs)))
+        )
+        inputs = [example_inputs[i] for i in keep]
+        self._rewrite(gm, inputs)
+        compiled = self._compile(gm, inputs, freeze=self.options.freeze)
+        if len(keep) == len(example_inputs):
+            return compiled
+
+        def run(*args: Any) -> Any:
+            # (Dynamo passes only the inputs the graph still has placeholders for; a caller
+            # passing them all gets them picked)
+            if len(args) == len(keep):
+                return compiled(*args)
+            return compiled(*[args[i] for i in keep])
+
+        return run
+
+    def _compile(self, gm: fx.GraphModule, inputs: list[Any], freeze: bool) -> Callable[..., Any]:
+        if self.options.mode == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch._inductor.config.patch(freezing=freeze):
+            compiled: Callable[..., Any] = compile_fx(gm, inputs)  # type: ignore[assignment]
+            return compiled
+
+    def _rewrite(self, gm: fx.GraphModule, inputs: list[Any]) -> None:
+        kept_whole = unfold(gm.graph)
+        gm.recompile()
+        interp = fx.Interpreter(gm, garbage_collect_values=False)
+        # (a symbolic size runs at the value it was traced with, read without a guard)
+        concrete = [a.node.hint if isinstance(a, torch.SymInt) else a for a in inputs]
+        with torch.no_grad():
+            interp.run(*concrete)
+        values = interp.env
+        for node, value in values.items():  # (the unfolded nodes have no traced values)
+            node.meta.setdefault("example_value", value)
+        finding = find(gm.graph)
+        self.report.skipped += kept_whole + finding.skipped
+        emitter = Emitter(gm, Capabilities.detect(), self.options.freeze, values.__getitem__)
+        for found in finding.chains:
+            refusal = emitter.refusal(found)
+            if refusal is not None:
+                self.report.chains.append(ChainReport(found.name, found.form, False, refusal))
+                continue
+            if not self.options.fuse:
+                self.report.chains.append(
+                    ChainReport(found.name, found.form, False, "found (fuse=False)")
+                )
+                continue
+            decision = self._decide(gm, found, emitter, values)
+            if decision.fuse:
+                _replace(gm, found, emitter)
+            self.report.chains.append(
+                ChainReport(found.name, found.form, decision.fuse, decision.why, decision)
+            )
+        used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+        sources: Any = getattr(gm, "_param_name_to_source", None)
+        for name in emitter.added:
+            if name not in used:
+                delattr(gm, name)
+            elif sources is not None:
+                from torch._dynamo.source import ConstantSource
+
+                sources[name] = ConstantSource(name)
+        gm.graph.lint()
+        gm.recompile()
+
+    def _decide(
+        self, gm: fx.GraphModule, found: Found, emitter: Emitter, values: dict[fx.Node, Any]
+    ) -> Decision:
+        ext = external_inputs(found)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        nodes = sorted(found.nodes, key=order.__getitem__)
+
+        def unfused(graph: fx.Graph, env: dict[fx.Node, Any]) -> Any:
+            for n in nodes:
+                env[n] = graph.node_copy(n, env.__getitem__)
+            return env[found.output]
+
+        def fused(graph: fx.Graph, env: dict[fx.Node, Any]) -> Any:
+            return emitter.emit(found, graph, lambda a: env[a] if isinstance(a, fx.Node) else a)
+
+        runs = []
+        for write in (fused, unfused):
+            graph, env, args = fx.Graph(), {}, []
+            for n in ext:
+                if n.op == "get_attr":
+                    env[n] = graph.get_attr(str(n.target))
+                else:
+                    env[n] = graph.placeholder(n.name)
+                    args.append(values[n])
+            graph.output(write(graph, env))
+            module = fx.GraphModule(gm, graph)
+            runs.append(functools.partial(_no_grad_call, module, args))
+        key = [found.kind.value, found.form, torch.get_num_threads(), _constants(found.parts),
+               *[_describe(values[n]) for n in ext]]  # fmt: skip
+        return decide(key, runs[0], runs[1], _predicted(found, values), self.options.measure)
+
+
+def _no_grad_call(module: fx.GraphModule, args: list[Any]) -> Any:
+    with torch.no_grad():
+        return module(*args)
+
+
+def _constants(parts: dict[str, Any]) -> list[str]:
+    """The plain settings of a chain (is_causal, scale, strides, ...), for its decision's key."""
+    plain = (bool, int, float, str, type(None))
+    found = []
+    for name, value in sorted(parts.items()):
+        if isinstance(value, dict):
+            found += [f"{name}.{k}={v!r}" for k, v in sorted(value.items()) if isinstance(v, plain)]
+        elif isinstance(value, plain):
+            found.append(f"{name}={value!r}")
+    return found
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), list(value.stride()), str(value.dtype)]
+    return repr(value)
+
+
+def _predicted(found: Found, values: dict[fx.Node, Any]) -> float | None:
+    p = found.parts
+    if found.kind is ChainKind.MLP:
+        x, w1, w2 = values[p["first"].x], values[p["first"].weight], values[p["second"].weight]
+        hidden = w1.shape[0] if p["first"].transposed else w1.shape[1]
+        out = w2.shape[0] if p["second"].transposed else w2.shape[1]
+        dims = {"M": math.prod(x.shape[:-1]), "K": x.shape[-1], "L": hidden, "N": out,
+                "between": p["between"]}  # fmt: skip
+        return predicted_time("mlp", dims, x.dtype)
+    if found.kind in (ChainKind.SDPA, ChainKind.ATTENTION):
+        q, v = values[p["q"]], values[p["v"]]
+        seq_k = v.shape[-2]
+        if q.dim() != 4:
+            return None
+        dims = {"batch": q.shape[0], "heads": q.shape[1], "seq_q": q.shape[2], "seq_k": seq_k,
+                "d": q.shape[3], "dv": v.shape[3], "causal": bool(p.get("is_causal", False))}  # fmt: skip
+        return predicted_time("attention", dims, q.dtype)
+    return None
+
+
+def _replace(gm: fx.GraphModule, found: Found, emitter: Emitter) -> None:
+    """`found`'s nodes replaced by its fused call, written just before its last node."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(found.nodes, key=order.__getitem__)
+    with graph.inserting_before(last):
+        new = emitter.emit(found, graph, lambda a: a)
+    new.meta["example_value"] = value_of(found.output)
+    found.output.replace_all_uses_with(new)
+    for node in sorted(found.nodes, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _freeze(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[int]:
+    """Make the graph's parameter inputs constants (get_attr) of `gm`; returns the indices of
+    the inputs that stay inputs. The source of each is kept where Dynamo keeps it, for AOT
+    autograd's bookkeeping of lifted constants."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sources = getattr(gm, "_param_name_to_source", None)
+    keep = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
+        grapharg = node.meta.get("grapharg")
+        if not isinstance(value, torch.nn.Parameter) or grapharg is None or sources is None:
+            keep.append(i)
+            continue
+        name = f"_cf_param_{i}"
+        gm.register_parameter(name, value)
+        sources[name] = grapharg.source
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+        attr.meta.update(node.meta)
+        node.replace_all_uses_with(attr)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return keep
+
+
+#: the backend `torch.compile(model, backend="chainfuse")` uses (default options)
+backend = Backend()
+
+
+def compile(model: Any, *, dynamic: bool | None = None, fullgraph: bool = False,
+            **options: Any) -> Any:  # fmt: skip
+    """`torch.compile(model, backend="chainfuse")` with `Options` (mode, freeze, measure, fuse):
+    `chainfuse.torch.compile(model, mode="eager")`. `dynamic` and `fullgraph` go to
+    `torch.compile`. With `freeze` (the default), Inductor's freezing is on while Dynamo
+    traces, as Inductor with freezing runs: Dynamo then installs the parameters as constants
+    itself and leaves them out of the graph's inputs and guards."""
+    settings = Options(**options)
+    compiled: Any = torch.compile(model, backend=Backend(settings), dynamic=dynamic,
+                             fullgraph=fullgraph)  # fmt: skip
+    if not settings.freeze:
+        return compiled
+
+    @functools.wraps(model.forward if isinstance(model, torch.nn.Module) else model)
+    def frozen(*args: Any, **kwargs: Any) -> Any:
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+
+    return frozen

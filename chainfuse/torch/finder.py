@@ -1,0 +1,402 @@
+"""Find the chains chainfuse fuses in a Dynamo FX graph (torch-level ops, before decomposition).
+
+Walks from every compute op (`kinds.Kind`) through what may sit between two compute ops
+(one-to-one elementwise ops, eval dropout, views) to the next compute op:
+
+    linear(+bias) -> relu | gelu | gelu_tanh | quick_gelu | silu -> [dropout] -> linear(+bias)
+    act(x W1) * (x W3) -> W2                                     (gated MLP, no biases)
+    scaled_dot_product_attention(q, k, v, ...)                   (dropout_p = 0)
+    q @ kᵀ -> [* or / scale] -> [+ mask] -> softmax(-1) -> [dropout] -> @ v
+    conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
+
+`linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()` /
+`x @ W` followed by `+ b`. Every compute op left out gets a reason (`Finding.skipped`).
+Finding changes nothing: `rewrite` replaces the chains.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from chainfuse.torch.kinds import Kind, activation_at, constant_of, kind_of, value_of
+
+__all__ = ["ChainKind", "Finding", "Found", "Gemm", "find"]
+
+F = torch.nn.functional
+
+
+class ChainKind(enum.Enum):
+    MLP = "mlp"
+    GATED_MLP = "gated-mlp"
+    SDPA = "sdpa"
+    ATTENTION = "attention"  # written out: matmul, scale, mask, softmax, matmul
+    CONV = "conv-chain"
+
+
+@dataclass(frozen=True, eq=False)
+class Gemm:
+    """One GEMM with a weight: `end = x @ W' (+ bias)`, `W' = W.T` where `transposed` (W stored
+    [out, in] as nn.Linear keeps it), else W itself ([in, out], as addmm's)."""
+
+    node: fx.Node
+    x: fx.Node
+    weight: fx.Node
+    transposed: bool
+    bias: fx.Node | None
+    end: fx.Node
+    words: str  # "linear+bias", "addmm", "x @ W.t() + b"
+
+
+@dataclass(frozen=True, eq=False)
+class Found:
+    """A chain: its nodes in graph order (the last one's value is the chain's result) and the
+    operands its fused call takes (`parts`, per kind)."""
+
+    kind: ChainKind
+    form: str
+    nodes: tuple[fx.Node, ...]
+    parts: dict[str, Any]
+
+    @property
+    def output(self) -> fx.Node:
+        return self.nodes[-1]
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind.value}@{self.nodes[0].name}"
+
+
+@dataclass
+class Finding:
+    chains: list[Found] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (node, why not)
+
+
+def _is_weight(node: Any) -> bool:
+    """A 2-D tensor that is an input of the graph (a parameter) or one of its constants."""
+    if not isinstance(node, fx.Node) or node.op not in ("placeholder", "get_attr"):
+        return False
+    value = value_of(node)
+    return value is None or (isinstance(value, torch.Tensor) and value.dim() == 2)
+
+
+def _is_vector(node: Any) -> bool:
+    value = value_of(node)
+    return isinstance(node, fx.Node) and isinstance(value, torch.Tensor) and value.dim() == 1
+
+
+def _transpose_of(node: Any) -> fx.Node | None:
+    """W where `node` is `W.t()`, `W.T`, `W.transpose(0, 1)` or `W.permute(1, 0)` of a weight."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
+        return None
+    args: Any = node.args
+    swap = (
+        (node.target in ("t", torch.t) and len(args) == 1)
+        or (node.target in ("transpose", torch.transpose) and {*args[1:]} in ({0, 1}, {-1, -2}))
+        or (node.target == "permute" and tuple(args[1:]) in ((1, 0), ((1, 0),)))
+    )
+    weight: fx.Node | None = args[0] if swap and _is_weight(args[0]) else None
+    return weight
+
+
+def gemm_at(node: fx.Node) -> Gemm | None:
+    """`node` as a GEMM with a weight, its bias add included, or None."""
+    if kind_of(node) is not Kind.LINEAR and kind_of(node) is not Kind.MATMUL:
+        return None
+    args: Any = node.args
+    if node.target is torch.addmm:
+        if len(args) != 3 or node.kwargs or not _is_vector(args[0]):
+            return None
+        w_t = _transpose_of(args[2])
+        if w_t is None and not _is_weight(args[2]):
+            return None
+        return Gemm(node, args[1], w_t or args[2], w_t is not None, args[0], node, "addmm")
+    if kind_of(node) is Kind.LINEAR:
+        bias: Any = args[2] if len(args) > 2 else node.kwargs.get("bias")
+        if not _is_weight(args[1]) or (bias is not None and not _is_vector(bias)):
+            return None
+        words = "linear+bias" if bias is not None else "linear"
+        return Gemm(node, args[0], args[1], True, bias, node, words)
+    if len(args) != 2 or not isinstance(args[0], fx.Node):
+        return None
+    weight, transposed = _transpose_of(args[1]), True
+    if weight is None:
+        weight, transposed = (args[1], False) if _is_weight(args[1]) else (None, False)
+    if weight is None:
+        return None
+    end, bias = node, None
+    users: list[Any] = list(node.users)
+    if len(users) == 1 and users[0].target in (operator.add, torch.add, "add"):
+        other = [a for a in users[0].args if a is not node]
+        if len(other) == 1 and _is_vector(other[0]) and not users[0].kwargs:
+            end, bias = users[0], other[0]
+    words = ("x @ W.t()" if transposed else "x @ W") + (" + b" if bias is not None else "")
+    return Gemm(node, args[0], weight, transposed, bias, end, words)
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _eval_dropout(node: fx.Node) -> bool:
+    if node.target is not F.dropout:
+        return False
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    return training is False
+
+
+def _passes(node: fx.Node) -> bool:
+    """Ops a chain walks through between two compute ops: eval dropout, a same-dtype cast,
+    `contiguous`, and views that keep the last dimension (they only re-label rows)."""
+    kind = kind_of(node)
+    if kind is Kind.IDENTITY:
+        return node.target is not F.dropout or _eval_dropout(node)
+    if kind is Kind.VIEW and node.target in ("view", "reshape", torch.reshape):
+        src, out = value_of(node.args[0]), value_of(node)
+        return (
+            isinstance(src, torch.Tensor)
+            and isinstance(out, torch.Tensor)
+            and src.shape[-1] == out.shape[-1]
+        )
+    return False
+
+
+def _walk(node: fx.Node, taken: list[fx.Node]) -> tuple[fx.Node, str]:
+    """Follow `node`'s single users through `_passes` ops (appended to `taken`). Returns the
+    first user that is not passed through and the words for what stopped the walk."""
+    while True:
+        nxt = _single_user(node)
+        if nxt is None:
+            return node, f"its result has {len(node.users)} users"
+        if not _passes(nxt):
+            return nxt, ""
+        taken.append(nxt)
+        node = nxt
+
+
+def _why(nxt: fx.Node) -> str:
+    kind = kind_of(nxt)
+    label = nxt.target if isinstance(nxt.target, str) else getattr(nxt.target, "__name__", nxt.name)
+    if kind in (Kind.REDUCTION, Kind.SHUFFLE):
+        return f"followed by {label} ({kind.value}: ends a chain)"
+    if kind is Kind.VIEW:
+        return f"followed by {label} (a reshape that moves the last dimension: ends a chain)"
+    if kind is Kind.ONE_TO_ONE:
+        return f"followed by {label} (an elementwise op chainfuse has no epilogue for here)"
+    return f"followed by {label}"
+
+
+def _mlp(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | str:
+    taken: list[fx.Node] = []
+    act = activation_at(g1.end)  # (a written-out activation has several users of g1's result)
+    if act is None:
+        node, why = _walk(g1.end, taken)
+        if why:
+            return why
+        act = activation_at(taken[-1]) if taken else None
+        if act is None:
+            return _why(node)
+    taken.extend(act.nodes)
+    node, why = _walk(act.end, taken)
+    g2 = gemms.get(node)
+    if why or g2 is None or g2.x is not (taken[-1] if taken else act.end):
+        return why or f"its {act.name} is {_why(node)}, not by a GEMM with a weight"
+    nodes = [g1.node, *([g1.end] if g1.end is not g1.node else []), *taken, g2.node]
+    nodes += [g2.end] if g2.end is not g2.node else []
+    dropout = " -> dropout" if any(n.target is F.dropout for n in taken) else ""
+    form = f"{g1.words} -> {act.name}{dropout} -> {g2.words}"
+    parts = {"first": g1, "second": g2, "between": act.name}
+    return Found(ChainKind.MLP, form, tuple(nodes), parts)
+
+
+def _gated(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | None:
+    act = activation_at(g1.end)
+    if act is None or g1.bias is not None:
+        return None
+    prod = _single_user(act.end)
+    if prod is None or prod.target not in (operator.mul, torch.mul, "mul") or len(prod.args) != 2:
+        return None
+    other: Any = prod.args[1] if prod.args[0] is act.end else prod.args[0]
+    g3 = next((g for g in gemms.values() if g.end is other), None)
+    if g3 is None or g3.x is not g1.x or g3.bias is not None or len(other.users) != 1:
+        return None
+    taken: list[fx.Node] = []
+    node, why = _walk(prod, taken)
+    g2 = gemms.get(node)
+    if why or g2 is None or g2.bias is not None or g2.x is not (taken[-1] if taken else prod):
+        return None
+    if not (g1.transposed == g2.transposed == g3.transposed):
+        return None
+    nodes = (g1.node, *act.nodes, g3.node, prod, *taken, g2.node)
+    form = f"{act.name}({g1.words}) * {g3.words} -> {g2.words}"
+    return Found(ChainKind.GATED_MLP, form, nodes, {"up": (g1, g3), "down": g2, "act": act.name})
+
+
+def _sdpa(node: fx.Node) -> Found | str:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, node.args, strict=False))
+    bound.update(node.kwargs)
+    if constant_of(bound.get("dropout_p", 0.0)) != 0.0:
+        return "dropout_p is not 0 (chainfuse's attention is for inference)"
+    for name in ("is_causal", "enable_gqa"):
+        if isinstance(bound.get(name, False), fx.Node):
+            return f"{name} is computed at run time"
+    parts = {
+        "q": bound["query"],
+        "k": bound["key"],
+        "v": bound["value"],
+        "mask": bound.get("attn_mask"),
+        "is_causal": bool(bound.get("is_causal", False)),
+        "scale": bound.get("scale"),
+        "gqa": bool(bound.get("enable_gqa", False)),
+    }
+    return Found(ChainKind.SDPA, "scaled_dot_product_attention", (node,), parts)
+
+
+def _softmax_last(node: fx.Node) -> bool:
+    if node.target not in (F.softmax, torch.softmax, "softmax"):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    value = value_of(node)
+    rank = value.dim() if isinstance(value, torch.Tensor) else None
+    return bool(dim == -1 or (rank is not None and dim == rank - 1))
+
+
+def _attention(mm: fx.Node) -> Found | str | None:
+    """`q @ kᵀ` -> scale -> mask -> softmax -> @ v, or None when `mm` is not a score GEMM."""
+    if len(mm.args) != 2 or mm.kwargs or _is_weight(mm.args[1]):
+        return None
+    taken: list[fx.Node] = []
+    node, scale, mask = mm, 1.0, None
+    nxt = _single_user(node)
+    if nxt is not None and nxt.target in (operator.mul, operator.truediv, torch.mul, "mul", "div"):
+        c = constant_of(nxt.args[1]) if nxt.args[0] is node else constant_of(nxt.args[0])
+        if c is not None and (nxt.target is not operator.truediv or nxt.args[0] is node):
+            scale = 1.0 / c if nxt.target in (operator.truediv, "div") else c
+            taken.append(nxt)
+            node, nxt = nxt, _single_user(nxt)
+    if nxt is not None and nxt.target in (operator.add, torch.add, "add") and not nxt.kwargs:
+        other = [a for a in nxt.args if a is not node]
+        if len(other) == 1 and isinstance(other[0], fx.Node):
+            mask = other[0]
+            taken.append(nxt)
+            node, nxt = nxt, _single_user(nxt)
+    if nxt is None or not _softmax_last(nxt):
+        return None
+    if nxt.kwargs.get("dtype") is not None and kind_of(nxt) is not Kind.REDUCTION:
+        return "softmax with a dtype"
+    taken.append(nxt)
+    end, why = _walk(nxt, taken)
+    if why or kind_of(end) is not Kind.MATMUL or end.args[0] is not (taken[-1]):
+        return why or "softmax is not followed by a matmul with v"
+    form = "matmul" + (" -> scale" if scale != 1.0 else "") + (" -> + mask" if mask else "")
+    form += " -> softmax -> matmul"
+    parts = {"q": mm.args[0], "kt": mm.args[1], "v": end.args[1], "mask": mask, "scale": scale}
+    return Found(ChainKind.ATTENTION, form, (mm, *taken, end), parts)
+
+
+def conv_at(node: fx.Node) -> dict[str, Any] | None:
+    """A conv2d's operands, or None where chainfuse's conv chain cannot take it (dilation or
+    groups other than 1, padding given as a string)."""
+    if kind_of(node) is not Kind.CONV:
+        return None
+    names = ("x", "w", "b", "stride", "padding", "dilation", "groups")
+    bound: dict[str, Any] = {"b": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+    bound.update(zip(names, node.args, strict=False))
+    bound.update({k if k not in ("input", "weight", "bias") else k[0]: v
+                  for k, v in node.kwargs.items()})  # fmt: skip
+    if bound["groups"] != 1 or bound["dilation"] not in (1, (1, 1), [1, 1]):
+        return None
+    if isinstance(bound["padding"], str) or not isinstance(bound["w"], fx.Node):
+        return None
+    for name in ("stride", "padding"):
+        v = bound[name]
+        v = (v, v) if isinstance(v, int) else tuple(v)
+        if len(v) != 2 or v[0] != v[1]:  # (the kernel takes one stride and pad per conv)
+            return None
+        bound[name] = v[0]
+    return bound
+
+
+def _batch_norm(node: fx.Node) -> fx.Node | None:
+    """`node`'s single user where it is an eval-mode batch_norm (folded into the conv)."""
+    bn = _single_user(node)
+    if bn is None or bn.target is not F.batch_norm:
+        return None
+    training = bn.args[5] if len(bn.args) > 5 else bn.kwargs.get("training", False)
+    return bn if training is False else None
+
+
+def _conv(c1: fx.Node) -> Found | str | None:
+    first = conv_at(c1)
+    if first is None:
+        return None
+    bn1 = _batch_norm(c1)
+    end = bn1 or c1
+    act = activation_at(end)
+    if act is None or act.name != "relu":
+        return "not followed by relu then a conv2d"
+    relu = act.end
+    c2 = _single_user(relu)
+    second = conv_at(c2) if c2 is not None else None
+    if c2 is None or second is None or second["x"] is not relu:
+        return "its relu does not feed a conv2d chainfuse can run"
+    bn2 = _batch_norm(c2)
+    nodes: list[fx.Node] = [c1, *([bn1] if bn1 else []), relu, c2, *([bn2] if bn2 else [])]
+    last = activation_at(nodes[-1])
+    after = "relu" if last is not None and last.name == "relu" else None
+    if last is not None and after:
+        nodes.append(last.end)
+    form = "conv2d" + (" -> batch_norm" if bn1 else "") + " -> relu -> conv2d"
+    form += (" -> batch_norm" if bn2 else "") + (" -> relu" if after else "")
+    parts = {"first": first, "second": second, "bn1": bn1, "bn2": bn2, "after": after}
+    return Found(ChainKind.CONV, form, tuple(nodes), parts)
+
+
+def find(graph: fx.Graph) -> Finding:
+    """Every chain in `graph` (no node in two chains) and why each other compute op is not in
+    one."""
+    found = Finding()
+    gemms = {g.node: g for n in graph.nodes if (g := gemm_at(n)) is not None}
+    used: set[fx.Node] = set()
+
+    def take(chain: Found) -> None:
+        found.chains.append(chain)
+        used.update(chain.nodes)
+
+    for node in graph.nodes:
+        if node in used:
+            continue
+        kind = kind_of(node)
+        result: Found | str | None = None
+        if node in gemms:
+            result = _gated(gemms[node], gemms) or _mlp(gemms[node], gemms)
+        elif kind is Kind.MATMUL:
+            result = _attention(node) or "a matmul of two activations not in an attention form"
+        elif kind is Kind.SDPA:
+            result = _sdpa(node)
+        elif kind is Kind.CONV:
+            result = _conv(node) or "dilation, groups or padding chainfuse's conv chain lacks"
+        elif kind is Kind.OPAQUE and node.target is not F.multi_head_attention_forward:
+            result = (
+                "PyTorch's fused encoder-layer / multi-head-attention fast path (one opaque op): "
+                "call the model with grad enabled or disable the fast path "
+                "(torch.backends.mha.set_fastpath_enabled(False)) so its parts are visible"
+            )
+        if isinstance(result, Found):
+            if used.isdisjoint(result.nodes):
+                take(result)
+            else:
+                found.skipped.append((node.name, "overlaps a chain found before"))
+        elif result is not None:
+            found.skipped.append((node.name, result))
+    chained = {n.name for n in used}
+    found.skipped = [(n, why) for n, why in found.skipped if n not in chained]
+    return found

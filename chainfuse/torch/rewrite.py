@@ -1,0 +1,264 @@
+"""Write a found chain as one chainfuse operator call (`torch.ops.chainfuse.*`) into an FX graph.
+
+    linear(x, W1, b1) -> gelu -> linear(., W2, b2)
+    ==>  chainfuse.gemm_chain(x, W1ᵀ, W2ᵀ, "gelu", b1, b2)            (bias on both GEMMs)
+    ==>  chainfuse.gemm_chain(x, W1ᵀ, W2ᵀ, "relu") + b2              (a build without biases)
+
+What a call may take depends on the chainfuse build (`Capabilities`): a form the build lacks
+is not emitted, and the reason is returned instead, so that the finder's chain shows up in
+`explain` as found but not fused. `nn.Linear`'s `[out, in]` weights go in as `W.t()` views
+where the build reads them as stored; else, for frozen weights, as `[in, out]` copies made once
+here (constants of the graph), never per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from chainfuse import ops
+from chainfuse.ir import Activation
+from chainfuse.torch.finder import ChainKind, Found, Gemm
+from chainfuse.torch.kinds import value_of
+
+__all__ = ["Capabilities", "Emitter", "external_inputs"]
+
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "quick_gelu", "silu")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this chainfuse build's operators take (read from their signatures)."""
+
+    bias: bool  # gemm_chain's bias1 / bias2
+    weight_views: bool  # B and D may be `W.t()` views of nn.Linear weights
+    activations: frozenset[str]
+    gated_mlp: bool
+
+    @classmethod
+    def detect(cls) -> Capabilities:
+        params = inspect.signature(ops.gemm_chain).parameters
+        op = torch.ops.chainfuse.gemm_chain.default
+        schema = {a.name for a in op._schema.arguments}
+        bias = "bias1" in params and "bias1" in schema
+        known = {a.value for a in Activation} & set(_ACTIVATIONS)
+        gated = hasattr(ops, "gated_mlp") and hasattr(torch.ops.chainfuse, "gated_mlp")
+        return cls(bias, bias, frozenset(known), gated)
+
+
+def external_inputs(found: Found) -> list[fx.Node]:
+    """The nodes a chain reads that are not its own, in first-use order."""
+    inside = set(found.nodes)
+    seen: dict[fx.Node, None] = {}
+    for node in found.nodes:
+        fx.node.map_arg((node.args, node.kwargs), lambda a: seen.setdefault(a, None) or a)
+    return [n for n in seen if n not in inside]
+
+
+def _dtype(node: Any) -> torch.dtype | None:
+    value = value_of(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _last_dim_dense(node: Any) -> bool:
+    value = value_of(node)
+    return isinstance(value, torch.Tensor) and (value.shape[-1] == 1 or value.stride(-1) == 1)
+
+
+class Emitter:
+    """Emits chains into `gm`'s graph (or a standalone copy for timing). `frozen`: the weights
+    are constants of the graph (get_attr), so they may be packed or folded once here;
+    `value(node)` gives a node's recorded example value (folding batch norms needs them)."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        caps: Capabilities,
+        frozen: bool,
+        value: Callable[[fx.Node], Any],
+    ) -> None:
+        self.gm, self.caps, self.frozen, self.value = gm, caps, frozen, value
+        self.added: list[str] = []  # buffers registered on gm (packed or folded weights)
+
+    def refusal(self, found: Found) -> str | None:
+        """Why this build cannot call a chainfuse operator for `found` (None: it can)."""
+        try:
+            self._check(found)
+        except _Refused as exc:
+            return str(exc)
+        return None
+
+    def emit(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
+        """The fused call written into `graph` at its insertion point, `env` mapping the
+        chain's external input nodes to `graph`'s; returns the node of the chain's result."""
+        emit = {
+            ChainKind.MLP: self._mlp,
+            ChainKind.GATED_MLP: self._gated,
+            ChainKind.SDPA: self._sdpa,
+            ChainKind.ATTENTION: self._attention,
+            ChainKind.CONV: self._conv,
+        }[found.kind]
+        return emit(found, graph, env)
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check(self, found: Found) -> None:
+        p = found.parts
+        if found.kind is ChainKind.MLP:
+            g1, g2 = p["first"], p["second"]
+            if p["between"] not in self.caps.activations:
+                raise _Refused(f"{p['between']} between the GEMMs is not in this chainfuse")
+            if g1.bias is not None and not self.caps.bias:
+                raise _Refused("a bias on the first GEMM (gemm_chain's bias1) is not in this "
+                               "chainfuse")  # fmt: skip
+            self._operands(g1.x, g1.weight, g2.weight)
+            self._readable(g1, g2)
+            if (value_of(g1.x).dim() != value_of(g2.end).dim()) and value_of(g2.end).dim() != 2:
+                raise _Refused("views between the GEMMs change the rows' layout")
+        elif found.kind is ChainKind.GATED_MLP:
+            if not self.caps.gated_mlp:
+                raise _Refused("the gated MLP (three GEMMs) is not in this chainfuse")
+            (g1, g3), g2 = p["up"], p["down"]
+            if p["act"] not in self.caps.activations:
+                raise _Refused(f"{p['act']} in a gated MLP is not in this chainfuse")
+            self._operands(g1.x, g1.weight, g3.weight, g2.weight)
+            self._readable(g1, g2, g3)
+        elif found.kind in (ChainKind.SDPA, ChainKind.ATTENTION):
+            q, v = p["q"], p["v"]
+            k = p.get("k", p.get("kt"))
+            self._operands(q, k, v)
+            if found.kind is ChainKind.SDPA and not all(_last_dim_dense(t) for t in (q, k, v)):
+                raise _Refused("q, k or v has a last dimension that is not contiguous")
+            if p["mask"] is not None and _dtype(p["mask"]) not in (torch.bool, _dtype(q)):
+                raise _Refused(f"an attn_mask of dtype {_dtype(p['mask'])}")
+            if isinstance(p.get("scale"), fx.Node):
+                raise _Refused("a scale computed at run time")
+        elif found.kind is ChainKind.CONV:
+            first, second = p["first"], p["second"]
+            if _dtype(first["x"]) != torch.float32:
+                raise _Refused(
+                    f"chainfuse's conv chain is float32; this one is {_dtype(first['x'])}"
+                )
+            if (p["bn1"] or p["bn2"]) and not self.frozen:
+                raise _Refused("batch norms are folded only into frozen weights")
+            for c in (first, second):
+                if not self._constant(c["w"]) and (p["bn1"] or p["bn2"]):
+                    raise _Refused("conv weights are not constants of the graph")
+
+    def _operands(self, *nodes: Any) -> None:
+        dtypes = {_dtype(n) for n in nodes}
+        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+            raise _Refused(f"dtypes {sorted(map(str, dtypes))} (one of float32, bfloat16, "
+                           "float16 for every operand)")  # fmt: skip
+
+    def _readable(self, *gemms: Gemm) -> None:
+        for g in gemms:
+            if g.transposed and not (self.caps.weight_views or self._constant(g.weight)):
+                raise _Refused("W.t() weights that are not frozen (this chainfuse reads no "
+                               "transposed view): compile with freezing")  # fmt: skip
+
+    def _constant(self, node: fx.Node) -> bool:
+        return self.frozen and node.op == "get_attr"
+
+    # -- emission ---------------------------------------------------------------------------
+
+    def _buffer(self, graph: fx.Graph, name: str, make: Callable[[], torch.Tensor]) -> fx.Node:
+        """A constant of the graph, made once (packed or folded weights)."""
+        if not hasattr(self.gm, name):
+            self.gm.register_buffer(name, make().contiguous())
+            self.added.append(name)
+        node = graph.get_attr(name)
+        node.meta["example_value"] = getattr(self.gm, name)
+        return node
+
+    def _weight(self, g: Gemm, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
+        """g's weight as the [in, out] operand of a chain."""
+        if not g.transposed:
+            out: fx.Node = env(g.weight)
+            return out
+        if self.caps.weight_views:
+            return graph.call_method("t", (env(g.weight),))
+        attr = str(g.weight.target)
+        return self._buffer(graph, f"_cf_t_{attr.replace('.', '_')}",
+                            lambda: getattr(self.gm, attr).detach().t())  # fmt: skip
+
+    def _mlp(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
+        g1, g2, between = found.parts["first"], found.parts["second"], found.parts["between"]
+        B, D = self._weight(g1, graph, env), self._weight(g2, graph, env)
+        op = torch.ops.chainfuse.gemm_chain.default
+        b1, b2 = env(g1.bias) if g1.bias else None, env(g2.bias) if g2.bias else None
+        if self.caps.bias:
+            out = graph.call_function(op, (env(g1.x), B, D, between, b1, b2))
+        else:
+            out = graph.call_function(op, (env(g1.x), B, D, between))
+            if b2 is not None:
+                out = graph.call_function(operator.add, (out, b2))
+        if value_of(g1.x).dim() != value_of(g2.end).dim():
+            out = graph.call_method("reshape", (out, -1, value_of(g2.end).shape[-1]))
+        return out
+
+    def _gated(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
+        (g1, g3), g2 = found.parts["up"], found.parts["down"]
+        op = torch.ops.chainfuse.gated_mlp.default
+        weights = (self._weight(g, graph, env) for g in (g1, g3, g2))  # each [in, out]
+        return graph.call_function(op, (env(g1.x), *weights, found.parts["act"]))
+
+    def _sdpa(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
+        p = found.parts
+        mask = env(p["mask"]) if p["mask"] is not None else None
+        args = (env(p["q"]), env(p["k"]), env(p["v"]), mask, p["is_causal"], p["scale"], p["gqa"])
+        return graph.call_function(torch.ops.chainfuse.attention.default, args)
+
+    def _attention(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
+        p = found.parts
+        k = graph.call_method("transpose", (env(p["kt"]), -2, -1))
+        mask = env(p["mask"]) if p["mask"] is not None else None
+        args = (env(p["q"]), k, env(p["v"]), mask, False, float(p["scale"]), False)
+        return graph.call_function(torch.ops.chainfuse.attention.default, args)
+
+    def _conv(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
+        p = found.parts
+        weights: list[Any] = []
+        for conv, bn in ((p["first"], p["bn1"]), (p["second"], p["bn2"])):
+            if bn is None:
+                weights += [env(conv["w"]), env(conv["b"]) if conv["b"] is not None else None]
+                continue
+            w, b = self._folded(conv, bn)
+            key = str(conv["w"].target).replace(".", "_")
+            weights += [self._buffer(graph, f"_cf_bnw_{key}", functools.partial(_same, w)),
+                        self._buffer(graph, f"_cf_bnb_{key}", functools.partial(_same, b))]  # fmt: skip
+        first, second = p["first"], p["second"]
+        args = (env(first["x"]), weights[0], weights[2], weights[1], weights[3],
+                [first["stride"], second["stride"]], [first["padding"], second["padding"]],
+                "relu", p["after"])  # fmt: skip
+        return graph.call_function(torch.ops.chainfuse.conv_chain.default, args)
+
+    def _folded(self, conv: dict[str, Any], bn: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv's weight and bias with the eval batch norm after it folded in."""
+        names = ("x", "mean", "var", "weight", "bias", "training", "momentum", "eps")
+        bound: dict[str, Any] = dict(zip(names, bn.args, strict=False))
+        bound.update({"mean": bn.kwargs.get("running_mean", bound.get("mean")),
+                      "var": bn.kwargs.get("running_var", bound.get("var"))})  # fmt: skip
+        bound.update({k: v for k, v in bn.kwargs.items() if k in names})
+        w = self.value(conv["w"]).detach()
+        b = self.value(conv["b"]).detach() if conv["b"] is not None else torch.zeros(w.shape[0])
+        mean, var = self.value(bound["mean"]).detach(), self.value(bound["var"]).detach()
+        gamma = self.value(bound["weight"]).detach() if bound.get("weight") is not None else 1.0
+        beta = self.value(bound["bias"]).detach() if bound.get("bias") is not None else 0.0
+        scale = gamma * torch.rsqrt(var + float(bound.get("eps", 1e-5)))
+        return w * scale.reshape(-1, 1, 1, 1), (b - mean) * scale + beta
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _Refused(Exception):
+    """A chain this build's operators cannot take; the message says why."""

@@ -1,0 +1,243 @@
+"""`torch.compile(model, backend="chainfuse")` on whole models built from small configs (random
+weights, nothing downloaded): Hugging Face BERT, ViT, GPT-2, a Llama-style model, PyTorch's
+TransformerEncoderLayer, a ResNet-style conv net and a plain MLP.
+
+Every chain the installed chainfuse can run is fused (`measure=False`: no timing, so the
+rewrites themselves are what is tested), and the model's output is compared with the model run
+in float64: the chainfuse model's error may be at most 4x eager PyTorch's own error at the same
+dtype (plus 1e-6 of the output's size), the whole-model form of the project's tolerance rule
+(both are roundings of the same float64 result). Greedy generation must give eager's tokens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+cft = pytest.importorskip("chainfuse.torch")
+
+from chainfuse.runtime import cache  # noqa: E402
+from chainfuse.torch.backend import Backend, Options, Report  # noqa: E402
+from chainfuse.torch.rewrite import Capabilities  # noqa: E402
+
+nn = torch.nn
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: Any) -> Any:
+        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return torch.relu(x + y)
+
+
+def _resnet() -> Any:
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                        _Block(16), _Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(16, 10))  # fmt: skip
+    for m in net.modules():  # (running statistics other than 0 and 1, so folding is tested)
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return net
+
+
+CAPS = Capabilities.detect()
+MLPS = 2 * CAPS.bias  # per two layers: MLPs with a bias before the activation
+
+
+def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
+    """A model, its inputs and how many chains the installed chainfuse must fuse in it (its
+    attention always; its MLPs where the installed kernels take their form)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 17))
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128}  # fmt: skip
+    if name == "bert":
+        config = transformers.BertConfig(vocab_size=100, **small)
+        return transformers.BertModel(config), (ids,), 2 + MLPS
+    if name == "bert-written":  # attention written out: matmul, scale, softmax, matmul
+        cfg = transformers.BertConfig(vocab_size=100, attn_implementation="eager", **small)
+        return transformers.BertModel(cfg), (ids,), 2 + MLPS
+    if name == "vit":
+        cfg = transformers.ViTConfig(image_size=32, patch_size=8, **small)
+        return transformers.ViTModel(cfg), (torch.randn(2, 3, 32, 32),), 2 + MLPS
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100)
+        tanh = MLPS * ("gelu_tanh" in CAPS.activations)
+        return transformers.GPT2LMHeadModel(cfg), (ids,), 2 + tanh
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=100, num_key_value_heads=2, **small)
+        gated = 2 * (CAPS.gated_mlp and "silu" in CAPS.activations)
+        return transformers.LlamaForCausalLM(cfg), (ids,), 2 + gated
+    if name == "encoder-layer":
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        return layer, (torch.randn(2, 17, 64),), 1 + CAPS.bias
+    if name == "resnet":
+        return _resnet(), (torch.randn(2, 3, 16, 16),), 2
+    if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses
+        net = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Dropout(0.1),
+                            nn.Linear(256, 64))  # fmt: skip
+        return net, (torch.randn(2, 17, 64),), 1
+    raise AssertionError(name)
+
+
+def _tensor(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple):
+        return out[0]
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _run(model: Any, inputs: tuple[Any, ...], dtype: Any) -> Any:
+    model = model.to(dtype)
+    args = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+    with torch.no_grad():
+        return _tensor(model(*args)).double()
+
+
+def _compiled(model: Any, report: Report, **options: Any) -> Any:
+    options = {"mode": "eager", "measure": False, **options}
+    return torch.compile(model, backend=Backend(Options(**options), report), fullgraph=True)
+
+
+def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report,
+                 **options: Any) -> None:  # fmt: skip
+    torch._dynamo.reset()
+    model = model.eval()
+    want = _run(model, inputs, torch.float64)
+    eager = _run(model, inputs, dtype)
+    got = _run(_compiled(model, report, **options), inputs, dtype)
+    scale = float(want.abs().max())
+    eager_err = float((eager - want).abs().max())
+    err = float((got - want).abs().max())
+    assert err <= 4 * eager_err + 1e-6 * max(1.0, scale), (err, eager_err, scale)
+
+
+# (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
+CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
+         ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"),
+         ("bert", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
+def test_model_matches_eager_with_its_chains_fused(name: str, dtype: str) -> None:
+    model, inputs, chains = _model(name)
+    report = Report()
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(name != "encoder-layer")  # see its parts
+    try:
+        _check_close(model, inputs, getattr(torch, dtype), report)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    assert report.graphs == 1  # fullgraph=True too: no graph break
+    fused = [c for c in report.chains if c.fused]
+    assert len(fused) >= chains, [(c.name, c.why) for c in report.chains]
+
+
+def test_inductor_with_freezing_runs_the_fused_chains() -> None:
+    """The default mode: the rewritten graph compiled by Inductor, parameters frozen (the MLP's
+    weights packed once as constants)."""
+    model, inputs, chains = _model("mlp")
+    report = Report()
+    _check_close(model, inputs, torch.float32, report, mode="inductor")
+    assert sum(c.fused for c in report.chains) >= chains
+
+
+def test_encoder_layer_fast_path_is_reported() -> None:
+    model, inputs, _ = _model("encoder-layer")
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _compiled(model.eval(), report)(*inputs)
+    assert not report.chains
+    assert any("fast path" in why for _, why in report.skipped)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_greedy_generation_gives_eager_tokens_without_recompiling(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 new tokens, one sequence length more at each step: one graph for all of them, and no
+    chainfuse kernel compiled after the first step; the first step's logits within the rule
+    of `_check_close`."""
+    torch._dynamo.reset()
+    model, _, chains = _model(name)
+    model = model.eval()
+    report = Report()
+    compiled = torch.compile(model, backend=Backend(Options(mode="eager", measure=False), report),
+                             fullgraph=True)  # fmt: skip
+    builds: list[Any] = []
+    real = cache._compile
+
+    def counted(*args: Any) -> Any:
+        builds.append(args)
+        return real(*args)
+
+    prompt = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+
+    def greedy(fn: Any) -> list[int]:
+        ids = prompt
+        with torch.no_grad():
+            for step in range(32):
+                torch._dynamo.mark_dynamic(ids, 1)  # the sequence length: one graph for all
+                logits = fn(ids, use_cache=False).logits
+                ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+                if step == 0:  # the first step compiled what it needs; nothing after it may
+                    monkeypatch.setattr(cache, "_compile", counted)
+        return [int(t) for t in ids[0, 8:]]
+
+    assert greedy(compiled) == greedy(model)
+    with torch.no_grad():
+        got = compiled(prompt, use_cache=False).logits.double()
+        eager = model(prompt, use_cache=False).logits.double()
+        want = model.double()(prompt, use_cache=False).logits
+    err, eager_err = float((got - want).abs().max()), float((eager - want).abs().max())
+    assert err <= 4 * eager_err + 1e-6 * max(1.0, float(want.abs().max())), (err, eager_err)
+    assert report.graphs == 1
+    assert not builds
+    assert sum(c.fused for c in report.chains) >= chains, [(c.name, c.why) for c in report.chains]
+
+
+def test_training_graphs_are_compiled_unchanged() -> None:
+    torch._dynamo.reset()
+    model, inputs, _ = _model("mlp")
+    report = Report()
+    out = _compiled(model.train(), report)(*inputs)
+    out.sum().backward()
+    assert not report.chains and "needs a backward" in report.notes[0]
+    assert model[0].weight.grad is not None
+
+
+def test_explain_reports_chains_reasons_and_share(capsys: pytest.CaptureFixture[str]) -> None:
+    torch._dynamo.reset()
+    model, inputs, _ = _model("bert")
+    found = cft.explain(model.eval(), *inputs, mode="eager", measure=False)
+    text = capsys.readouterr().out
+    assert "chains found: 4" in text and "scaled_dot_product_attention" in text
+    assert "linear+bias -> gelu -> linear+bias" in text
+    assert "compute ops in no chain:" in text and "% of the compiled model's time" in text
+    assert 0.0 <= found.share <= 1.5
+
+
+def test_backend_is_found_without_importing_chainfuse() -> None:
+    code = (
+        "import sys, torch\n"
+        "found = torch._dynamo.lookup_backend('chainfuse')\n"
+        "print(type(found).__module__, 'chainfuse.torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "chainfuse.torch.backend True"
