@@ -696,8 +696,7 @@ def plan(
         done = refine(nest, parallel)
         if done is not None and done[0].time_s < best[0].time_s:
             best = done
-    tied.sort(key=lambda c: traffic(c[0]))
-    for _, nest, _, parallel in tied[:TIED]:
+    for _, nest, _, parallel in sorted(tied, key=lambda c: traffic(c[0]))[:TIED]:
         refine(nest, parallel)
 
     unfused = _unfused(chain, search, batch, taps, hw, nthreads)
