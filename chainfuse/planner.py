@@ -11,7 +11,11 @@ most orders are equivalent (docs/design.md):
    exceed outer ones. At the outermost level the objective counts the cores' deal, as `estimate`.
 3. *Rank.* Every structure is ranked by `estimate(...).time_s`, then refined (all of them for a
    plain chain, the best `SCREENED` for a convolution); one whose least flops cannot beat the
-   best so far is skipped. Unfused execution is costed too; the chain is fused where faster.
+   best so far (its time with the flops at the peak) is skipped, except `TIED` of those whose
+   quick tiles tie with it. Unfused execution is costed too, its best order refined.
+4. *Choose* (`model.choose`): the fastest plan, or among those within `TIE` of it the one moving
+   the fewest bytes from the outermost level; a fused plan moving more of them than the unfused
+   execution is chosen only where predicted faster by more than `TIE`.
 """
 
 from __future__ import annotations
@@ -26,24 +30,28 @@ from typing import Any
 
 from chainfuse.hardware import Hardware, MemoryLevel, resolve
 from chainfuse.ir import Chain, Contraction, Role, Softmax
-from chainfuse.kernels import Problem, select
-from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.model import (
+    TIE,
     Cost,
     LevelCost,
     LoopKind,
     Nest,
     causal_softmax,
+    choose,
+    code_flops,
     code_level,
     computed_share,
     deal,
+    efficiency,
     estimate,
+    kernel_of,
     least_flops,
     level_cost,
     moved_bytes,
     rescale_factors,
     rescaled,
     splits,
+    traffic,
 )
 
 __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
@@ -51,6 +59,8 @@ __all__ = ["USABLE", "Plan", "PlanningError", "plan", "register_block"]
 # fraction of a level the working set may fill: caches are not ideal (conflicts, code, the
 # lines the hardware prefetchers bring) (docs/tuning.md)
 USABLE = 0.6
+UNFUSED_ROUNDS = 2  # rounds refining the unfused execution's tiles (docs/tuning.md)
+TIED = 2  # structures that can only tie with the fastest refined (docs/tuning.md#tied)
 SCREENED = 3  # structures refined when costing is slow (affine indices); plain chains: all
 MAX_PREFIX = 4  # longest shared prefix enumerated (beyond it the orders are equivalent in practice)
 
@@ -205,24 +215,13 @@ def _size(n: float) -> str:
 
 
 def register_block(chain: Chain, hardware: Hardware) -> tuple[int, int]:
-    """The (mr, nr) register block of the micro-kernel `kernels.select` picks for the chain.
+    """The (mr, nr) register block of the chain's micro-kernel (`model.kernel_of`: the one
+    `kernels.select` picks, or the AMX block for a bf16 chain on AMX); (1, 1) where none.
 
-    Rows of a contraction's output tile come in multiples of mr, columns of nr. A bf16 chain
-    on a machine with AMX is tiled for the AMX block, which fills the tile registers.
+    Rows of a contraction's output tile come in multiples of mr, columns of nr.
     """
-    if hardware.matrix_engine(chain.dtype):
-        return AMX_BF16_32X32.mr, AMX_BF16_32X32.nr
-    first = chain.contractions[0] if chain.contractions else None
-    ext = chain.extents
-    if first is None or len(first.output.index) < 2:
-        return 1, 1
-    rows, cols = first.output.index[-2].loops[0], first.output.index[-1].loops[0]
-    red = math.prod(ext[n] for n in first.reduction) or 1
-    try:
-        kernel = select(Problem(chain.dtype, ext[rows], ext[cols], red), hardware)
-    except ValueError:
-        return 1, 1  # no CPU micro-kernel for this dtype here: plan without a register block
-    return kernel.mr, kernel.nr
+    kernel = kernel_of(chain, hardware)
+    return (1, 1) if kernel is None else (kernel.mr, kernel.nr)
 
 
 def _roles(chain: Chain) -> tuple[list[str], list[str]]:
@@ -327,6 +326,7 @@ class _Search:
         names = [lv.name for lv in self.hw.levels]
         self.code = names.index(code_level(self.hw))  # the level the generated code tiles
         self.rescaled = rescaled(self.chain)
+        self.efficiency = efficiency(self.chain, self.hw)
         self.causal = causal_softmax(self.chain) is not None
         self.free: dict[Nest, tuple[list[str], dict[str, tuple[str, ...]]]] = {}
         self.units: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
@@ -372,20 +372,25 @@ class _Search:
                 workers, imbalance = deal(dims, self.threads, split)
                 bw = self._bandwidth(level, workers)
             flops: float = cost.flops
-            if level == self.code and nest.fused:  # the online softmax's rescaling (`model`)
-                factors = rescale_factors(self.chain, tiles, self.rescaled)
-                flops = sum(f * x for f, x in zip(cost.op_flops, factors, strict=True))
             moved = cost.total
             if self.causal and nest.fused:  # (what the code reads: `model.moved_bytes`)
                 moved = sum(b for _, _, b in moved_bytes(nest, cost, tiles))
+            if level == self.code:  # the code's tiles: rescaling, calls, packing (`model`)
+                factors = rescale_factors(self.chain, tiles, self.rescaled) if nest.fused else None
+                flops = code_flops(self.efficiency, cost.op_flops, factors, tiles, self.ext, moved)
             score = (moved / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score
         return score
 
     def cannot_beat(self, nest: Nest, parallel: Sequence[str], best: Cost) -> bool:
-        """Whether no tiles can make `nest` faster than `best`: its least flops on as many cores
-        as its parallel loops can occupy, perfectly balanced, already take that long (up to a
-        relative 1e-9, below which a win does not matter)."""
+        """Whether `nest` is not worth costing: its `least_time` already takes as long as `best`
+        with its flops at the peak (to a relative 1e-9). Exact without the micro-kernel's terms;
+        with them, a structure computing no less than `best` is taken to gain nothing by them."""
+        return self.least_time(nest, parallel) >= best.plain_s * (1 - 1e-9)
+
+    def least_time(self, nest: Nest, parallel: Sequence[str]) -> float:
+        """A bound no tiles beat: `nest`'s least flops at the peak on as many cores as its
+        parallel loops can occupy, perfectly balanced."""
         units = math.prod(self.ext[n] for n in parallel)
         workers = max(1, min(self.threads, units))
         if self.split is not None and nest.fused:
@@ -393,7 +398,7 @@ class _Search:
         least: float = least_flops(nest)
         if nest.fused:  # (a causal softmax's rows in blocks of one: the scores kept)
             least *= computed_share(self.chain, dict.fromkeys(self.ext, 1))
-        return least / (self.peak * workers) >= best.time_s * (1 - 1e-9)
+        return least / (self.peak * workers)
 
     def _free(self, nest: Nest) -> tuple[list[str], dict[str, tuple[str, ...]]]:
         """The loops whose tiles are searched (twins follow their leader) and the twins."""
@@ -665,29 +670,34 @@ def plan(
     scored.sort(key=lambda c: c[0].time_s)  # stable: ties keep the enumeration order
 
     # refining every structure keeps a larger cache from losing the optimum (the quick search
-    # can rank last what refining makes best); convolutions cost too much per evaluation
+    # can rank last what refining makes best); convolutions cost too much per evaluation. Of
+    # those that cannot beat the best but tie with it, `TIED` moving the fewest bytes are refined
     plain = all(nest.plain for _, nest, _, _ in scored)
-    refined: set[Nest] = set()
-    for _, nest, _, parallel in scored if plain else scored[:SCREENED]:
-        assert best is not None
-        if search.cannot_beat(nest, parallel, best[0]):
-            continue
-        tiles_all = search.all_levels(nest, parallel, rounds=2 if plain else 1)
-        refined.add(nest)
+    final: dict[Nest, _Choice] = {c[1]: c for c in scored}
+    rounds = 2 if plain else 1
+
+    def refine(nest: Nest, parallel: tuple[str, ...]) -> _Choice | None:
+        tiles_all = search.all_levels(nest, parallel, rounds=rounds)
         if tiles_all is None:
-            continue
+            return None
         cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
-        if cost.time_s < best[0].time_s:
-            best = (cost, nest, tiles_all, parallel)
-    if best is not None and best[1] not in refined:
-        # a compute-bound winner is skipped above (nothing can beat it), but its quick tiles
-        # still move more bytes than they need to: refine it, keeping its time
-        _, nest, _, parallel = best
-        tiles_all = search.all_levels(nest, parallel, rounds=2 if plain else 1)
-        if tiles_all is not None:
-            cost = estimate(nest, tiles_all, hw, parallel, nthreads, split)
-            if cost.time_s <= best[0].time_s * (1 + 1e-9):
-                best = (cost, nest, tiles_all, parallel)
+        if cost.time_s <= final[nest][0].time_s * (1 + 1e-9):  # (refining keeps the time)
+            final[nest] = (cost, nest, tiles_all, parallel)
+        return final[nest]
+
+    tied: list[_Choice] = []
+    for choice in scored if plain else scored[:SCREENED]:
+        assert best is not None
+        _, nest, _, parallel = choice
+        if nest is not best[1] and search.cannot_beat(nest, parallel, best[0]):
+            if choice[0].time_s <= best[0].time_s * (1 + TIE):
+                tied.append(choice)  # its quick tiles already tie: refined below
+            continue
+        done = refine(nest, parallel)
+        if done is not None and done[0].time_s < best[0].time_s:
+            best = done
+    for _, nest, _, parallel in sorted(tied, key=lambda c: traffic(c[0]))[:TIED]:
+        refine(nest, parallel)
 
     unfused = _unfused(chain, search, batch, taps, hw, nthreads)
     considered = len(seen) + 1
@@ -697,14 +707,12 @@ def plan(
             f"no plan of {chain.name} fits {hw.name}: its smallest tiles need more than "
             f"{USABLE:.0%} of level {lv.name} ({lv.capacity}-byte capacity)"
         )
-    use_fused = best is not None and (
-        fuse is True or unfused is None or best[0].time_s <= unfused[0].time_s
-    )
     if fuse is True and best is None:
         raise PlanningError(f"no fused plan of {chain.name} fits {hw.name}")
-    chosen = best if use_fused else unfused
-    assert chosen is not None
-    cost, nest, tiles_all, parallel = chosen
+    # the fastest, or of those tying with it the one moving the fewest outer bytes (`model.rank`)
+    fused = [(c[0], c) for c in final.values()]
+    cost, chosen = choose(fused, None if fuse is True or unfused is None else (unfused[0], unfused))
+    _, nest, tiles_all, parallel = chosen
     # the split, where it puts cores the deal of the parallel loops leaves idle to work
     used_split = None
     share = splits(nest, tiles_all, parallel, split) if nest.fused else None
@@ -761,6 +769,7 @@ def _unfused(
     # same bytes for every tile choice, so they are costed on one nest (its costs are cached)
     # and differ in the parallel split alone
     costed: dict[object, Nest] = {}
+    best_same: Nest | None = None
     for head in itertools.permutations(spatial, min(1, len(spatial))):
         order = (*batch, *head, *[n for n in spatial if n not in head], *red, *taps)
         nest = Nest(chain, order, 0, fused=False, memo=search.model_memo)
@@ -771,7 +780,14 @@ def _unfused(
             continue
         cost = estimate(same, tiles, hw, lead, threads)
         if best is None or cost.time_s < best[0].time_s:
-            best = (cost, nest, tiles, lead)
+            best, best_same = (cost, nest, tiles, lead), same
+    # the best order's tiles refined as a fused nest's are: quick tiles alone can make
+    # unfused execution look several times slower than it is (an MLP's, on many cores)
+    if best is not None and best_same is not None:
+        tiles = search.all_levels(best_same, best[3], rounds=UNFUSED_ROUNDS)
+        refined = estimate(best_same, tiles, hw, best[3], threads) if tiles else None
+        if tiles and refined and refined.time_s < best[0].time_s:
+            best = (refined, best[1], tiles, best[3])
     return best
 
 

@@ -15,15 +15,24 @@ caught the quiet rounds (docs/performance.md). Two figures come out:
   bandwidth, which is what the planner's per-level search minimises next to compute);
 - the tuning gap: how much slower the planner's first choice is than the best of the `k`
   measured (0 %: an autotuner over these plans would have found nothing better).
+
+Each record also keeps the model's time without the micro-kernel's efficiency terms
+(`Cost.plain_s`, `model.efficiency`) and `rho_plain`, that ranking's rho against the same
+measured times: the before/after of those terms within one run. The planner's choice, and so
+the tuning gap, differs between model versions: ``python -m chainfuse.bench.fidelity --compare
+BEFORE.json AFTER.json`` sets two bench runs' `results.json` side by side, per suite.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +61,7 @@ class Fidelity:
     predicted_ms: list[float]  # the model's time: max(compute, memory)
     predicted_memory_ms: list[float]  # its tie-break: summed memory time over the levels
     measured_ms: list[float]
+    predicted_plain_ms: list[float] = field(default_factory=list)  # without the kernel's terms
 
     @property
     def predicted_rank(self) -> list[float]:
@@ -63,18 +73,28 @@ class Fidelity:
         return spearman(self.predicted_rank, self.measured_ms)
 
     @property
+    def rho_plain(self) -> float:
+        """rho of the ranking by the time without the micro-kernel's efficiency terms (NaN
+        where the record has none)."""
+        if len(self.predicted_plain_ms) != len(self.measured_ms):
+            return math.nan
+        keys = list(zip(self.predicted_plain_ms, self.predicted_memory_ms, strict=True))
+        return spearman(_ranks(keys), self.measured_ms)
+
+    @property
     def tuning_gap(self) -> float:
         """measured(first choice) / min(measured) - 1."""
         return self.measured_ms[0] / min(self.measured_ms) - 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "rho": self.rho, "tuning_gap": self.tuning_gap}
+        return {**asdict(self), "rho": self.rho, "rho_plain": self.rho_plain,
+                "tuning_gap": self.tuning_gap}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Fidelity:
         keep = ("suite", "workload", "variant", "tiles", "predicted_ms", "predicted_memory_ms",
                 "measured_ms")  # fmt: skip
-        return cls(**{k: d[k] for k in keep})
+        return cls(**{k: d[k] for k in keep}, predicted_plain_ms=d.get("predicted_plain_ms", []))
 
 
 def _ranks(xs: Sequence[Any]) -> list[float]:
@@ -113,7 +133,7 @@ def _code_loops(kernel: Kernel) -> dict[str, str]:
     return {"T_M": m, "T_L": l_, "T_K": first.reduction[0], "T_N": second.output.loops[-1]}
 
 
-Key = tuple[float, float]  # (predicted time, predicted memory time), seconds
+Key = tuple[float, float, float]  # (predicted time, memory time, time at the peak), seconds
 
 
 def candidates(
@@ -145,7 +165,7 @@ def candidates(
                 levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
         c = estimate(nest, levels, hw, chosen.parallel, threads, chosen.split)
         used = dict(c.used_per_level).get(level, 0)
-        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s))
+        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s), c.plain_s)
 
     first = cost(picked)
     assert first is not None, "the planner's own tiles must fit"
@@ -233,6 +253,7 @@ def _time_ranked(
         predicted_ms=[p[0] * 1e3 for p, _ in ranked],
         predicted_memory_ms=[p[1] * 1e3 for p, _ in ranked],
         measured_ms=_measured(timing, len(kernels)),
+        predicted_plain_ms=[p[2] * 1e3 for p, _ in ranked],
     )
 
 
@@ -269,10 +290,10 @@ def conv_candidates(
                 levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
         c = estimate(nest, levels, hw, chosen.parallel, threads, chosen.split)
         used = dict(c.used_per_level).get(level, 0)
-        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s))
+        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s), c.plain_s)
 
     picked = kernel.tiles.band_rows
-    first = cost(picked) or (math.inf, math.inf)
+    first = cost(picked) or (math.inf, math.inf, math.inf)
     others = {min(P2, max(1, round(picked * f))) for f in (*_FACTORS, 0.25, 4.0)} | {1, P2}
     scored = [(k, b) for b in sorted(others - {picked}) if (k := cost(b)) is not None]
     scored.sort(key=lambda kb: kb[0])
@@ -312,3 +333,54 @@ def measure_conv(
     labels = [f"T_P2={b}" for _, b in ranked]
     return _time_ranked(chain, inputs, (suite, workload, variant), ranked, labels, kernels,
                         bind, rounds, progress)  # fmt: skip
+
+
+# -- before / after -------------------------------------------------------------------------------
+
+
+def compare(before: Sequence[Fidelity], after: Sequence[Fidelity]) -> list[str]:
+    """Per suite: workloads, mean rho and mean tuning gap of two runs (a markdown table); the
+    after run's rho without the kernel's terms beside them."""
+
+    def mean(xs: Sequence[float]) -> float:
+        xs = [x for x in xs if not math.isnan(x)]
+        return sum(xs) / len(xs) if xs else math.nan
+
+    lines = ["| suite | workloads (before / after) | mean rho before | mean rho after | "
+             "after, without kernel terms | mean tuning gap before | after |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for suite in dict.fromkeys(f.suite for f in (*before, *after)):
+        b = [f for f in before if f.suite == suite]
+        a = [f for f in after if f.suite == suite]
+        lines.append(
+            f"| {suite} | {len(b)} / {len(a)} | {mean([f.rho for f in b]):.2f} | "
+            f"{mean([f.rho for f in a]):.2f} | {mean([f.rho_plain for f in a]):.2f} | "
+            f"{mean([f.tuning_gap for f in b]):.1%} | {mean([f.tuning_gap for f in a]):.1%} |"
+        )
+    return lines
+
+
+def load(path: str) -> list[Fidelity]:
+    """The fidelity records of a bench run's `results.json`."""
+    data = json.loads(Path(path).read_text())
+    return [Fidelity.from_dict(d) for d in data.get("fidelity", [])]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m chainfuse.bench.fidelity",
+        description="set two bench runs' fidelity figures side by side, per suite",
+    )
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), required=True,
+                        help="results.json of `chainfuse bench ... --top 10` runs")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        before, after = load(args.compare[0]), load(args.compare[1])
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"--compare: {exc}")
+    print("\n".join(compare(before, after)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

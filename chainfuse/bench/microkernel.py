@@ -10,26 +10,44 @@ Two C loops, compiled together with the kernel's flags and timed in C (no Python
 
 Prints GFLOP/s of both and the kernel's share of the probe. The machine is shared and clocks
 drift: each figure is the best of ``--repeat`` timings of about ``--seconds`` each.
+
+``--calibrate`` measures what the model's compute time needs of each kernel that runs here
+(`chainfuse.kernels.calibration`): its speed at `CALIBRATION_STEPS` k steps a call, run as a
+GEMM runs it (`SWEEP` packed A slivers in turn, each into its own C block), as a share of the
+longest; and the cost of packing one element of a B panel (``pack_b`` of ``nr``-column slivers
+from an L2-resident row-major B), in the kernel's flops. It prints the entries as JSON;
+``--write`` stores them in ``chainfuse/kernels/calibration.json`` (docs/tuning.md#calibration).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
+import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
 
 import numpy as np
 
 from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import DType
-from chainfuse.kernels import MicroKernel, Problem, available, select
+from chainfuse.kernels import MicroKernel, Problem, available, emit_with_packing, select
+from chainfuse.kernels.calibration import PATH, Calibration
 from chainfuse.runtime import build, load
 
-__all__ = ["MicroBenchResult", "main", "measure", "source"]
+__all__ = ["CALIBRATION_STEPS", "MicroBenchResult", "calibrate", "main", "measure", "source"]
 
 PROBE_CHAINS = 12
+#: k steps a call at which `calibrate` times each kernel (up to the longest panel L1 holds).
+CALIBRATION_STEPS = (4, 8, 16, 32, 64, 128, 256)
+PACK_ROWS = 256  # the B panel `calibrate` packs: 256 k steps x 4 slivers, 64 KiB of floats
+PACK_SLIVERS = 4
+SWEEP = 32  # A slivers `calibrate` runs in turn against one B panel
 
 _PROBES = {
     # (vector type declaration, lanes, splat, fma): the kernel's own vector width.
@@ -79,7 +97,7 @@ def source(kernel: MicroKernel) -> str:
     return f"""\
 #define _POSIX_C_SOURCE 199309L
 #include <time.h>
-{kernel.emit()}
+{emit_with_packing(kernel)}
 typedef float chainfuse_probe_v8sf __attribute__((vector_size(32)));
 static inline chainfuse_probe_v8sf chainfuse_probe_splat(float x)
 {{
@@ -100,6 +118,32 @@ double bench_kernel(int kc, long reps, const float* Ap, const float* Bp, float* 
     for (long r = 0; r < reps; ++r) {{
         {kernel.name}(kc, Ap, Bp, C, ldc, {kernel.mr}, {kernel.nr}, 1);
         __asm__ volatile("" ::: "memory"); /* keep every call */
+    }}
+    return now() - t0;
+}}
+
+/* Seconds for `reps` calls as a GEMM runs them: {SWEEP} packed A slivers of kc steps in turn
+   (from L2 for long calls), one packed B panel, each sliver into a C block of its own. */
+double bench_sweep(int kc, long reps, const float* Ap, const float* Bp, float* C, long ldc)
+{{
+    const double t0 = now();
+    for (long r = 0; r < reps; ++r) {{
+        const long s = r % {SWEEP};
+        {kernel.name}(kc, Ap + s * kc * {kernel.mr}, Bp, C + s * {kernel.mr} * ldc, ldc, {kernel.mr}, {kernel.nr}, 1);
+        __asm__ volatile("" ::: "memory");
+    }}
+    return now() - t0;
+}}
+
+/* Seconds for `reps` packings of {PACK_SLIVERS} {kernel.nr}-column slivers of kc rows of B. */
+double bench_pack(int kc, long reps, const float* B, long ldb, float* Bp)
+{{
+    const double t0 = now();
+    for (long r = 0; r < reps; ++r) {{
+        for (int j = 0; j < {PACK_SLIVERS}; ++j) {{
+            {kernel.name}_pack_b(kc, {kernel.nr}, B + j * {kernel.nr}, ldb, Bp + (long)j * kc * {kernel.nr});
+        }}
+        __asm__ volatile("" ::: "memory");
     }}
     return now() - t0;
 }}
@@ -165,6 +209,79 @@ def measure(
     return MicroBenchResult(kernel.name, kc, best_kernel / 1e9, best_probe / 1e9)
 
 
+def calibrate(kernel: MicroKernel, seconds: float = 0.04, repeat: int = 25) -> Calibration:
+    """Measure `kernel`'s calibration entry on this host (module docstring): its speed at each
+    of `CALIBRATION_STEPS` k steps a call (best of `repeat` interleaved rounds) as a share of the
+    longest, and a packed element's cost in its flops at that speed. The machine may be shared:
+    each point is its least time over the rounds, and the shares come from the least-squares
+    line through them (a call costs `kc + overhead` steps), not from the points one by one."""
+    lib = load(build(source(kernel), f"bench_{kernel.name}", kernel.cflags).path)
+    f32p = ctypes.POINTER(ctypes.c_float)
+    lib.bench_sweep.restype = ctypes.c_double
+    lib.bench_sweep.argtypes = [ctypes.c_int, ctypes.c_long, f32p, f32p, f32p, ctypes.c_long]
+    lib.bench_pack.restype = ctypes.c_double
+    lib.bench_pack.argtypes = [ctypes.c_int, ctypes.c_long, f32p, ctypes.c_long, f32p]
+    longest = max(CALIBRATION_STEPS)
+    rng = np.random.default_rng(0)
+    Ap = rng.uniform(-1, 1, SWEEP * longest * kernel.mr).astype(np.float32)
+    Bp = rng.uniform(-1, 1, max(longest * kernel.nr, PACK_ROWS * kernel.nr * PACK_SLIVERS))
+    Bp = Bp.astype(np.float32)
+    ldb = kernel.nr * PACK_SLIVERS
+    B = rng.uniform(-1, 1, PACK_ROWS * ldb).astype(np.float32)
+    C = np.zeros((SWEEP * kernel.mr, kernel.nr), np.float32)
+
+    def ptr(a: np.ndarray) -> ctypes._Pointer[ctypes.c_float]:
+        return a.ctypes.data_as(f32p)
+
+    def timer(kc: int) -> Callable[[int], float]:
+        return lambda reps: float(lib.bench_sweep(kc, reps, ptr(Ap), ptr(Bp), ptr(C), kernel.nr))
+
+    def time_pack(reps: int) -> float:
+        return float(lib.bench_pack(PACK_ROWS, reps, ptr(B), ldb, ptr(Bp)))
+
+    reps = {kc: _calibrate(timer(kc), seconds) for kc in CALIBRATION_STEPS}
+    pack_reps = _calibrate(time_pack, seconds)
+    call = dict.fromkeys(CALIBRATION_STEPS, math.inf)  # least seconds a call
+    pack = math.inf  # least seconds an element
+    for _ in range(repeat):  # interleaved: every point sees the same load and clock
+        for kc in CALIBRATION_STEPS:
+            call[kc] = min(call[kc], timer(kc)(reps[kc]) / reps[kc])
+        pack = min(pack, time_pack(pack_reps) / (pack_reps * PACK_ROWS * ldb))
+    # a call costs (kc + overhead) steps: seconds a step = a + a * overhead / kc, the
+    # least-squares line in 1 / kc (every point weighs alike, short calls included)
+    xs = [1 / kc for kc in call]
+    ys = [t / kc for kc, t in call.items()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    b /= sum((x - mx) ** 2 for x in xs)
+    slope = my - b * mx  # seconds a step
+    overhead = max(0.0, b / slope)
+    longest = CALIBRATION_STEPS[-1]
+
+    def share(kc: int) -> float:
+        return round(kc / (kc + overhead) * (longest + overhead) / longest, 3)
+
+    step_flops = 2.0 * kernel.mr * kernel.nr
+    return Calibration(
+        kernel=kernel.name,
+        measured_on=f"{Hardware.detect().name} ({date.today().isoformat()})",
+        reduction=tuple((kc, share(kc)) for kc in CALIBRATION_STEPS),
+        pack_flops=round(pack * step_flops / slope, 2),
+    )
+
+
+def write(entries: list[Calibration], path: Path = PATH) -> None:
+    """Store `entries` in the calibration file, replacing those of the same kernels."""
+    data = json.loads(path.read_text())
+    for entry in entries:
+        data["kernels"][entry.kernel] = entry.to_dict()
+    text = json.dumps(data, indent=1)
+    text = re.sub(r"\[\s+(\d+),\s+([\d.]+)\s+\]", r"[\1, \2]", text)  # a point a line
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
 def _calibrate(timed: Callable[[int], float], seconds: float) -> int:
     """Units of work that last about ``seconds`` (the first timings double as a warm-up)."""
     units = 1000
@@ -188,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--emulate", action="store_true", help="with --isa amx: the emulated build (correctness)"
     )
+    parser.add_argument(
+        "--calibrate", action="store_true", help="measure the model's efficiency terms (JSON)"
+    )
+    parser.add_argument("--write", action="store_true", help="with --calibrate: store them")
     args = parser.parse_args(argv)
     if args.isa == "amx":
         return _amx(parser, args)
@@ -198,6 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         kernel = next(k for k in available() if k.name == args.kernel)
         if not kernel.isa <= Hardware.detect().isa:
             parser.error(f"{kernel.name} needs {sorted(f.value for f in kernel.isa)}")
+    if args.write and not args.calibrate:
+        parser.error("--write goes with --calibrate")
+    if args.calibrate:
+        here = Hardware.detect()
+        kernels = [kernel] if kernel else [k for k in available() if k.isa <= here.isa]
+        entries = [calibrate(k) for k in kernels if DType.FLOAT32 in k.dtypes]
+        print(json.dumps({e.kernel: e.to_dict() for e in entries}, indent=1))
+        if args.write:
+            write(entries)
+        return 0
     print(measure(kernel, args.kc, args.seconds, args.repeat))
     return 0
 

@@ -128,15 +128,17 @@ def _fidelity_lines(fidelity: Sequence[Fidelity]) -> list[str]:
             f"{f.measured_ms[0]:.3f}) | {f.tiles[b]} ({f.predicted_ms[b]:.3f} / "
             f"{f.measured_ms[b]:.3f}) |"
         )
-    lines += ["", "| suite | workloads | mean Spearman rho | mean tuning gap | max tuning gap |",
-              "|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| suite | workloads | mean Spearman rho | without kernel terms | "
+              "mean tuning gap | max tuning gap |", "|---|---|---|---|---|---|"]  # fmt: skip
     for suite in dict.fromkeys(f.suite for f in fidelity):
         sel = [f for f in fidelity if f.suite == suite]
         rhos = [f.rho for f in sel if not math.isnan(f.rho)]
+        plain = [f.rho_plain for f in sel if not math.isnan(f.rho_plain)]
         gaps = [f.tuning_gap for f in sel]
         rho = statistics.mean(rhos) if rhos else math.nan
-        lines.append(f"| {suite} | {len(sel)} | {rho:.2f} | {statistics.mean(gaps):.1%} | "
-                     f"{max(gaps):.1%} |")  # fmt: skip
+        rho_plain = statistics.mean(plain) if plain else math.nan
+        lines.append(f"| {suite} | {len(sel)} | {rho:.2f} | {rho_plain:.2f} | "
+                     f"{statistics.mean(gaps):.1%} | {max(gaps):.1%} |")  # fmt: skip
     return lines
 
 
@@ -223,8 +225,9 @@ def write(
            "to the first choice (round by round the machine's drift cancels). "
            "rho: Spearman's rank correlation between the model's ranking (predicted time, ties "
            "broken by predicted memory time) and the measured times (nan: the model ranks all "
-           "of them equal). Tuning gap: how much slower the first choice ran than the best of "
-           "those plans.", ""]  # fmt: skip
+           "of them equal); without kernel terms: the same for the time with the flops at the "
+           "peak (the model before its micro-kernel efficiency terms). Tuning gap: how much "
+           "slower the first choice ran than the best of those plans.", ""]  # fmt: skip
     md += _fidelity_lines(fidelity)
     md += ["", "Across workloads (the chosen plan of each, 1 thread, or the fewest threads the run "
            "timed): Spearman's rho between predicted and measured time.", "",

@@ -1,5 +1,6 @@
 """Predicted time of a plan: the bytes each level moves at its bandwidth against the flops at
-the cores' peak, stretched by the imbalance of the cores' deal and the softmax terms."""
+the cores' peak, stretched by the imbalance of the cores' deal, the micro-kernel's efficiency
+for the code's tiles (`efficiency`) and the softmax terms."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from chainfuse.model.efficiency import efficiency
 from chainfuse.model.nest import Nest
 from chainfuse.model.softmax import computed_share, rescale_factors
 from chainfuse.model.traffic import deal, level_cost, moved_bytes, splits
@@ -35,6 +37,14 @@ class Cost:
     memory_s: tuple[tuple[str, float], ...]
     imbalance: float
     time_s: float
+    kernel_s: float = 0.0  # of compute_s: what the micro-kernel's efficiency terms add
+
+    @property
+    def plain_s(self) -> float:
+        """The time with the flops at the peak (no efficiency terms): what bounds by least
+        flops compare with."""
+        worst = max((t for _, t in self.memory_s), default=0.0)
+        return max(self.compute_s - self.kernel_s, worst) if self.kernel_s else self.time_s
 
     @property
     def bound(self) -> str:
@@ -60,7 +70,8 @@ def estimate(
     (`threads`, default all), as the generated kernels deal them (`deal`), and the imbalance of
     that deal stretches every term. `split` ((loop, quantum)): cores a deal leaves idle split
     that loop of each block (`deal`), where every block of the parallel loops is one block of
-    the next level in (`splits`).
+    the next level in (`splits`). Compute counts the micro-kernel's efficiency for the code
+    level's tiles and its packing (`efficiency`).
     """
     cores = threads or hardware.cores
     outer_tiles = tiles[list(tiles)[-1]] if tiles else {}
@@ -75,6 +86,9 @@ def estimate(
     used: list[tuple[str, int]] = []
     mem: list[tuple[str, float]] = []
     op_flops: tuple[int, ...] = ()
+    code = code_level(hardware)
+    terms = efficiency(nest.chain, hardware)
+    packed = [0.0] * n_ops  # flops' worth of packing what the code level's tiles bring in
     for inner, outer in itertools.pairwise(levels):
         if inner.name not in tiles:
             continue
@@ -90,14 +104,19 @@ def estimate(
         mem.append((outer.name, total / bw * imbalance))
         for i in range(n_ops):
             op_time[i].append(per_op[i] / bw * imbalance)
+        if inner.name == code and terms is not None:
+            packed = [terms.pack_flops(b) for b in per_op]
     if not op_flops:
         op_flops = level_cost(nest, {}).op_flops
     # (an online softmax only where it is fused: unfused, the softmax runs over whole rows,
     # and a causal one computes every score)
-    code_tiles = tiles.get(code_level(hardware), {})
+    code_tiles = tiles.get(code, {})
     factors = rescale_factors(nest.chain, code_tiles) if nest.fused else (1.0,) * n_ops
+    stretch = terms.stretch(code_tiles, ext) if terms is not None else (1.0,) * n_ops
+    kernel = 0.0
     for i, f in enumerate(op_flops):
-        op_time[i][0] = f / peak * imbalance * factors[i]
+        op_time[i][0] = (f * factors[i] * stretch[i] + packed[i]) / peak * imbalance
+        kernel += (f * factors[i] * (stretch[i] - 1) + packed[i]) / peak * imbalance
     compute = sum(parts[0] for parts in op_time)
     if nest.fused:
         time = max([compute, *(t for _, t in mem)])
@@ -106,4 +125,4 @@ def estimate(
     executed = sum(op_flops)
     if nest.fused:
         executed = round(executed * computed_share(nest.chain, code_tiles))
-    return Cost(tuple(moved), tuple(used), executed, compute, tuple(mem), imbalance, time)
+    return Cost(tuple(moved), tuple(used), executed, compute, tuple(mem), imbalance, time, kernel)

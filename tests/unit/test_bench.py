@@ -7,6 +7,7 @@ turns measurements into the report.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import itertools
 import json
@@ -156,6 +157,24 @@ def test_fidelity_rank_breaks_time_ties_by_memory_time() -> None:
     assert f.rho == pytest.approx(1.0)
     assert f.tuning_gap == pytest.approx(0.5)
     assert Fidelity.from_dict(json.loads(json.dumps(f.to_dict()))) == f
+    assert math.isnan(f.rho_plain)  # (a record from before the kernel terms has none)
+
+
+def test_fidelity_compares_the_model_without_its_kernel_terms_and_two_runs(
+    tmp_path: Path,
+) -> None:
+    after = Fidelity("gemm-chain", "w", "relu", ["a", "b", "c"], predicted_ms=[1.0, 2.0, 3.0],
+                     predicted_memory_ms=[0.0, 0.0, 0.0], measured_ms=[1.0, 2.0, 3.0],
+                     predicted_plain_ms=[3.0, 2.0, 1.0])  # fmt: skip
+    assert after.rho == pytest.approx(1.0) and after.rho_plain == pytest.approx(-1.0)
+    assert Fidelity.from_dict(json.loads(json.dumps(after.to_dict()))) == after
+    before = dataclasses.replace(after, measured_ms=[2.0, 1.0, 3.0], predicted_plain_ms=[])
+    for name, fids in (("before", [before]), ("after", [after])):
+        (tmp_path / name).write_text(json.dumps({"fidelity": [f.to_dict() for f in fids]}))
+    table = fidelity.compare(fidelity.load(str(tmp_path / "before")),
+                             fidelity.load(str(tmp_path / "after")))  # fmt: skip
+    assert table[2] == "| gemm-chain | 1 / 1 | 0.50 | 1.00 | -1.00 | 100.0% | 0.0% |"
+    assert fidelity.main(["--compare", str(tmp_path / "before"), str(tmp_path / "after")]) == 0
 
 
 def test_report_writes_markdown_json_and_plots(tmp_path: Path) -> None:

@@ -410,3 +410,59 @@ def test_deal_examples() -> None:
     assert deal(((768, 384),), 2) == (2, 1.0)
     assert deal(((5, 1),), 2) == (2, 1.2)  # 3 heads and 2
     assert deal(((512, 512),), 4) == (1, 1.0)
+
+
+# -- the micro-kernel's efficiency terms ----------------------------------------------------------
+
+
+def test_calibration_interpolates_and_holds_its_ends() -> None:
+    from chainfuse.kernels.calibration import Calibration
+
+    cal = Calibration("k", "here", ((16, 0.8), (64, 0.9), (256, 1.0)), 4.0)
+    assert cal.speed(1) == cal.speed(16) == 0.8 and cal.speed(4096) == 1.0
+    assert cal.speed(32) == pytest.approx(0.85)  # halfway in log2 between 16 and 64
+    assert all(cal.speed(s) <= cal.speed(s + 1) for s in range(1, 300))
+    for bad in (((64, 0.9), (16, 0.8)), ((16, 0.0),), ()):
+        with pytest.raises(ValueError, match="calibration k"):
+            Calibration("k", "here", bad, 4.0)
+    with pytest.raises(ValueError, match="pack_flops"):
+        Calibration("k", "here", ((16, 1.0),), -1.0)
+
+
+def test_every_cpu_kernel_has_a_calibration() -> None:
+    """The shipped table parses, and a kernel without its own entry gets the default one."""
+    from chainfuse.kernels import available
+    from chainfuse.kernels.calibration import calibration, table
+
+    entries = table()
+    assert "default" in entries and entries["default"].kernel in entries
+    for kernel in available():
+        cal = calibration(kernel.name)
+        assert cal.kernel in (kernel.name, entries["default"].kernel)
+        assert 0 < cal.speed(1) <= cal.speed(256) <= 1 and cal.pack_flops >= 0
+
+
+def test_efficiency_charges_short_calls_and_packing_on_cpus_only() -> None:
+    from chainfuse.model import code_level, efficiency
+
+    chain = gemm_chain(2, 256, 64, 512, 256, "relu")
+    xeon, h100 = Hardware.preset("xeon-gold-6240"), Hardware.preset("h100")
+    assert efficiency(chain, h100) is None  # no CPU micro-kernel there: plain flops
+    terms = efficiency(chain, xeon)
+    assert terms is not None
+    ext = chain.extents
+    short, long_ = terms.stretch({"k": 16, "l": 16}, ext), terms.stretch({"k": 256, "l": 256}, ext)
+    assert short[0] > long_[0] >= 1.0 and short[2] > long_[2] >= 1.0
+    assert short[1] == 1.0  # the ReLU is no contraction
+    assert terms.pack_flops(2000) == 2 * terms.pack_flops(1000) > 0
+    # the estimate: the same nest with shorter calls at the code level (L2 here) computes longer
+    assert code_level(xeon) == "L2"
+    nest = Nest(chain, ("b", "m", "l", "k", "n"), 3)
+    l1 = {"b": 1, "m": 48, "l": 16, "k": 16, "n": 64}
+    l3 = {"b": 1, "m": 256, "l": 256, "k": 512, "n": 64}
+    wide = {"L1": l1, "L2": {**l3, "m": 96, "k": 256}, "L3": l3}
+    narrow = {"L1": l1, "L2": {**l3, "m": 96, "l": 32, "k": 32}, "L3": l3}
+    fast, slow = estimate(nest, wide, xeon), estimate(nest, narrow, xeon)
+    assert slow.compute_s > fast.compute_s and slow.flops == fast.flops
+    assert 0 < fast.kernel_s < fast.compute_s
+    assert fast.plain_s <= fast.time_s

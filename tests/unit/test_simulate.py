@@ -272,10 +272,13 @@ def test_lru_needs_capacity() -> None:
 
 
 def test_max_blocks() -> None:
+    """The LRU policy walks every block, so it has a limit; the ideal one counts runs."""
     chain = gemm_chain(1, 8, 8, 8, 8)
     order = ("b", "m", "l", "k", "n")
+    tiles = dict.fromkeys(order, 1)
     with pytest.raises(ValueError, match="more than 10 blocks"):
-        simulate_level(chain, order, 3, dict.fromkeys(order, 1), max_blocks=10)
+        simulate_level(chain, order, 3, tiles, policy="lru", capacity=64, max_blocks=10)
+    assert simulate_level(chain, order, 3, tiles, max_blocks=10).blocks == 8 * 8 * 16
 
 
 def test_lru_small_cache_thrashes() -> None:
@@ -341,3 +344,48 @@ def test_a_block_that_reads_only_padding_reads_nothing() -> None:
     assert cost.by_tensor()["X"] == 8  # the centre block's two elements, once
     assert cost.total == sim.bytes == 56
     assert cost.flops == sim.flops
+
+
+# -- counted runs: the same answer as walking every block, on chains too large to walk -----------
+
+
+@PROPERTY
+@given(chain=st.one_of(gemm_chains(), attention_chains(), conv_chains()), data=st.data())
+def test_counted_runs_equal_the_walk(chain: Chain, data: st.DataObject) -> None:
+    """Counting uniform runs of iterations gives exactly the bytes, flops and blocks of walking
+    them, for any order, depth and tiling (tails, halos, split taps, padding-only blocks)."""
+    order, depth = data.draw(schedules(chain), label="schedule")
+    fused = data.draw(st.booleans(), label="fused")
+    if fused and not _legal(chain, order, depth):
+        assume(False)
+    conv = "r1" in chain.extents
+    tiles = data.draw(tile_choices(chain, CONV_BUDGET if conv else 4 * BLOCK_BUDGET), label="t")
+    counted = simulate_level(chain, order, depth if fused else 0, tiles, fused)
+    walked = simulate_level(chain, order, depth if fused else 0, tiles, fused, runs=False)
+    assert counted == walked
+
+
+@st.composite
+def large_chains(draw: st.DrawFn) -> Chain:
+    """Real MLPs and long attention: far too many blocks to walk."""
+    if draw(st.booleans()):
+        dims = [draw(st.sampled_from([512, 1000, 1024, 4096])) for _ in range(4)]
+        between = draw(st.sampled_from([None, "relu", "gelu", "softmax"]))
+        return gemm_chain(1, draw(st.sampled_from([1, 64, 197])), *dims[1:], between)
+    heads, seq = draw(st.integers(1, 16)), draw(st.sampled_from([4096, 4099, 8192]))
+    d = draw(st.sampled_from([64, 80, 128]))
+    return attention_chain(1, heads, seq, seq, d, d, causal=draw(st.booleans()))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=large_chains(), data=st.data())
+def test_large_chains_model_equals_simulator(chain: Chain, data: st.DataObject) -> None:
+    order, depth = data.draw(schedules(chain), label="schedule")
+    assume(_legal(chain, order, depth))
+    tiles = {
+        n: data.draw(st.sampled_from(sorted({1, 6, 16, 64, 96, e, max(1, e // 3)})), label=n)
+        for n, e in chain.extents.items()
+    }
+    sim = simulate_level(chain, order, depth, tiles)
+    cost = level_cost(Nest(chain, order, depth), tiles)
+    assert (sim.bytes, sim.flops) == (cost.total, cost.flops)

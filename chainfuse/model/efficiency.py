@@ -1,0 +1,114 @@
+"""The micro-kernel in the compute time: how fast it runs what a plan's tiles make it do.
+
+Flops at the peak treat every plan's arithmetic alike; the code does not run alike. On a CPU the
+GEMMs run a micro-kernel (`kernels.select`), and the code-level tiles (`time.code_level`) decide
+two costs that measured calibration points (`kernels.calibration`, docs/tuning.md#calibration)
+put into the compute time:
+
+- *k steps a call*: a contraction's micro-kernel calls run the code tile of its reduction (a
+  GEMM chain's first GEMM: T_K; the second: T_L) and are slower per flop the shorter they are:
+  the op's compute time is divided by `Calibration.speed(steps)`;
+- *packing*: every element brought into the code level is packed into a panel (or stored back)
+  once per load, costing `pack_flops` of the kernel's flops each: the elements the level's
+  tiles move (`traffic.level_cost`) times that, at the peak.
+
+An online softmax's rescale per tile is the third term (`softmax.rescale_factors`). Other chips
+(GPU, NPU presets) and chains with no contraction keep the plain flops.
+
+    compute(op) = flops(op) / (peak * speed(steps(op))) * rescale(op)
+                  + moved_into_code_level(op) / itemsize * pack_flops / peak
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from chainfuse.hardware import DeviceKind, Hardware
+from chainfuse.ir import Chain, Contraction
+from chainfuse.kernels import MicroKernel, Problem, select
+from chainfuse.kernels.amx import AMX_BF16_32X32
+from chainfuse.kernels.calibration import Calibration, calibration
+
+__all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
+
+
+@functools.lru_cache(maxsize=512)
+def kernel_of(chain: Chain, hardware: Hardware) -> MicroKernel | None:
+    """The micro-kernel `kernels.select` picks for the chain's first contraction on `hardware`
+    (a bf16 chain on AMX: the AMX block, which fills the tile registers); None where there is
+    none (no contraction of two loops, no CPU kernel for the dtype)."""
+    if hardware.matrix_engine(chain.dtype):
+        return AMX_BF16_32X32
+    first = chain.contractions[0] if chain.contractions else None
+    if first is None or len(first.output.index) < 2:
+        return None
+    ext = chain.extents
+    rows, cols = first.output.index[-2].loops[0], first.output.index[-1].loops[0]
+    red = math.prod(ext[n] for n in first.reduction) or 1
+    try:
+        return select(Problem(chain.dtype, ext[rows], ext[cols], red), hardware)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """A chain's efficiency terms on one machine (module docstring)."""
+
+    calibration: Calibration
+    steps: tuple[tuple[str, ...], ...]  # per op: the loops whose code tiles make a call's steps
+    itemsize: int
+    memo: dict[tuple[int, ...], tuple[float, ...]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
+
+    def stretch(self, tiles: Mapping[str, int], extents: Mapping[str, int]) -> tuple[float, ...]:
+        """Per op: what its flops' time is multiplied by for the code-level `tiles`."""
+        key = tuple(  # (0: not a contraction)
+            math.prod(min(tiles.get(n, extents[n]), extents[n]) for n in loops) if loops else 0
+            for loops in self.steps
+        )
+        found = self.memo.get(key)
+        if found is None:
+            speed = self.calibration.speed
+            found = self.memo[key] = tuple(1.0 / speed(s) if s else 1.0 for s in key)
+        return found
+
+    def pack_flops(self, moved_bytes: int) -> float:
+        """The flops' worth of packing what the code level's tiles bring in."""
+        return moved_bytes / self.itemsize * self.calibration.pack_flops
+
+
+@functools.lru_cache(maxsize=512)
+def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
+    """The chain's terms on `hardware`; None off a CPU, on a matrix engine (no calibration of
+    its own yet) or without a micro-kernel."""
+    if hardware.kind is not DeviceKind.CPU or hardware.matrix_engine(chain.dtype):
+        return None
+    kernel = kernel_of(chain, hardware)
+    if kernel is None:
+        return None
+    steps = tuple(op.reduction if isinstance(op, Contraction) else () for op in chain.ops)
+    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize)
+
+
+def code_flops(
+    terms: Efficiency | None,
+    op_flops: Sequence[int],
+    factors: Sequence[float] | None,
+    tiles: Mapping[str, int],
+    extents: Mapping[str, int],
+    moved: int,
+) -> float:
+    """The flops' worth of the work at the code level's `tiles` (the planner's objective there):
+    each op's flops times its softmax `factors` (None: 1) and `terms`' stretch, plus packing the
+    `moved` bytes."""
+    factors = factors or (1.0,) * len(op_flops)
+    if terms is None:
+        return sum(f * x for f, x in zip(op_flops, factors, strict=True))
+    stretch = terms.stretch(tiles, extents)
+    flops = sum(f * x * y for f, x, y in zip(op_flops, factors, stretch, strict=True))
+    return flops + terms.pack_flops(moved)
