@@ -57,10 +57,12 @@ __all__ = [
     "amx_arithmetic",
     "amx_describe",
     "amx_header",
+    "amx_prelude",
     "amx_schedule",
     "amx_unsupported",
     "amx_workspace_bytes",
     "emit_amx_chain",
+    "emit_tile_config",
 ]
 
 #: Rows of m per parallel block at most: the block's fp32 E accumulator and packed A stay small
@@ -199,22 +201,10 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         raise ValueError(f"emit_amx_chain: {spec.name} is for {spec.kernel.name}")
     name = spec.name
     softmax = spec.epilogue is Epilogue.SOFTMAX
-    w = Writer()
-    header_comment(w, header)
-    w.line(f"/* {path.value}: built with {' '.join(path.cflags)} */")
-    w.lines(c_source("math.c"))
-    w.line("/* half.c's widening helpers read these; only its bf16 conversions are used here */")
-    w.line("#define CF_LOAD(x) cf_from_bf16(x)")
-    w.line("#define MR 16")
-    w.line("#define NR 16")
-    w.lines(c_source("half.c"))
-    w.lines(c_source("amx_tiles.c"))
-    w.lines(c_source("claim.c"))
-    w.line(ALIGN16)
-    w.line("#define CF_R32(x) (((x) + 31) / 32 * 32) /* rounded up to whole 32s */")
+    w = amx_prelude(header, path)
     w.lines(spec.kernel.full_tile(spec.kernel))
     w.line("")
-    _emit_config(w)
+    emit_tile_config(w)
     w.line("")
     _emit_pack_vnni(w)
     w.line("")
@@ -286,7 +276,26 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
     return w.text()
 
 
-def _emit_config(w: Writer) -> None:
+def amx_prelude(header: str, path: AmxPath) -> Writer:
+    """A new source's opening shared by the AMX generators: the header, the build line, the C
+    helpers (math, bf16 conversions, the tile macros, work claiming) and the common macros."""
+    w = Writer()
+    header_comment(w, header)
+    w.line(f"/* {path.value}: built with {' '.join(path.cflags)} */")
+    w.lines(c_source("math.c"))
+    w.line("/* half.c's widening helpers read these; only its bf16 conversions are used here */")
+    w.line("#define CF_LOAD(x) cf_from_bf16(x)")
+    w.line("#define MR 16")
+    w.line("#define NR 16")
+    w.lines(c_source("half.c"))
+    w.lines(c_source("amx_tiles.c"))
+    w.lines(c_source("claim.c"))
+    w.line(ALIGN16)
+    w.line("#define CF_R32(x) (((x) + 31) / 32 * 32) /* rounded up to whole 32s */")
+    return w
+
+
+def emit_tile_config(w: Writer) -> None:
     """`cf_amx_config`: every tile 16 rows of 64 bytes (palette 1)."""
     w.line(
         "/* the tile configuration: all 8 tiles 16 rows x 64 bytes (16 x 32 bf16, 16 x 16 fp32) */"

@@ -31,11 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chainfuse.codegen.amx_chain import amx_prelude, emit_tile_config
 from chainfuse.codegen.common import (
-    ALIGN16,
-    c_source,
     define_lines,
-    header_comment,
     name_hash,
     per_thread,
 )
@@ -147,23 +145,13 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
     signatures of `conv.emit_conv_chain`'s (so `compiled.ConvKernel` launches either), on AMX
     tiles; built with `path.cflags`."""
     name = spec.name
-    w = Writer()
-    header_comment(w, header)
-    w.line(f"/* {path.value}: built with {' '.join(path.cflags)} */")
-    w.lines(c_source("math.c"))
-    w.line("#define CF_LOAD(x) cf_from_bf16(x)")
-    w.line("#define MR 16")
-    w.line("#define NR 16")
-    w.lines(c_source("half.c"))
-    w.lines(c_source("amx_tiles.c"))
-    w.lines(c_source("claim.c"))
-    w.line(ALIGN16)
-    w.line("#define CF_R32(x) (((x) + 31) / 32 * 32) /* rounded up to whole 32s */")
+    w = amx_prelude(header, path)
     w.line("#define CF_MAX(a, b) ((a) > (b) ? (a) : (b))")
     w.line("#define CF_MIN(a, b) ((a) < (b) ? (a) : (b))")
     w.lines("".join(emit_tap_block(rt, ct) for rt in (1, 2) for ct in (1, 2)))
     w.line("")
-    _emit_config(w)
+    emit_tile_config(w)
+    w.line("")
     _emit_pack_weights(w)
     _emit_geometry(w)
     _emit_conv_row(w)
@@ -206,19 +194,6 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
                 _emit_band(w, spec)
             w.line("CF_TILE_RELEASE();")
     return w.text()
-
-
-def _emit_config(w: Writer) -> None:
-    w.line("/* the tile configuration: all 8 tiles 16 rows x 64 bytes */")
-    with w.block("static void cf_amx_config(void)"):
-        w.line("cf_tilecfg cfg;")
-        w.line("memset(&cfg, 0, sizeof cfg);")
-        w.line("cfg.palette_id = 1;")
-        with w.block("for (int t = 0; t < 8; ++t)"):
-            w.line("cfg.colsb[t] = 64;")
-            w.line("cfg.rows[t] = 16;")
-        w.line("CF_TILE_LOADCONFIG(&cfg);")
-    w.line("")
 
 
 def _emit_pack_weights(w: Writer) -> None:
