@@ -527,6 +527,11 @@ class ConvKernel(_Built):
         """The result's shape, [N, K2, P2, Q2]."""
         return self._shapes["out"]
 
+    @property
+    def dtype(self) -> str:
+        """The operands' and the result's dtype: "float32", or "bfloat16" (AMX)."""
+        return self._dtype
+
     #: the dtype of every operand and the result
     _dtype = "float32"
 

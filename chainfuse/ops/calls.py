@@ -298,7 +298,7 @@ def replay_conv(r: ConvReplay, operands: tuple[Any, ...], out: Any, threads: int
     given = out is not None
     if out is None:
         assert r.channels_last is not None
-        out = empty_like_input(operands[0], r.shape, r.channels_last)
+        out = empty_like_input(operands[0], r.shape, r.channels_last, r.kernel.dtype)
     ptr = pointer
     pointers = [None if x is None else ptr(x) for x in operands]
     if given:
@@ -350,12 +350,14 @@ def _compile_attention(
     return compile(chain, threads=threads)
 
 
-def _compile_conv(sizes: tuple[int, ...], between: str | None, after: str | None) -> ConvKernel:
-    """The compiled kernel of one conv chain, by its plain sizes."""
+def _compile_conv(
+    sizes: tuple[int, ...], between: str | None, after: str | None, dtype: str = "float32"
+) -> ConvKernel:
+    """The compiled kernel of one conv chain, by its plain sizes (bf16: on AMX tiles)."""
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
     try:
         chain = builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
-                                   padding=(pad1, pad2), between=between)  # fmt: skip
+                                   padding=(pad1, pad2), between=between, dtype=dtype)  # fmt: skip
     except ValueError as err:
         if "never hits" not in str(err):
             raise

@@ -10,6 +10,7 @@ from typing import Any
 
 from chainfuse import builders
 from chainfuse.ops.arguments import (
+    dtype_name,
     inference_only,
     no_work,
     on_cpu,
@@ -39,7 +40,8 @@ def conv_chain(
     fused into one kernel, then `after` ("relu" or None) on the result.
 
     `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
-    float32 numpy arrays or torch CPU tensors, in NCHW or channels-last memory order, read
+    float32 numpy arrays or torch CPU tensors (or bf16 tensors: AMX kernels, `CHAINFUSE_AMX`),
+    in NCHW or channels-last memory order, read
     through their strides (no copy of a whole tensor): channels-last input in place (the
     micro-kernel reads slivers of pixels where they are, all rows of taps in one call; only
     windows touching the padding are packed), NCHW input row band by row band through a
@@ -79,6 +81,12 @@ def conv_chain(
     inference_only("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
     K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
     K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
+    dtype = dtype_name(x.dtype)
+    if dtype not in ("float32", "bfloat16"):
+        raise TypeError(f"x: expected dtype float32 (or bfloat16: AMX kernels), got {x.dtype}")
+    for name, arg in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
+        if arg is not None and dtype_name(getattr(arg, "dtype", None)) != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype} (x's), got {arg.dtype}")
     if C1 != C:
         raise ValueError(f"w1: expected {C} input channels (x's C), got shape {(K1, C1, R1, S1)}")
     if C2 != K1:
@@ -111,7 +119,7 @@ def conv_chain(
         )
         return no_work("x", x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
-    kernel = calls.conv_kernels(sizes, between, after)
+    kernel = calls.conv_kernels(sizes, between, after, dtype)
     out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
     kernel.launch(pointers, strides, threads)
     if key is not None:
@@ -125,7 +133,7 @@ def conv_chain(
 def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:
     """Shape of a conv operand after the checks that need no sizes: kind, dtype, device, rank;
     sizes positive (a batch of zero images allowed where `batch`)."""
-    shape = shape_of(name, x)
+    shape = shape_of(name, x, float32=False)  # (the dtype: checked by the caller)
     device = getattr(x, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise ValueError(f"{name}: expected a CPU tensor, got device {device}")

@@ -185,6 +185,38 @@ def test_amx_conv_says_what_it_computes_in(monkeypatch: pytest.MonkeyPatch) -> N
         compile_conv(chain)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_ops_conv_chain_runs_bf16_tensors_on_the_amx_kernel(
+    channels_last: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ops.conv_chain` with bf16 tensors: the AMX kernel (here emulated), the result checked
+    against the float64 reference, called twice (the remembered call too); with the AMX kernels
+    off, an error naming CHAINFUSE_AMX; mixed dtypes an error naming the arguments."""
+    from chainfuse import ops
+    from chainfuse.ops.calls import calls
+
+    calls.clear()  # (kernels are remembered by sizes, not by CHAINFUSE_AMX)
+    N, C, H, W, K1, R1, S1, K2, R2, S2, stride, padding, between = CASES[1]
+    chain = chainfuse.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=stride,
+                                      padding=padding, between=between, dtype="bfloat16")  # fmt: skip
+    x = reference.random_inputs(chain, seed=5)
+    args = [torch.from_numpy(x[n]).bfloat16() for n in ("X", "W1", "W2")]
+    if channels_last:
+        args[0] = args[0].contiguous(memory_format=torch.channels_last)
+    want = reference.run_conv_chain(chain, x, None, None, None)
+    for _ in range(2):
+        y = ops.conv_chain(*args, stride=stride, padding=padding, between=between)
+        assert y.dtype == torch.bfloat16
+        reference.assert_close(y.float().numpy(), want, chain)
+    with pytest.raises(TypeError, match="w2: expected dtype bfloat16"):
+        ops.conv_chain(args[0], args[1], args[2].float(), stride=stride, padding=padding)
+    calls.clear()
+    monkeypatch.setenv(ENV_AMX, "off")
+    with pytest.raises(TypeError, match=ENV_AMX):
+        ops.conv_chain(*args, stride=stride, padding=padding, between=between)
+    calls.clear()
+
+
 @pytest.mark.skipif(not amx_status()[0], reason=f"no AMX here: {amx_status()[1]}")
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_amx_unit_matches_the_emulation_bit_for_bit_in_conv(
