@@ -36,7 +36,9 @@ from chainfuse.bench.fuzz_values import (
 
 __all__ = ["gemm_case", "subclassed"]
 
-_NAMES = frozenset({"A", "B", "D", "E", "between", "out"})
+_NAMES = frozenset({"A", "B", "D", "E", "between", "out", "bias1", "bias2"})
+#: the activations between the GEMMs, the model forms (tanh / quick GELU, SiLU) drawn less often
+_BETWEEN = [None, "relu", "gelu", "softmax", "gelu_tanh", "quick_gelu", "silu"]
 
 
 class _Subclass(np.ndarray):
@@ -76,7 +78,7 @@ def gemm_case(
     or large values, numpy or torch, one of the entry points in `entries`."""
     torch = torch_or_none()
     features: list[str] = []
-    between = pick(rng, [None, "relu", "gelu", "softmax"])
+    between = pick(rng, _BETWEEN, [3, 3, 3, 3, 1, 1, 1])
     features.append(between or "none")
     entry = str(pick(rng, entries, [{"ops": 6, "torch": 2, "compile": 2}[e] for e in entries]))
     features.append(entry)
@@ -108,6 +110,13 @@ def gemm_case(
         if not gemm_flops_ok(b, M, N, K, L):
             M = N = K = L = min(M, 17)
     features += [f for f in (form, out_mode) if f is not None and f != "3d"]
+    # nn.Linear's terms through the functional entries: biases, and weights read as `W.T`
+    model = entry != "compile" and out_mode not in ("out-alias", "out-overlap")
+    biases = (
+        pick(rng, [(), ("bias1",), ("bias2",), ("bias1", "bias2")], [9, 1, 1, 1]) if model else ()
+    )
+    linear = {x for x in "BD" if model and form in ("2d", "mlp") and rng.random() < 0.3}
+    features += [*biases, *sorted(f"{x}.T" for x in linear)]
     leads: dict[str, tuple[int, ...]]
     if form == "3d":
         leads = {"A": (b,), "B": (b,), "D": (b,)}
@@ -133,6 +142,7 @@ def gemm_case(
     values = {x: scales[x] * rng.standard_normal((*leads[x], *tails[x])) for x in "ABD"}
     if what in ("nan", "inf"):
         inject(rng, values[pick(rng, ["A", "B", "D"])], what)
+    values.update({n: 0.5 * rng.standard_normal(L if n == "bias1" else N) for n in biases})
     values = {x: rounded(v, dtype) for x, v in values.items()}
     plain = out_mode is not None or (entry == "compile" and rng.random() < 0.5)
     operands: list[Operand] = []
@@ -146,11 +156,18 @@ def gemm_case(
             v_small = v[:1]
             array = place(v_small, dtype, kind, layout, rng, expand)
             features.append("bcast_view")
+        elif x in linear:  # the transpose of a contiguous [out, in] weight, as nn.Linear's
+            stored = place(np.ascontiguousarray(v.T), dtype, kind, Layout.CONTIGUOUS, rng)
+            array = stored.T
         else:
             array = place(v, dtype, kind, layout, rng)
         if layout is not Layout.CONTIGUOUS:
             features.append(layout.value)
         operands.append(Operand(x, array, v))
+    for n in biases:
+        operands.append(
+            Operand(n, place(values[n], dtype, kind, Layout.CONTIGUOUS, rng), values[n])
+        )
     may_refuse = "negstride" in features or out_mode in ("out-alias", "out-overlap")
     if kind is Kind.NUMPY and entry == "ops" and out_mode is None and rng.random() < 0.05:
         at = int(rng.integers(3))
@@ -158,9 +175,13 @@ def gemm_case(
         may_refuse = True
     lead = lead_of(*leads.values())
     full = {x: flat(np.broadcast_to(values[x], (*lead, *tails[x])), 2) for x in "ABD"}
-    chain = builders.gemm_chain(full["A"].shape[0], M, N, K, L, between, dtype)
+    full.update({n: values[n] for n in biases})
+    chain = builders.gemm_chain(full["A"].shape[0], M, N, K, L, between, dtype,
+                                bias1="bias1" in biases, bias2="bias2" in biases)  # fmt: skip
     expected = reference_of(chain, full, "E").reshape(*lead, M, N)
-    A, B, D = (o.array for o in operands)
+    A, B, D = (o.array for o in operands[:3])
+    terms = {o.name: o.array for o in operands[3:]}
+    given = "".join(f", {n}=..." for n in terms)
     out: Any = None
     store: Any = getattr(torch, dtype, None) if kind is Kind.TORCH else np.dtype(dtype)
     shape = (*lead, M, N)
@@ -175,18 +196,20 @@ def gemm_case(
         out = place(zeros, dtype, kind, Layout.CONTIGUOUS, rng, expand=shape)
     call: Any
     if entry == "ops":
-        desc = f"ops.gemm_chain(A, B, D, between={between!r}" + (", out=...)" if out_mode else ")")
+        desc = f"ops.gemm_chain(A, B, D, between={between!r}{given}" + (
+            ", out=...)" if out_mode else ")"
+        )
 
         def call() -> Any:
-            return ops.gemm_chain(A, B, D, between=between, out=out)
+            return ops.gemm_chain(A, B, D, between=between, out=out, **terms)
 
     elif entry == "torch":
-        desc = f"chainfuse.torch.gemm_chain(A, B, D, between={between!r})"
+        desc = f"chainfuse.torch.gemm_chain(A, B, D, between={between!r}{given})"
 
         def call() -> Any:
             import chainfuse.torch
 
-            return chainfuse.torch.gemm_chain(A, B, D, between=between)
+            return chainfuse.torch.gemm_chain(A, B, D, between=between, **terms)
 
     else:
         tiles = None
@@ -207,13 +230,21 @@ def gemm_case(
 
 
 def _unfused(torch: Any, full: dict[str, np.ndarray], between: str | None, dtype: str) -> Any:
-    """PyTorch's unfused ops on the same values, in the same dtype: between(A @ B) @ D."""
-    A, B, D = (torch.from_numpy(full[x]).to(getattr(torch, dtype)) for x in "ABD")
+    """PyTorch's unfused ops on the same values, in the same dtype:
+    between(A @ B + bias1) @ D + bias2."""
+    dt = getattr(torch, dtype)
+    A, B, D = (torch.from_numpy(full[x]).to(dt) for x in "ABD")
+    f = torch.nn.functional
     C = A @ B
-    if between == "relu":
-        C = torch.relu(C)
-    elif between == "gelu":
-        C = torch.nn.functional.gelu(C)
-    elif between == "softmax":
-        C = torch.softmax(C, dim=-1)
-    return C @ D
+    if "bias1" in full:
+        C = C + torch.from_numpy(full["bias1"]).to(dt)
+    act = {"relu": torch.relu, "gelu": f.gelu, "silu": f.silu,
+           "gelu_tanh": lambda x: f.gelu(x, approximate="tanh"),
+           "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+           "softmax": lambda x: torch.softmax(x, dim=-1)}  # fmt: skip
+    if between is not None:
+        C = act[between](C)
+    E = C @ D
+    if "bias2" in full:
+        E = E + torch.from_numpy(full["bias2"]).to(dt)
+    return E
