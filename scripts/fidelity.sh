@@ -9,8 +9,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python}"  # one with chainfuse's dependencies (scripts/setup.sh makes .venv's)
 ref="${REF:-main}"
 out="${OUT:-$here/bench-out/fidelity}"
-lock="${BENCH_LOCK:-/work/bench.lock}"  # (a shared machine's; elsewhere one in /tmp)
-[ -d "$(dirname "$lock")" ] || lock=/tmp/chainfuse-bench.lock
+lock="${BENCH_LOCK:-/tmp/chainfuse-bench.lock}"  # (one benchmark at a time on this machine)
 before="$(mktemp -d)"
 trap 'rm -rf "$before"' EXIT
 git -C "$here" worktree add --detach "$before/tree" "$ref" >/dev/null

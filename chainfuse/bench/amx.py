@@ -3,7 +3,7 @@
 - The probe: four independent TDPBF16PS a step (accumulator tiles 0-3, operands 4-7 loaded
   once from random bf16), timed in C. One instruction is 16,384 FLOP and issues every 16 cycles
   on the unit (1,024 FLOP/cycle): the probe is the unit's throughput right now, which a second
-  tenant of the unit can cut by ~3.5x (/work/shared/amx/README.md). Real AMX only: the
+  tenant of the unit can cut by ~3.5x (seen on an AMX Xeon). Real AMX only: the
   emulation's speed says nothing about the unit, so `probe_gflops` refuses it.
 - The micro-kernel: the 2 x 2-tile block `cf_amx_r2c2` (32 x 32 fp32 += 32 x kc . kc x 32 bf16)
   on panels resident in L1, called repeatedly on the same C block; checked against numpy first.
