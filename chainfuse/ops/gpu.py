@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -41,9 +42,10 @@ def routed(*xs: Any) -> bool:
     first = xs[0]
     if first.__class__ is np.ndarray or not is_torch(first):
         return False
-    if any(x is not None and is_torch(x) and x.is_cuda for x in xs):
+    # (every call asks: attribute reads only, the environment parsed only when set)
+    if any(getattr(x, "is_cuda", False) for x in xs):
         return True
-    return config.backend() == "triton"
+    return bool(os.environ.get(config.ENV_BACKEND)) and config.backend() == "triton"
 
 
 def _torch() -> Any:
