@@ -12,8 +12,11 @@ Per graph Dynamo hands over (torch-level ops, parameters as inputs):
      not: Dynamo has already made the parameters inputs);
   3. the graph runs once on the example inputs (every node's value recorded), `finder.find`
      lists the chains, `rewrite.Emitter` writes each as one chainfuse operator, `decide` times it
-     against the unfused nodes and keeps the faster;
-  4. the rewritten graph goes to Inductor (`compile_fx`, freezing on) or runs as it is (eager).
+     against the unfused nodes (compiled by Inductor as the graph will be, in mode "inductor";
+     run by PyTorch in mode "eager") and keeps the faster;
+  4. the rewritten graph goes to Inductor (`compile_fx`, freezing on) or runs as it is (eager);
+     in mode "inductor", where a chain was fused, the whole-graph check (`guard.check_graph`)
+     times it against Inductor's code for the plain graph and returns the faster.
 The chainfuse operators have shape functions over symbolic sizes: a graph compiled with dynamic
 shapes serves every sequence length without building another kernel.
 """
@@ -31,6 +34,7 @@ import torch.fx as fx
 
 from chainfuse.torch.decide import Decision, decide, predicted_time
 from chainfuse.torch.finder import ChainKind, Found, find
+from chainfuse.torch.guard import GraphCheck, check_graph, compile_graph, describe, plain_copy
 from chainfuse.torch.kinds import value_of
 from chainfuse.torch.rewrite import Capabilities, Emitter, external_inputs
 from chainfuse.torch.unfold import unfold
@@ -43,13 +47,16 @@ class Options:
     """`mode`: "inductor" (compile the rewritten graph with Inductor) or "eager" (run it as
     is); `freeze`: treat the parameters as constants (inference; weights changed after the
     compile are not seen, as with Inductor's freezing); `measure`: time each chain against its
-    unfused ops (False: fuse every chain the build can run); `fuse`: False finds and reports
-    only."""
+    unfused ops, compiled by Inductor in mode "inductor" (False: fuse every chain the build can
+    run, no timing); `fuse`: False finds and reports only; `check_graph`: in mode "inductor"
+    with `measure`, time the rewritten graph against the plain one (both compiled by Inductor)
+    and keep the faster."""
 
     mode: str = "inductor"
     freeze: bool = True
     measure: bool = True
     fuse: bool = True
+    check_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("inductor", "eager"):
@@ -73,6 +80,7 @@ class Report:
     chains: list[ChainReport] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    graph_checks: list[GraphCheck] = field(default_factory=list)
 
 
 class Backend:
@@ -97,8 +105,22 @@ class Backend:
             _freeze(gm, example_inputs) if self.options.freeze else list(range(len(example_inputs)))
         )
         inputs = [example_inputs[i] for i in keep]
+        checked = self.options.mode == "inductor" and self.options.measure
+        checked = checked and self.options.check_graph and self.options.fuse
+        if checked and _writes_state(gm.graph):
+            checked = False
+            self.report.notes.append(
+                f"graph {self.report.graphs}: no whole-graph check: the graph writes to an input "
+                "or a buffer (timing it would repeat the writes)"
+            )
+        plain = plain_copy(gm) if checked else None
+        before = len(self.report.chains)
         self._rewrite(gm, inputs)
-        compiled = self._compile(gm, inputs, freeze=self.options.freeze)
+        fused = any(c.fused for c in self.report.chains[before:])
+        if plain is not None and fused:
+            compiled = self._check(gm, plain, inputs)
+        else:
+            compiled = self._compile(gm, inputs, freeze=self.options.freeze)
         if len(keep) == len(example_inputs):
             return compiled
 
@@ -114,11 +136,22 @@ class Backend:
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], freeze: bool) -> Callable[..., Any]:
         if self.options.mode == "eager":
             return gm.forward
-        from torch._inductor.compile_fx import compile_fx
+        return compile_graph(gm, inputs, freeze)
 
-        with torch._inductor.config.patch(freezing=freeze):
-            compiled: Callable[..., Any] = compile_fx(gm, inputs)  # type: ignore[assignment]
-            return compiled
+    def _check(
+        self, gm: fx.GraphModule, plain: fx.GraphModule, inputs: list[Any]
+    ) -> Callable[..., Any]:
+        """The whole-graph check: the faster of `gm` (rewritten) and `plain` under Inductor."""
+        # (a symbolic size is timed at the value it was traced with)
+        concrete = [a.node.hint if isinstance(a, torch.SymInt) else a for a in inputs]
+        key = [plain.code, gm.code, torch.get_num_threads(), *[describe(a) for a in concrete]]
+        freeze = self.options.freeze
+        compiled, check = check_graph(
+            self.report.graphs, key, lambda: self._compile(gm, inputs, freeze),
+            lambda: self._compile(plain, inputs, freeze), concrete,
+        )  # fmt: skip
+        self.report.graph_checks.append(check)
+        return compiled
 
     def _rewrite(self, gm: fx.GraphModule, inputs: list[Any]) -> None:
         kept_whole = unfold(gm.graph)
@@ -177,7 +210,7 @@ class Backend:
         def fused(graph: fx.Graph, env: dict[fx.Node, Any]) -> Any:
             return emitter.emit(found, graph, lambda a: env[a] if isinstance(a, fx.Node) else a)
 
-        runs = []
+        runs, modules = [], []
         for write in (fused, unfused):
             graph, env, args = fx.Graph(), {}, []
             for n in ext:
@@ -189,12 +222,50 @@ class Backend:
             graph.output(write(graph, env))
             module = fx.GraphModule(gm, graph)
             runs.append(functools.partial(_no_grad_call, module, args))
+            modules.append((module, args))
+        eager = runs[1]
+
+        def inductor() -> tuple[Callable[[], Any], str]:
+            """The unfused nodes compiled by Inductor as the final graph is (else, where it
+            fails, run eagerly, with the reason in the decision)."""
+            module, args = modules[1]
+            try:
+                compiled = compile_graph(module, args, self.options.freeze, isolated=True)
+                call = functools.partial(_no_grad_call, compiled, args)
+                call()  # (a failure at the first call is Inductor's too)
+            except Exception as exc:  # (any failure of Inductor's: reported in the decision)
+                reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                return eager, (f"the unfused ops run eagerly (Inductor failed on them: "
+                               f"{type(exc).__name__}: {reason})")  # fmt: skip
+            return call, "Inductor's code for the unfused ops"
+
+        timed = inductor if self.options.mode == "inductor" else None
         key = [found.kind.value, found.form, torch.get_num_threads(), _constants(found.parts),
-               *[_describe(values[n]) for n in ext]]  # fmt: skip
-        return decide(key, runs[0], runs[1], _predicted(found, values), self.options.measure)
+               self.options.mode, self.options.freeze, *[describe(values[n]) for n in ext]]  # fmt: skip
+        return decide(key, runs[0], eager, _predicted(found, values), self.options.measure,
+                      timed)  # fmt: skip
 
 
-def _no_grad_call(module: fx.GraphModule, args: list[Any]) -> Any:
+def _writes_state(graph: fx.Graph) -> bool:
+    """Whether a node of `graph` writes in place to an input or a constant (`x.add_(...)`,
+    `x[i] = ...`, `out=`)."""
+    import operator
+
+    state = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        in_place = node.target is operator.setitem or (name.endswith("_") and
+                                                       not name.startswith("_"))  # fmt: skip
+        written = [node.args[0]] if in_place and node.args else []
+        written += [node.kwargs["out"]] if "out" in node.kwargs else []
+        if any(w in state for w in written):
+            return True
+    return False
+
+
+def _no_grad_call(module: Callable[..., Any], args: list[Any]) -> Any:
     with torch.no_grad():
         return module(*args)
 
@@ -209,12 +280,6 @@ def _constants(parts: dict[str, Any]) -> list[str]:
         elif isinstance(value, plain):
             found.append(f"{name}={value!r}")
     return found
-
-
-def _describe(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return [list(value.shape), list(value.stride()), str(value.dtype)]
-    return repr(value)
 
 
 def _predicted(found: Found, values: dict[fx.Node, Any]) -> float | None:

@@ -1,11 +1,14 @@
-"""Fuse or not: time the fused call against the ops it replaces, on the graph's own shapes.
+"""Fuse or not: time the fused call against what would run without it, on the graph's own shapes.
 
-The baseline is the chain's nodes run as PyTorch runs them outside a compiler (its MKL/oneDNN
-GEMMs, its SDPA and convolutions): the calls Inductor also makes for them on a CPU, where it
-does not fuse GEMM -> GEMM. The fused call must beat it by `MARGIN` and give the same numbers
-within a loose sanity bound; else the chain stays unfused. The decision is kept on disk beside
-the kernel cache (`<cache_dir>/decisions/`), keyed by everything the timing depends on, so a
-second compile of the same model on the same host decides without timing.
+The baseline is what the user gets without chainfuse: with the backend's mode "inductor", the
+chain's nodes compiled by Inductor as the whole graph is compiled (freezing on where the weights
+are constants: packed MKL weights, oneDNN's fused bias and activation); with mode "eager", the
+nodes run by PyTorch. The caller names the baseline (`against`); it appears in the decision's
+`why`. The two are timed alternately (`compare`), the best batch of each; the fused call must
+take at most `MARGIN` of the baseline's time and give the same numbers within a loose sanity
+bound, else the chain stays unfused. The decision is kept on disk beside the kernel cache
+(`<cache_dir>/decisions/`), keyed by everything the timing depends on, so a second compile of
+the same model on the same host decides without timing.
 """
 
 from __future__ import annotations
@@ -24,11 +27,21 @@ from chainfuse import builders, config, planner
 from chainfuse.runtime import cache
 from chainfuse.runtime.files import write_atomic
 
-__all__ = ["MARGIN", "Decision", "decide", "predicted_time", "time_call"]
+__all__ = [
+    "MARGIN",
+    "Decision",
+    "compare",
+    "decide",
+    "decision_key",
+    "predicted_time",
+    "recall",
+    "remember",
+    "time_call",
+]
 
 #: the fused call is kept where it takes at most this share of the baseline's time
 MARGIN = 0.97
-_VERSION = 1  # of the decision record: bumped when what is measured changes
+_VERSION = 2  # of the decision record: bumped when what is measured changes
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class Decision:
     baseline_s: float | None = None
     predicted_s: float | None = None
     cached: bool = False
+    against: str = "the unfused ops"  # the baseline, in words
 
 
 def time_call(fn: Callable[[], Any], budget_s: float = 0.02) -> float:
@@ -54,6 +68,34 @@ def time_call(fn: Callable[[], Any], budget_s: float = 0.02) -> float:
             fn()
         best = min(best, (time.perf_counter() - start) / reps)
     return best
+
+
+def compare(
+    first: Callable[[], Any], second: Callable[[], Any], budget_s: float = 0.3, rounds: int = 3
+) -> tuple[float, float]:
+    """Seconds per call of `first` and of `second`, timed alternately (a busy host slows both
+    alike): batches of calls, at least `rounds` batches of each and more while `budget_s`
+    lasts; the best batch of each. A call longer than its share of the budget is timed alone,
+    `rounds` times."""
+    once = []
+    for fn in (first, second):  # (a warm-up call each, which also sizes the batches)
+        start = time.perf_counter()
+        fn()
+        once.append(max(time.perf_counter() - start, 1e-7))
+    slot = budget_s / (4 * rounds)  # the required rounds take half of the budget
+    reps = [max(1, min(1000, int(slot / t))) for t in once]
+    best = [float("inf"), float("inf")]
+    start = time.perf_counter()
+    done = 0
+    while done < rounds or (done < 20 and (time.perf_counter() - start) * (done + 1) / done
+                            <= budget_s):  # fmt: skip
+        for i, fn in enumerate((first, second)):
+            began = time.perf_counter()
+            for _ in range(reps[i]):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - began) / reps[i])
+        done += 1
+    return best[0], best[1]
 
 
 def _path(key: str) -> Path:
@@ -81,22 +123,45 @@ def _close(got: Any, want: Any) -> bool:
     return bool(((g - w).abs().max() <= tol * max(1.0, float(w.abs().max()))).item())
 
 
+def recall(key_parts: Sequence[Any]) -> dict[str, Any] | None:
+    """The record kept on disk under `key_parts` (None where there is none, or it is damaged)."""
+    path = _path(decision_key(key_parts))
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def remember(key_parts: Sequence[Any], record: dict[str, Any]) -> None:
+    """Keep `record` on disk under `key_parts` (written atomically)."""
+    path = _path(decision_key(key_parts))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(record).encode())
+
+
 def decide(
     key_parts: Sequence[Any],
     fused: Callable[[], Any],
     baseline: Callable[[], Any],
     predicted_s: float | None,
     measure: bool = True,
+    timed: Callable[[], tuple[Callable[[], Any], str]] | None = None,
 ) -> Decision:
-    """Time `fused` and `baseline` (interleaved), keep the faster, remember the answer.
-    `measure=False` fuses without timing (the fused result is still checked)."""
-    key = decision_key(key_parts)
-    path = _path(key)
-    if measure and path.exists():
-        try:
-            return Decision(**{**json.loads(path.read_text()), "cached": True})
-        except (OSError, ValueError, TypeError):
-            pass  # a damaged record: decide again
+    """Time `fused` against the baseline (interleaved), keep the faster, remember the answer.
+
+    `baseline` runs the unfused ops: the fused result is checked against its result, and it
+    is the call timed unless `timed` is given: a function returning the call to time and its
+    name in words, called only where a decision is timed (so that a costly baseline, an
+    Inductor compile, is not built where the decision is recalled). `measure=False` fuses
+    without timing (the fused result is still checked)."""
+    if measure:
+        found = recall(key_parts)
+        if found is not None:
+            try:
+                return Decision(**{**found, "cached": True})
+            except TypeError:
+                pass  # a record of another layout: decide again
     try:
         got = fused()
     except (RuntimeError, ValueError, TypeError) as exc:
@@ -107,16 +172,14 @@ def decide(
                         predicted_s=predicted_s)  # fmt: skip
     if not measure:
         return Decision(True, "fused without timing (measure=False)", predicted_s=predicted_s)
-    f1, b1 = time_call(fused), time_call(baseline)
-    f2, b2 = time_call(fused), time_call(baseline)
-    f, b = min(f1, f2), min(b1, b2)
+    call, against = timed() if timed is not None else (baseline, "the unfused ops")
+    f, b = compare(fused, call)
     fuse = f <= MARGIN * b
-    why = f"fused call {b / f:.2f}x as fast as the unfused ops" + ("" if fuse else ": kept unfused")
-    result = Decision(fuse, why, f, b, predicted_s)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    why = f"fused call {b / f:.2f}x as fast as {against}" + ("" if fuse else ": kept unfused")
+    result = Decision(fuse, why, f, b, predicted_s, against=against)
     record = asdict(result)
     record.pop("cached")
-    write_atomic(path, json.dumps(record).encode())
+    remember(key_parts, record)
     return result
 
 

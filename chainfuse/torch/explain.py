@@ -2,9 +2,11 @@
 worth.
 
 Compiles `model` with the chainfuse backend (a fresh compile, recorded), runs it on `inputs`
-(without grad), and prints every chain found, whether it was fused and why, its predicted and
-measured times, every compute op left out of a chain with the reason, and the share of the
-compiled model's time spent in fused chains.
+(without grad), and prints every chain found, whether it was fused and why (the fused call's
+time against its baseline's, named: Inductor's code for the unfused ops in mode "inductor"),
+its predicted and measured times, the whole-graph check (the rewritten graph against the plain
+one, both compiled by Inductor), every compute op left out of a chain with the reason, and the
+share of the compiled model's time spent in fused chains.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Explanation:
             f"chainfuse.torch.explain: {self.model}, {r.graphs} graph(s), "
             f"{torch.get_num_threads()} thread(s)",
             f"chains found: {len(r.chains)}, fused: {len(fused)}",
-            f"  {'':9} {'chain':28} {'form':44} {'predicted':>10} {'fused':>10} {'unfused':>10}",
+            f"  {'':9} {'chain':28} {'form':44} {'predicted':>10} {'fused':>10} {'baseline':>10}",
         ]
         for c in r.chains:
             d = c.decision
@@ -58,6 +60,13 @@ class Explanation:
             cached = " (decision cached)" if d is not None and d.cached else ""
             lines.append(f"  {tag:9} {c.name:28} {c.form:44} {times[0]:>10} {times[1]:>10} "
                          f"{times[2]:>10}  {c.why}{cached}")  # fmt: skip
+        if r.graph_checks:
+            lines.append("whole-graph check (Inductor's code, rewritten graph against plain):")
+        for g in r.graph_checks:
+            tag = "[rewritten]" if g.kept_rewritten else "[plain]"
+            cached = " (decision cached)" if g.cached else ""
+            lines.append(f"  {tag:11} graph {g.graph}: rewritten {_us(g.rewritten_s)}, plain "
+                         f"{_us(g.plain_s)}  {g.why}{cached}")  # fmt: skip
         if r.skipped:
             lines.append("compute ops in no chain:")
             lines += [f"  {name:28} {why}" for name, why in r.skipped]
