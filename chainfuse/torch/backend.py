@@ -118,7 +118,7 @@ class Backend:
         self._rewrite(gm, inputs)
         fused = any(c.fused for c in self.report.chains[before:])
         if plain is not None and fused:
-            compiled = self._check(gm, plain, inputs)
+            compiled = self._check(gm, plain, inputs, self.report.chains[before:])
         else:
             compiled = self._compile(gm, inputs, freeze=self.options.freeze)
         if len(keep) == len(example_inputs):
@@ -139,9 +139,11 @@ class Backend:
         return compile_graph(gm, inputs, freeze)
 
     def _check(
-        self, gm: fx.GraphModule, plain: fx.GraphModule, inputs: list[Any]
-    ) -> Callable[..., Any]:
-        """The whole-graph check: the faster of `gm` (rewritten) and `plain` under Inductor."""
+        self, gm: fx.GraphModule, plain: fx.GraphModule, inputs: list[Any],
+        chains: list[ChainReport],
+    ) -> Callable[..., Any]:  # fmt: skip
+        """The whole-graph check: the faster of `gm` (rewritten) and `plain` under Inductor
+        (where `plain` is kept, the graph's `chains` are reported unfused)."""
         # (a symbolic size is timed at the value it was traced with)
         concrete = [a.node.hint if isinstance(a, torch.SymInt) else a for a in inputs]
         key = [plain.code, gm.code, torch.get_num_threads(), *[describe(a) for a in concrete]]
@@ -151,6 +153,10 @@ class Backend:
             lambda: self._compile(plain, inputs, freeze), concrete,
         )  # fmt: skip
         self.report.graph_checks.append(check)
+        for chain in chains if not check.kept_rewritten else []:
+            if chain.fused:
+                chain.fused = False
+                chain.why += f" (unfused: graph {check.graph}'s whole-graph check kept it plain)"
         return compiled
 
     def _rewrite(self, gm: fx.GraphModule, inputs: list[Any]) -> None:
