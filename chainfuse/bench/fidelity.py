@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -238,13 +239,15 @@ def _time_ranked(
 ) -> Fidelity:
     """Check every kernel against the reference, time them interleaved, make the record."""
     want = reference.run(chain, inputs)[chain.outputs[0].name]
-    fns: dict[str, Callable[[], object]] = {}
-    for i, kernel in enumerate(kernels):
+    calls: list[Callable[[], object]] = []
+    for kernel in kernels:
         call, result = bind(kernel)
         call()
         reference.assert_close(np.asarray(result()), want, chain)
-        fns[str(i)] = call
-    timing = interleave(fns, rounds)
+        calls.append(call)
+    reps = _repeats(calls[0], SAMPLE_S)
+    fns = {str(i): _batch(call, reps) for i, call in enumerate(calls)}
+    timing = interleave(fns, rounds, budget_s=60.0)
     if progress is not None:
         progress(f"fidelity {names[1]} {names[2]}")
     return Fidelity(
@@ -255,6 +258,28 @@ def _time_ranked(
         measured_ms=_measured(timing, len(kernels)),
         predicted_plain_ms=[p[2] * 1e3 for p, _ in ranked],
     )
+
+
+#: each timed sample runs a plan back to back for about this long (one short call alone carries
+#: the timer's and the previous plan's cache state; docs/performance.md#fidelity)
+SAMPLE_S = 0.02
+
+
+def _repeats(call: Callable[[], object], seconds: float) -> int:
+    """Back-to-back calls that take about `seconds` (at least one)."""
+    start = time.perf_counter()
+    call()
+    call()
+    once = max((time.perf_counter() - start) / 2, 1e-7)
+    return max(1, min(1000, round(seconds / once)))
+
+
+def _batch(call: Callable[[], object], reps: int) -> Callable[[], object]:
+    def run() -> None:
+        for _ in range(reps):
+            call()
+
+    return run
 
 
 def _measured(timing: Mapping[str, Timing], n: int) -> list[float]:

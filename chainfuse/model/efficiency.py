@@ -10,7 +10,10 @@ put into the compute time:
   the op's compute time is divided by `Calibration.speed(steps)`;
 - *packing*: every element brought into the code level is packed into a panel (or stored back)
   once per load, costing `pack_flops` of the kernel's flops each: the elements the level's
-  tiles move (`traffic.level_cost`) times that, at the peak.
+  tiles move (`traffic.level_cost`) times that, at the peak. Only GEMM chains pack per load: a
+  softmax chain packs a head's V once for all its row blocks (`DT_PANELS`) and a conv chain's
+  code packs by its bands, so there the term would order plans by loads that pack nothing
+  (re-ranked against measured plans it lowered rho; docs/tuning.md#calibration).
 
 An online softmax's rescale per tile is the third term (`softmax.rescale_factors`). Other chips
 (GPU, NPU presets) and chains with no contraction keep the plain flops.
@@ -27,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from chainfuse.hardware import DeviceKind, Hardware
-from chainfuse.ir import Chain, Contraction
+from chainfuse.ir import Chain, Contraction, Softmax
 from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.kernels.calibration import Calibration, calibration
@@ -61,6 +64,7 @@ class Efficiency:
     calibration: Calibration
     steps: tuple[tuple[str, ...], ...]  # per op: the loops whose code tiles make a call's steps
     itemsize: int
+    packs: bool = True  # whether the code packs what each load brings in (module docstring)
     memo: dict[tuple[int, ...], tuple[float, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -79,6 +83,8 @@ class Efficiency:
 
     def pack_flops(self, moved_bytes: int) -> float:
         """The flops' worth of packing what the code level's tiles bring in."""
+        if not self.packs:
+            return 0.0
         return moved_bytes / self.itemsize * self.calibration.pack_flops
 
 
@@ -92,7 +98,12 @@ def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
     if kernel is None:
         return None
     steps = tuple(op.reduction if isinstance(op, Contraction) else () for op in chain.ops)
-    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize)
+    softmax = any(isinstance(op, Softmax) for op in chain.ops)
+    windowed = any(
+        len(ix.terms) > 1 for op in chain.contractions for a in op.reads for ix in a.index
+    )
+    packs = not (softmax or windowed)
+    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize, packs)
 
 
 def code_flops(
