@@ -146,7 +146,10 @@ class Backend:
         (where `plain` is kept, the graph's `chains` are reported unfused)."""
         # (a symbolic size is timed at the value it was traced with)
         concrete = [a.node.hint if isinstance(a, torch.SymInt) else a for a in inputs]
-        key = [plain.code, gm.code, torch.get_num_threads(), *[describe(a) for a in concrete]]
+        constants = [describe(_attribute(plain, str(n.target)))
+                     for n in plain.graph.nodes if n.op == "get_attr"]  # fmt: skip
+        key = [plain.code, gm.code, torch.get_num_threads(), constants,
+               *[describe(a) for a in concrete]]  # fmt: skip
         freeze = self.options.freeze
         compiled, check = check_graph(
             self.report.graphs, key, lambda: self._compile(gm, inputs, freeze),
@@ -250,6 +253,11 @@ class Backend:
                self.options.mode, self.options.freeze, *[describe(values[n]) for n in ext]]  # fmt: skip
         return decide(key, runs[0], eager, _predicted(found, values), self.options.measure,
                       timed)  # fmt: skip
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    """`module`'s attribute at the dotted `target` (a get_attr node's)."""
+    return functools.reduce(getattr, target.split("."), module)
 
 
 def _writes_state(graph: fx.Graph) -> bool:

@@ -81,14 +81,15 @@ def _times(monkeypatch: pytest.MonkeyPatch, chain: tuple[float, float] | None,
     return log
 
 
-def _compile_and_run(report: Report, **options: Any) -> Any:
+def _compile_and_run(report: Report, dtype: Any = torch.float32, **options: Any) -> Any:
     torch._dynamo.reset()
-    model = _mlp()
+    model, x = _mlp().to(dtype), X.to(dtype)
     # (parameters as graph inputs: the backend makes them constants and maps the inputs)
     compiled = torch.compile(model, backend=Backend(Options(**options), report), fullgraph=True)
     with torch.no_grad():
-        got = compiled(X)
-        torch.testing.assert_close(got, model(X), rtol=1e-4, atol=1e-4)
+        got = compiled(x)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, model(x), rtol=tol, atol=tol)
         return compiled
 
 
@@ -121,6 +122,11 @@ def test_chains_are_timed_against_inductor_and_the_faster_graph_is_kept(
     assert again.chains[0].fused and again.chains[0].decision.cached  # type: ignore[union-attr]
     assert again.graph_checks[0].cached and again.graph_checks[0].kept_rewritten
     assert compiles.made == [(False, True)]
+
+    # the same graph with bfloat16 weights (its code unchanged) is timed again
+    log = _times(monkeypatch, chain=(1.0, 2.0), graph=(1.0, 1.5))
+    _compile_and_run(Report(), dtype=torch.bfloat16)
+    assert log == ["chain", "graph"]
 
 
 def test_a_slower_rewritten_graph_is_dropped_and_a_failing_baseline_is_reported(
