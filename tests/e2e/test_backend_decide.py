@@ -40,10 +40,11 @@ class Compiles:
     """`compile_graph` spied on: what each compile was (a chain's baseline, `isolated`; a
     whole graph with or without chainfuse's operator) and how often each result ran."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_baseline: bool = False) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_baseline: bool = False,
+                 fail_plain: bool = False) -> None:  # fmt: skip
         self.made: list[tuple[bool, bool]] = []  # (isolated, has a chainfuse operator)
         self.runs: dict[bool, int] = {True: 0, False: 0}  # graph with chainfuse's op -> calls
-        self.fail_baseline = fail_baseline
+        self.fail_baseline, self.fail_plain = fail_baseline, fail_plain
         self.real = guard.compile_graph
         monkeypatch.setattr(backend_mod, "compile_graph", self.compile)
 
@@ -52,6 +53,8 @@ class Compiles:
         self.made.append((isolated, rewritten))
         assert freeze  # (the backend's default: the weights are constants)
         if isolated and self.fail_baseline:
+            raise RuntimeError("injected failure")
+        if not isolated and not rewritten and self.fail_plain:
             raise RuntimeError("injected failure")
         compiled = self.real(gm, inputs, freeze, isolated)
         if isolated:
@@ -151,6 +154,20 @@ def test_a_slower_rewritten_graph_is_dropped_and_a_failing_baseline_is_reported(
     with torch.no_grad():
         compiled(X)
     assert compiles.runs[False] == runs[False] + 1 and compiles.runs[True] == runs[True]
+
+
+def test_a_plain_graph_inductor_fails_on_leaves_the_rewritten_one(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAINFUSE_CACHE_DIR", str(tmp_path))
+    compiles = Compiles(monkeypatch, fail_plain=True)
+    _times(monkeypatch, chain=(1.0, 2.0), graph=None)
+    report = Report()
+    _compile_and_run(report)
+    (check,) = report.graph_checks
+    assert check.kept_rewritten and check.rewritten_s is None
+    assert "the plain graph failed to compile (RuntimeError: injected failure)" in check.why
+    assert report.chains[0].fused and compiles.runs[True] == 1
 
 
 def test_no_inductor_timing_in_eager_mode_or_without_measuring(
