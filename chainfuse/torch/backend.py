@@ -105,15 +105,7 @@ class Backend:
             _freeze(gm, example_inputs) if self.options.freeze else list(range(len(example_inputs)))
         )
         inputs = [example_inputs[i] for i in keep]
-        checked = self.options.mode == "inductor" and self.options.measure
-        checked = checked and self.options.check_graph and self.options.fuse
-        if checked and _writes_state(gm.graph):
-            checked = False
-            self.report.notes.append(
-                f"graph {self.report.graphs}: no whole-graph check: the graph writes to an input "
-                "or a buffer (timing it would repeat the writes)"
-            )
-        plain = plain_copy(gm) if checked else None
+        plain = self._plain(gm)
         before = len(self.report.chains)
         self._rewrite(gm, inputs)
         fused = any(c.fused for c in self.report.chains[before:])
@@ -132,6 +124,24 @@ class Backend:
             return compiled(*[args[i] for i in keep])
 
         return run
+
+    def _plain(self, gm: fx.GraphModule) -> fx.GraphModule | None:
+        """A copy of `gm` before the rewrite, for the whole-graph check (None: no check, and
+        where the options ask for one, the reason noted)."""
+        checked = self.options.mode == "inductor" and self.options.measure
+        if not (checked and self.options.check_graph and self.options.fuse):
+            return None
+        number = self.report.graphs
+        if _writes_state(gm.graph):
+            self.report.notes.append(f"graph {number}: no whole-graph check: the graph writes "
+                                     "to an input or a buffer (timing would repeat the writes)")  # fmt: skip
+            return None
+        try:
+            return plain_copy(gm)
+        except Exception as exc:  # (a graph holding what cannot be copied: reported)
+            self.report.notes.append(f"graph {number}: no whole-graph check: the graph could "
+                                     f"not be copied ({exc!r:.200})")  # fmt: skip
+            return None
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], freeze: bool) -> Callable[..., Any]:
         if self.options.mode == "eager":

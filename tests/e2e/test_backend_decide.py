@@ -212,3 +212,15 @@ def test_compare_alternates_and_times_each_at_least_three_times() -> None:
     assert calls[:2] == ["a", "b"]  # a warm-up call each, then batches taken in turns
     batches = [name for i, name in enumerate(calls[2:]) if i == 0 or calls[2:][i - 1] != name]
     assert batches[:6] == ["a", "b"] * 3 and batches == ["a", "b"] * (len(batches) // 2)
+
+
+def test_graphs_that_write_their_inputs_are_not_timed_whole() -> None:
+    def writes(x: Any, y: Any) -> Any:
+        x.add_(1)
+        return y.relu()
+
+    def pure(x: Any, y: Any) -> Any:
+        return (x + 1).relu_() + y
+
+    assert backend_mod._writes_state(torch.fx.symbolic_trace(writes).graph)
+    assert not backend_mod._writes_state(torch.fx.symbolic_trace(pure).graph)
