@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -45,7 +46,7 @@ from chainfuse.ir import Chain
 from chainfuse.model import Nest, code_level, estimate
 from chainfuse.planner import USABLE
 
-__all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman"]
+__all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman", "split_half_rho"]
 
 _FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
 
@@ -62,6 +63,7 @@ class Fidelity:
     predicted_memory_ms: list[float]  # its tie-break: summed memory time over the levels
     measured_ms: list[float]
     predicted_plain_ms: list[float] = field(default_factory=list)  # without the kernel's terms
+    repeat_rho: float = math.nan  # the measurement's own repeatability (`split_half_rho`)
 
     @property
     def predicted_rank(self) -> list[float]:
@@ -94,7 +96,8 @@ class Fidelity:
     def from_dict(cls, d: Mapping[str, Any]) -> Fidelity:
         keep = ("suite", "workload", "variant", "tiles", "predicted_ms", "predicted_memory_ms",
                 "measured_ms")  # fmt: skip
-        return cls(**{k: d[k] for k in keep}, predicted_plain_ms=d.get("predicted_plain_ms", []))
+        return cls(**{k: d[k] for k in keep}, predicted_plain_ms=d.get("predicted_plain_ms", []),
+                   repeat_rho=d.get("repeat_rho", math.nan))  # fmt: skip
 
 
 def _ranks(xs: Sequence[Any]) -> list[float]:
@@ -238,13 +241,15 @@ def _time_ranked(
 ) -> Fidelity:
     """Check every kernel against the reference, time them interleaved, make the record."""
     want = reference.run(chain, inputs)[chain.outputs[0].name]
-    fns: dict[str, Callable[[], object]] = {}
-    for i, kernel in enumerate(kernels):
+    calls: list[Callable[[], object]] = []
+    for kernel in kernels:
         call, result = bind(kernel)
         call()
         reference.assert_close(np.asarray(result()), want, chain)
-        fns[str(i)] = call
-    timing = interleave(fns, rounds)
+        calls.append(call)
+    reps = _repeats(calls[0], SAMPLE_S)
+    fns = {str(i): _batch(call, reps) for i, call in enumerate(calls)}
+    timing = interleave(fns, rounds, budget_s=60.0)
     if progress is not None:
         progress(f"fidelity {names[1]} {names[2]}")
     return Fidelity(
@@ -254,7 +259,47 @@ def _time_ranked(
         predicted_memory_ms=[p[1] * 1e3 for p, _ in ranked],
         measured_ms=_measured(timing, len(kernels)),
         predicted_plain_ms=[p[2] * 1e3 for p, _ in ranked],
+        repeat_rho=split_half_rho(timing, "0"),
     )
+
+
+def split_half_rho(timing: Mapping[str, Timing], base: str) -> float:
+    """Spearman's rho between the plans' measured times from the even rounds and from the odd
+    ones (each paired with `base` as `paired_ms` pairs them): how far the measurement itself
+    reproduces its ranking, the ceiling a model's rho is read against (NaN: under 4 rounds)."""
+    halves = []
+    for start in (0, 1):
+        part = {}
+        for name, t in timing.items():
+            xs = t.times_s[start::2]
+            if len(xs) < 2:
+                return math.nan
+            part[name] = Timing(t.ms, t.spread, len(xs), t.best_ms, tuple(xs))
+        paired = paired_ms(part, base)
+        halves.append([paired[k] for k in sorted(paired, key=int)])
+    return spearman(halves[0], halves[1])
+
+
+#: each timed sample runs a plan back to back for about this long (one short call alone carries
+#: the timer's and the previous plan's cache state; docs/performance.md#fidelity)
+SAMPLE_S = 0.02
+
+
+def _repeats(call: Callable[[], object], seconds: float) -> int:
+    """Back-to-back calls that take about `seconds` (at least one)."""
+    start = time.perf_counter()
+    call()
+    call()
+    once = max((time.perf_counter() - start) / 2, 1e-7)
+    return max(1, min(1000, round(seconds / once)))
+
+
+def _batch(call: Callable[[], object], reps: int) -> Callable[[], object]:
+    def run() -> None:
+        for _ in range(reps):
+            call()
+
+    return run
 
 
 def _measured(timing: Mapping[str, Timing], n: int) -> list[float]:
@@ -347,14 +392,16 @@ def compare(before: Sequence[Fidelity], after: Sequence[Fidelity]) -> list[str]:
         return sum(xs) / len(xs) if xs else math.nan
 
     lines = ["| suite | workloads (before / after) | mean rho before | mean rho after | "
-             "after, without kernel terms | mean tuning gap before | after |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "after, without kernel terms | measurement's own rho (after) | "
+             "mean tuning gap before | after |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for suite in dict.fromkeys(f.suite for f in (*before, *after)):
         b = [f for f in before if f.suite == suite]
         a = [f for f in after if f.suite == suite]
         lines.append(
             f"| {suite} | {len(b)} / {len(a)} | {mean([f.rho for f in b]):.2f} | "
             f"{mean([f.rho for f in a]):.2f} | {mean([f.rho_plain for f in a]):.2f} | "
+            f"{mean([f.repeat_rho for f in a]):.2f} | "
             f"{mean([f.tuning_gap for f in b]):.1%} | {mean([f.tuning_gap for f in a]):.1%} |"
         )
     return lines

@@ -129,7 +129,8 @@ def _fidelity_lines(fidelity: Sequence[Fidelity]) -> list[str]:
             f"{f.measured_ms[b]:.3f}) |"
         )
     lines += ["", "| suite | workloads | mean Spearman rho | without kernel terms | "
-              "mean tuning gap | max tuning gap |", "|---|---|---|---|---|---|"]  # fmt: skip
+              "measurement's own rho | mean tuning gap | max tuning gap |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for suite in dict.fromkeys(f.suite for f in fidelity):
         sel = [f for f in fidelity if f.suite == suite]
         rhos = [f.rho for f in sel if not math.isnan(f.rho)]
@@ -137,7 +138,9 @@ def _fidelity_lines(fidelity: Sequence[Fidelity]) -> list[str]:
         gaps = [f.tuning_gap for f in sel]
         rho = statistics.mean(rhos) if rhos else math.nan
         rho_plain = statistics.mean(plain) if plain else math.nan
-        lines.append(f"| {suite} | {len(sel)} | {rho:.2f} | {rho_plain:.2f} | "
+        own = [f.repeat_rho for f in sel if not math.isnan(f.repeat_rho)]
+        repeat = statistics.mean(own) if own else math.nan
+        lines.append(f"| {suite} | {len(sel)} | {rho:.2f} | {rho_plain:.2f} | {repeat:.2f} | "
                      f"{statistics.mean(gaps):.1%} | {max(gaps):.1%} |")  # fmt: skip
     return lines
 
@@ -226,7 +229,9 @@ def write(
            "rho: Spearman's rank correlation between the model's ranking (predicted time, ties "
            "broken by predicted memory time) and the measured times (nan: the model ranks all "
            "of them equal); without kernel terms: the same for the time with the flops at the "
-           "peak (the model before its micro-kernel efficiency terms). Tuning gap: how much "
+           "peak (the model before its micro-kernel efficiency terms); the measurement's own "
+           "rho: the plans' times from the even rounds against those from the odd ones, the "
+           "ceiling a model's rho can reach on this machine. Tuning gap: how much "
            "slower the first choice ran than the best of those plans.", ""]  # fmt: skip
     md += _fidelity_lines(fidelity)
     md += ["", "Across workloads (the chosen plan of each, 1 thread, or the fewest threads the run "

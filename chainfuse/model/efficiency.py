@@ -7,16 +7,21 @@ put into the compute time:
 
 - *k steps a call*: a contraction's micro-kernel calls run the code tile of its reduction (a
   GEMM chain's first GEMM: T_K; the second: T_L) and are slower per flop the shorter they are:
-  the op's compute time is divided by `Calibration.speed(steps)`;
+  each call's share of the op's time is divided by `Calibration.speed(steps)`, the tail call
+  (the extent's remainder after whole tiles) at its own, shorter, length;
 - *packing*: every element brought into the code level is packed into a panel (or stored back)
   once per load, costing `pack_flops` of the kernel's flops each: the elements the level's
-  tiles move (`traffic.level_cost`) times that, at the peak.
+  tiles move (`traffic.level_cost`) times that, at the peak. Only GEMM chains pack per load: a
+  softmax chain packs a head's V once for all its row blocks (`DT_PANELS`) and a conv chain's
+  code packs by its bands, so there the term would order plans by loads that pack nothing
+  (re-ranked against measured plans it lowered rho; docs/tuning.md#calibration).
 
 An online softmax's rescale per tile is the third term (`softmax.rescale_factors`). Other chips
 (GPU, NPU presets) and chains with no contraction keep the plain flops.
 
-    compute(op) = flops(op) / (peak * speed(steps(op))) * rescale(op)
+    compute(op) = flops(op) * calls(op) / peak * rescale(op)
                   + moved_into_code_level(op) / itemsize * pack_flops / peak
+    calls(op)   = sum over its calls of steps / speed(steps), over the reduction's extent
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from chainfuse.hardware import DeviceKind, Hardware
-from chainfuse.ir import Chain, Contraction
+from chainfuse.ir import Chain, Contraction, Softmax
 from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.kernels.calibration import Calibration, calibration
@@ -61,24 +66,44 @@ class Efficiency:
     calibration: Calibration
     steps: tuple[tuple[str, ...], ...]  # per op: the loops whose code tiles make a call's steps
     itemsize: int
+    packs: bool = True  # whether the code packs what each load brings in (module docstring)
     memo: dict[tuple[int, ...], tuple[float, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
 
     def stretch(self, tiles: Mapping[str, int], extents: Mapping[str, int]) -> tuple[float, ...]:
         """Per op: what its flops' time is multiplied by for the code-level `tiles`."""
-        key = tuple(  # (0: not a contraction)
-            math.prod(min(tiles.get(n, extents[n]), extents[n]) for n in loops) if loops else 0
-            for loops in self.steps
-        )
+        loops = self._loops
+        key = tuple(min(tiles.get(n, extents[n]), extents[n]) for n in loops)
         found = self.memo.get(key)
         if found is None:
-            speed = self.calibration.speed
-            found = self.memo[key] = tuple(1.0 / speed(s) if s else 1.0 for s in key)
+            tile = dict(zip(loops, key, strict=True))
+            found = self.memo[key] = tuple(self._calls(red, tile, extents) for red in self.steps)
         return found
+
+    @functools.cached_property
+    def _loops(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for red in self.steps for n in red))
+
+    def _calls(
+        self, red: tuple[str, ...], tile: Mapping[str, int], ext: Mapping[str, int]
+    ) -> float:
+        """Time per step of the op's micro-kernel calls over its reduction, relative to the
+        kernel's best: whole tiles of steps, then the remainder (1.0: not a contraction)."""
+        if not red:
+            return 1.0
+        steps, extent = math.prod(tile[n] for n in red), math.prod(ext[n] for n in red)
+        if steps <= 0 or extent <= 0:
+            return 1.0
+        speed = self.calibration.speed
+        whole, rest = divmod(extent, steps)
+        time = whole * steps / speed(steps) + (rest / speed(rest) if rest else 0.0)
+        return time / extent
 
     def pack_flops(self, moved_bytes: int) -> float:
         """The flops' worth of packing what the code level's tiles bring in."""
+        if not self.packs:
+            return 0.0
         return moved_bytes / self.itemsize * self.calibration.pack_flops
 
 
@@ -92,7 +117,12 @@ def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
     if kernel is None:
         return None
     steps = tuple(op.reduction if isinstance(op, Contraction) else () for op in chain.ops)
-    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize)
+    softmax = any(isinstance(op, Softmax) for op in chain.ops)
+    windowed = any(
+        len(ix.terms) > 1 for op in chain.contractions for a in op.reads for ix in a.index
+    )
+    packs = not (softmax or windowed)
+    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize, packs)
 
 
 def code_flops(

@@ -156,8 +156,25 @@ def test_fidelity_rank_breaks_time_ties_by_memory_time() -> None:
     assert f.predicted_rank == [2.0, 1.0, 3.0]
     assert f.rho == pytest.approx(1.0)
     assert f.tuning_gap == pytest.approx(0.5)
-    assert Fidelity.from_dict(json.loads(json.dumps(f.to_dict()))) == f
+    back = Fidelity.from_dict(json.loads(json.dumps(f.to_dict())))
+    assert json.dumps(back.to_dict()) == json.dumps(f.to_dict())  # (NaN fields compare unequal)
     assert math.isnan(f.rho_plain)  # (a record from before the kernel terms has none)
+    assert math.isnan(f.repeat_rho)  # (nor its measurement's repeatability)
+
+
+def test_split_half_rho_is_the_rounds_agreeing_with_themselves() -> None:
+    from chainfuse.bench.fidelity import split_half_rho
+    from chainfuse.bench.timing import Timing
+
+    def timing(times: list[float]) -> Timing:
+        return Timing(1.0, 0.0, len(times), 1.0, tuple(times))
+
+    steady = {"0": timing([1.0] * 6), "1": timing([1.1] * 6), "2": timing([1.2] * 6)}
+    assert split_half_rho(steady, "0") == pytest.approx(1.0)
+    # even rounds order the plans 0 < 1 < 2, odd rounds the reverse: no agreement at all
+    flip = {"0": timing([1.0, 1.0] * 3), "1": timing([1.1, 0.9] * 3), "2": timing([1.2, 0.8] * 3)}
+    assert split_half_rho(flip, "0") == pytest.approx(-1.0)
+    assert math.isnan(split_half_rho({k: timing([1.0] * 3) for k in "012"}, "0"))
 
 
 def test_fidelity_compares_the_model_without_its_kernel_terms_and_two_runs(
@@ -165,7 +182,7 @@ def test_fidelity_compares_the_model_without_its_kernel_terms_and_two_runs(
 ) -> None:
     after = Fidelity("gemm-chain", "w", "relu", ["a", "b", "c"], predicted_ms=[1.0, 2.0, 3.0],
                      predicted_memory_ms=[0.0, 0.0, 0.0], measured_ms=[1.0, 2.0, 3.0],
-                     predicted_plain_ms=[3.0, 2.0, 1.0])  # fmt: skip
+                     predicted_plain_ms=[3.0, 2.0, 1.0], repeat_rho=0.5)  # fmt: skip
     assert after.rho == pytest.approx(1.0) and after.rho_plain == pytest.approx(-1.0)
     assert Fidelity.from_dict(json.loads(json.dumps(after.to_dict()))) == after
     before = dataclasses.replace(after, measured_ms=[2.0, 1.0, 3.0], predicted_plain_ms=[])
@@ -173,7 +190,7 @@ def test_fidelity_compares_the_model_without_its_kernel_terms_and_two_runs(
         (tmp_path / name).write_text(json.dumps({"fidelity": [f.to_dict() for f in fids]}))
     table = fidelity.compare(fidelity.load(str(tmp_path / "before")),
                              fidelity.load(str(tmp_path / "after")))  # fmt: skip
-    assert table[2] == "| gemm-chain | 1 / 1 | 0.50 | 1.00 | -1.00 | 100.0% | 0.0% |"
+    assert table[2] == "| gemm-chain | 1 / 1 | 0.50 | 1.00 | -1.00 | 0.50 | 100.0% | 0.0% |"
     assert fidelity.main(["--compare", str(tmp_path / "before"), str(tmp_path / "after")]) == 0
 
 

@@ -466,3 +466,28 @@ def test_efficiency_charges_short_calls_and_packing_on_cpus_only() -> None:
     assert slow.compute_s > fast.compute_s and slow.flops == fast.flops
     assert 0 < fast.kernel_s < fast.compute_s
     assert fast.plain_s <= fast.time_s
+
+
+def test_efficiency_runs_the_reductions_tail_call_at_its_own_length() -> None:
+    from chainfuse.model import efficiency
+
+    chain = gemm_chain(1, 256, 64, 64, 256, "relu")  # K = 64
+    terms = efficiency(chain, Hardware.preset("xeon-gold-6240"))
+    assert terms is not None
+    ext, speed = chain.extents, terms.calibration.speed
+    whole = terms.stretch({"k": 64, "l": 256}, ext)[0]
+    split = terms.stretch({"k": 48, "l": 256}, ext)[0]  # a call of 48 steps, then one of 16
+    assert whole == pytest.approx(1 / speed(64))
+    assert split == pytest.approx((48 / speed(48) + 16 / speed(16)) / 64)
+    assert split > 1 / speed(48) > whole
+
+
+def test_efficiency_charges_packing_where_the_code_packs_per_load() -> None:
+    from chainfuse.model import efficiency
+
+    xeon = Hardware.preset("xeon-gold-6240")
+    gemm = efficiency(gemm_chain(1, 256, 64, 256, 64, "relu"), xeon)
+    attention = efficiency(attention_chain(1, 4, 128, 128, 64, 64), xeon)
+    assert gemm is not None and attention is not None
+    assert gemm.pack_flops(1000) > 0
+    assert attention.pack_flops(1000) == 0  # V packed once a head (`DT_PANELS`)
