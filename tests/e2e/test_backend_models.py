@@ -1,6 +1,7 @@
 """`torch.compile(model, backend="chainfuse")` on whole models built from small configs (random
-weights, nothing downloaded): Hugging Face BERT, ViT, GPT-2, a Llama-style model, PyTorch's
-TransformerEncoderLayer, a ResNet-style conv net and a plain MLP.
+weights, nothing downloaded): Hugging Face BERT, ViT (also at a larger image: more tokens than
+one tile), GPT-2, a Llama-style model, a Whisper encoder (conv stem, then attention over its
+frames), PyTorch's TransformerEncoderLayer, a ResNet-style conv net and a plain MLP.
 
 Every chain the installed chainfuse can run is fused (`measure=False`: no timing, so the
 rewrites themselves are what is tested), and the model's output is compared with the model run
@@ -72,6 +73,14 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
     if name == "vit":
         cfg = transformers.ViTConfig(image_size=32, patch_size=8, **small)
         return transformers.ViTModel(cfg), (torch.randn(2, 3, 32, 32),), 2 + MLPS
+    if name == "vit-large-image":  # 145 tokens: past one tile, not a multiple of any
+        cfg = transformers.ViTConfig(image_size=96, patch_size=8, **small)
+        return transformers.ViTModel(cfg), (torch.randn(1, 3, 96, 96),), 2 + MLPS
+    if name == "whisper":  # 2 * 37 mel frames -> 37 positions after the stride-2 conv stem
+        cfg = transformers.WhisperConfig(d_model=64, encoder_layers=2, encoder_attention_heads=4,
+                                         encoder_ffn_dim=128, num_mel_bins=16,
+                                         max_source_positions=37)  # fmt: skip
+        return _whisper_encoder(cfg), (torch.randn(2, 16, 74),), 2 + MLPS
     if name == "gpt2":
         cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100)
         tanh = MLPS * ("gelu_tanh" in CAPS.activations)
@@ -90,6 +99,14 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
                             nn.Linear(256, 64))  # fmt: skip
         return net, (torch.randn(2, 17, 64),), 1
     raise AssertionError(name)
+
+
+def _whisper_encoder(config: Any) -> Any:
+    """Whisper's encoder alone (the decoder is not built; transformers 5.x keeps the class in
+    its modeling module, not at the top level)."""
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    return WhisperEncoder(config)
 
 
 def _tensor(out: Any) -> Any:
@@ -127,7 +144,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"),
          ("bert", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
