@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ __all__ = [
     "compare",
     "decide",
     "decision_key",
+    "paired",
     "predicted_time",
     "recall",
     "remember",
@@ -96,6 +98,31 @@ def compare(
             best[i] = min(best[i], (time.perf_counter() - began) / reps[i])
         done += 1
     return best[0], best[1]
+
+
+def paired(
+    first: Callable[[], Any], second: Callable[[], Any], budget_s: float = 2.0, rounds: int = 5
+) -> tuple[float, float]:
+    """Seconds per call of `first` and of `second` for calls too long to batch (whole graphs):
+    one call of each a round, the order swapped every round, at least `rounds` rounds and more
+    while `budget_s` lasts (up to 15). `first`'s median, and `second`'s as `first`'s over the
+    median of the rounds' ratios: a round's two calls see the same moment of a drifting host,
+    which two separate medians or minima do not."""
+    for fn in (first, second, first, second):  # (warm-up: a fresh graph's first calls allocate)
+        fn()
+    times: tuple[list[float], list[float]] = ([], [])
+    start = time.perf_counter()
+    done = 0
+    while done < rounds or (done < 15 and time.perf_counter() - start < budget_s):
+        order = ((0, first), (1, second)) if done % 2 == 0 else ((1, second), (0, first))
+        for i, fn in order:
+            began = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - began)
+        done += 1
+    ratio = statistics.median(a / b for a, b in zip(*times, strict=True))
+    mine = statistics.median(times[0])
+    return mine, mine / ratio
 
 
 def _path(key: str) -> Path:

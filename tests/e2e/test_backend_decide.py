@@ -75,6 +75,7 @@ def _times(monkeypatch: pytest.MonkeyPatch, chain: tuple[float, float] | None,
 
     def fake(name: str, times: tuple[float, float] | None) -> Any:
         def compare(first: Any, second: Any, budget_s: float = 0.3, rounds: int = 3) -> Any:
+            # (stands for `decide.compare` and for the graph check's `decide.paired`)
             assert times is not None, f"the {name} was timed, not recalled"
             log.append(name)
             return times
@@ -82,7 +83,7 @@ def _times(monkeypatch: pytest.MonkeyPatch, chain: tuple[float, float] | None,
         return compare
 
     monkeypatch.setattr(decide_mod, "compare", fake("chain", chain))
-    monkeypatch.setattr(guard, "compare", fake("graph", graph))
+    monkeypatch.setattr(guard, "paired", fake("graph", graph))
     return log
 
 
@@ -224,3 +225,33 @@ def test_graphs_that_write_their_inputs_are_not_timed_whole() -> None:
 
     assert backend_mod._writes_state(torch.fx.symbolic_trace(writes).graph)
     assert not backend_mod._writes_state(torch.fx.symbolic_trace(pure).graph)
+
+
+def test_paired_swaps_the_order_every_round_and_reads_the_rounds_ratios(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    now = [0.0]
+    seconds = {"a": 3.0, "b": 2.0}  # each call of a or b takes this; nothing else takes time
+
+    def timed(name: str) -> Any:
+        def run() -> None:
+            calls.append(name)
+            now[0] += seconds[name]
+
+        return run
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    first, second = decide_mod.paired(timed("a"), timed("b"), budget_s=0.0, rounds=5)
+    assert calls[:4] == ["a", "b", "a", "b"]  # the warm-up
+    assert calls[4:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert first == pytest.approx(3.0) and second == pytest.approx(2.0)
+
+
+def test_a_rewritten_graph_not_measured_slower_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (each chain already beat Inductor's code for its nodes; the whole graph only has to not
+    # be slower: a 1 % gain is within a whole call's noise, a 1 % loss is not taken)
+    _times(monkeypatch, chain=(1.0, 2.0), graph=(0.99, 1.0))
+    report = Report()
+    _compile_and_run(report)
+    assert report.graph_checks and report.graph_checks[0].kept_rewritten
