@@ -5,7 +5,8 @@ as set); `isolated=True` compiles it apart from the Dynamo compile it is called 
 tracing context and fake mode), for a graph that is only timed: a chain's unfused nodes, whose
 example inputs are real values. `check_graph` is the whole-graph check: the rewritten graph
 and the plain one, both compiled by Inductor, timed alternately on the example inputs (`paired`:
-the median of the rounds' ratios); the rewritten one is kept unless it is measured slower (so
+the median of the rounds' ratios); the rewritten one is kept unless it is measured slower by
+more than `GRAPH_TOLERANCE` (so
 that a chain's gain lost around it, an epilogue Inductor no longer fuses across the custom
 operator, never makes the model slower). Each fused chain has already beaten Inductor's code
 for its nodes by `MARGIN`; asking the whole graph for that margin again threw away measured
@@ -32,6 +33,9 @@ __all__ = ["GraphCheck", "check_graph", "compile_graph", "describe", "plain_copy
 #: the time the whole-graph check spends timing (at least `GRAPH_ROUNDS` calls of each graph)
 GRAPH_BUDGET_S = 4.0
 GRAPH_ROUNDS = 5
+#: how much slower the rewritten graph may measure and be kept: the noise of whole calls on a
+#: shared host (its chains each measured faster; the plain graph is kept past this)
+GRAPH_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def check_graph(
         return run
 
     r, p = paired(call(fused), call(unfused), budget_s=GRAPH_BUDGET_S, rounds=GRAPH_ROUNDS)
-    kept = r <= p
+    kept = r <= p * (1 + GRAPH_TOLERANCE)
     why = (f"the rewritten graph {p / r:.2f}x as fast as Inductor's code for the plain graph"
            + ("" if kept else ": the plain graph kept"))  # fmt: skip
     check = GraphCheck(number, kept, why, r, p)
