@@ -88,7 +88,8 @@ def check_graph(
     plain: Callable[[], Callable[..., Any]],
     inputs: Sequence[Any],
 ) -> tuple[Callable[..., Any], GraphCheck]:
-    """The faster of the rewritten graph and the plain one, and the check that chose it.
+    """The rewritten graph, or the plain one where the rewritten one measures slower by more
+    than `GRAPH_TOLERANCE`; and the check that chose it.
 
     `rewritten` and `plain` compile each graph (called only where needed: a recalled answer
     compiles the kept graph alone); `inputs` are real values both are timed on."""
