@@ -26,7 +26,7 @@ from chainfuse.ops.arguments import (
     subclassed,
 )
 from chainfuse.ops.calls import bucket_key, bucketed, calls, replay, replay_keys, run, signature
-from chainfuse.ops.sdpa import attention_dims, attention_shape
+from chainfuse.ops.sdpa import attention_dims, attention_shape, check_flags
 from chainfuse.ops.views import lead_merged, stretched
 from chainfuse.runtime import get_num_threads
 
@@ -126,20 +126,13 @@ def attention(
         return attention(plain(q), plain(k), plain(v), plain(attn_mask), is_causal, scale,
                          dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
     # (identity tests first: each check costs a measurable share of a short call)
-    if is_causal is not False and is_causal is not True and not isinstance(is_causal, np.bool_):
-        raise TypeError(
-            f"is_causal: expected a bool, got {is_causal!r} (dropout_p and enable_gqa are "
-            "keyword-only here: SDPA's fifth positional argument is dropout_p)"
-        )
-    if enable_gqa is not False and enable_gqa is not True and not isinstance(enable_gqa, np.bool_):
-        raise TypeError(f"enable_gqa: expected a bool, got {enable_gqa!r}")
-    if (dropout_p.__class__ is not float or dropout_p != 0.0) and (
-        isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0
+    if (
+        (is_causal is not False and is_causal is not True)
+        or (enable_gqa is not False and enable_gqa is not True)
+        or dropout_p.__class__ is not float
+        or dropout_p != 0.0
     ):
-        raise ValueError(
-            f"dropout_p: expected 0.0, got {dropout_p!r}: chainfuse's attention is for inference "
-            "(no dropout, no backward)"
-        )
+        check_flags(is_causal, enable_gqa, dropout_p)
     dtype, (sq, sk, sv) = operands_of("q, k, v", q, k, v)
     if min(len(sq), len(sk), len(sv)) < 2:
         raise ValueError(f"q, k, v: expected [..., seq, dim] each, got shapes {sq}, {sk}, {sv}")

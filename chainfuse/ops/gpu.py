@@ -26,7 +26,7 @@ from chainfuse.codegen.triton import Between, Mask, TritonSpec, emit, kernel_nam
 from chainfuse.gpu_plan import TritonPlan, plan_triton
 from chainfuse.ir import DType
 from chainfuse.operands import is_torch
-from chainfuse.ops.sdpa import attention_dims
+from chainfuse.ops.sdpa import attention_dims, check_flags
 from chainfuse.runtime.triton import INSTALL_HINT, launch, load_triton, triton_available
 
 __all__ = ["attention", "gemm_chain", "mlp", "routed"]
@@ -282,13 +282,7 @@ def attention(
     enable_gqa: bool = False,
 ) -> Any:
     """SDPA semantics as one Triton kernel (the arguments as `ops.attention`'s)."""
-    if not isinstance(is_causal, bool | np.bool_):
-        raise TypeError(f"is_causal: expected a bool, got {is_causal!r}")
-    if not isinstance(enable_gqa, bool | np.bool_):
-        raise TypeError(f"enable_gqa: expected a bool, got {enable_gqa!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
-        raise ValueError(f"dropout_p: expected 0.0, got {dropout_p!r}: chainfuse's attention is "
-                         "for inference (no dropout, no backward)")  # fmt: skip
+    check_flags(is_causal, enable_gqa, dropout_p)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale: expected a real number or None, got {scale!r}")
     dtype, interpret = _checked(

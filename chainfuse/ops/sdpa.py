@@ -1,17 +1,38 @@
 """The argument rules of SDPA (`torch.nn.functional.scaled_dot_product_attention`) that
-`attention` and `chainfuse.torch` share: how q, k and v broadcast and group, and the result's
-shape, for sizes that may be symbolic (a compiler's).
+`attention` (CPU and GPU) and `chainfuse.torch` share: the flags it takes, how q, k and v
+broadcast and group, and the result's shape, for sizes that may be symbolic (a compiler's).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from chainfuse.ops.arguments import batch_dims
 
-__all__ = ["attention_dims", "attention_shape"]
+__all__ = ["attention_dims", "attention_shape", "check_flags"]
+
+
+def check_flags(is_causal: Any, enable_gqa: Any, dropout_p: Any) -> None:
+    """Raise what SDPA's flags are checked for: `is_causal` and `enable_gqa` bools (numpy's
+    too), `dropout_p` zero (inference). A caller on a hot path tests the common values first
+    and calls this only where one differs."""
+    if not isinstance(is_causal, bool | np.bool_):
+        raise TypeError(
+            f"is_causal: expected a bool, got {is_causal!r} (dropout_p and enable_gqa are "
+            "keyword-only here: SDPA's fifth positional argument is dropout_p)"
+        )
+    if not isinstance(enable_gqa, bool | np.bool_):
+        raise TypeError(f"enable_gqa: expected a bool, got {enable_gqa!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        raise ValueError(
+            f"dropout_p: expected 0.0, got {dropout_p!r}: chainfuse's attention is for inference "
+            "(no dropout, no backward)"
+        )
 
 
 def attention_dims(
