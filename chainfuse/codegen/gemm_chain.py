@@ -53,6 +53,7 @@ from chainfuse.kernels import emit_with_packing
 
 __all__ = [
     "DIRECT_FAR_STRIPS",
+    "DIRECT_ROW_STRIPS",
     "DIRECT_STRIDE",
     "DIRECT_STRIPS",
     "PACKED",
@@ -62,6 +63,11 @@ __all__ = [
 #: Row blocks of at most this many nr-strips read B and D slivers in place, not packed
 #: (docs/tuning.md) ...
 DIRECT_STRIPS = 8
+#: ... or of at most this many strips where a sliver's rows are contiguous along the reduction
+#: (B or D stored transposed: nn.Linear's weights, attention's K): read in place there, a cold
+#: weight streams in under the micro-kernel's FMAs, where packing it is a pass of its own
+#: (docs/tuning.md)
+DIRECT_ROW_STRIPS = 16
 #: ... if the slivers' rows are at most this many elements apart (docs/tuning.md) ...
 DIRECT_STRIDE = 256
 #: ... or at any distance for this many strips: a packed copy used once or twice does not pay
@@ -147,6 +153,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"#define DIRECT_MC 0 /* {short} slivers cannot be read in place by an fp32 kernel */"
         )
+        w.line("#define DIRECT_MC_ROWS 0")
         w.line(f"#define DIRECT_STRIDE {DIRECT_STRIDE}")
         w.line(f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS}")
     else:
@@ -159,6 +166,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(f"#define PACK_BT {ker.name}_pack_bt")
         w.line(
             f"#define DIRECT_MC {DIRECT_STRIPS} * NR /* up to this many columns: no B/D packing */"
+        )
+        w.line(
+            f"#define DIRECT_MC_ROWS {DIRECT_ROW_STRIPS} * NR /* ... where B or D is stored transposed */"
         )
         w.line(f"#define DIRECT_STRIDE {DIRECT_STRIDE} /* ... if their rows are this close */")
         w.line(

@@ -66,10 +66,12 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("   packing it; whole slivers are then read in place (tails are still packed). Not")
     w.line("   a sliver whose rows lie far apart (a new page per element read, re-read for")
     w.line("   every strip) unless it serves one or two strips: packing it row by row is")
-    w.line("   cheaper only when the packed copy is read several times */")
-    w.line("const int direct = mc <= DIRECT_MC;")
+    w.line("   cheaper only when the packed copy is read several times. Slivers whose rows are")
+    w.line("   contiguous along the reduction (B or D stored transposed) up to more strips */")
+    w.line("const int direct = mc <= DIRECT_MC, direct_rows = mc <= DIRECT_MC_ROWS;")
     w.line("const int few = mc <= DIRECT_FAR_STRIPS * NR;")
-    far_b = "" if spec.b_transposed else " && (few || sBr <= DIRECT_STRIDE)"
+    w.line("(void)direct_rows; (void)few;")
+    far_b = "_rows" if spec.b_transposed else " && (few || sBr <= DIRECT_STRIDE)"
     w.line(f"const int direct_b = direct{far_b};")
     if softmax:
         if softmax_writes_e(spec):
@@ -79,8 +81,10 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line(f"const int to_e = ((N == NR && sDl == NR){heads}) && T_N >= N && l_end > l_lo;")
         _reuse_d(w, spec)
     reused = " && !reuse_d" if softmax else ""
-    far_d = "" if spec.d_transposed else " && (few || sDl <= DIRECT_STRIDE)"
-    w.line(f"const int direct_d = direct{reused}{far_d};")
+    if spec.d_transposed:
+        w.line(f"const int direct_d = direct_rows{reused};")
+    else:
+        w.line(f"const int direct_d = direct{reused} && (few || sDl <= DIRECT_STRIDE);")
     if spec.mask is MaskKind.ADDITIVE:
         w.line("const cf_elem* mask_b = (const cf_elem*)mask_data + b0 * sM0 + b1 * sM1;")
     elif spec.mask is MaskKind.BOOL:

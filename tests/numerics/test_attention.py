@@ -1396,15 +1396,15 @@ def test_scores_exponentiated_beside_op1_rescale_or_fall_back(
     # then computes it), as does one ~300 along past whole blocks (up to 2^450 unshifted).
     # One l tile or several (E or Eᵀ rescaled after op2 ran, l tiles of fewer than mr keys on
     # the strip's own pass), 0..mr-1 keys past whole blocks, K read in place or packed (a row
-    # block of more than DIRECT_STRIPS strips), E written directly or through Eᵀ
-    from chainfuse.codegen.gemm_chain import DIRECT_STRIPS
+    # block of more than DIRECT_ROW_STRIPS strips), E written directly or through Eᵀ
+    from chainfuse.codegen.gemm_chain import DIRECT_ROW_STRIPS
 
     _force(monkeypatch, kernel)
     nr, mr = kernel.nr, kernel.mr
     rng = np.random.default_rng(11)
     masked = chainfuse.attention_chain(1, 1, nr, 2 * mr, 8, nr, mask="bool")
     assert "cf_scores_strip(" not in compile(masked).source  # (the strip's own pass applies it)
-    packed_m = (DIRECT_STRIPS + 1) * nr
+    packed_m = (DIRECT_ROW_STRIPS + 1) * nr
     cases = [(nr + 3, 5 * mr + t, nr, None) for t in range(mr)]
     cases += [(nr + 3, 7 * mr + 2, nr + 16, {"l": 2 * mr + 1}), (2 * nr, 40, nr, {"l": 3 * mr})]
     cases += [(packed_m + 5, 4 * mr + 3, nr, {"m": packed_m + 8}), (nr, 9 * mr, 24, None)]

@@ -92,6 +92,22 @@ def test_chains_match_reference(
     check_against_reference(kernel, chain, seed=seed, softmax_term=True, convert=convert)
 
 
+@pytest.mark.parametrize("past", [-5, 3])
+@pytest.mark.parametrize("between", ["gelu", "softmax"])
+def test_weights_stored_transposed_in_place_or_packed(past: int, between: str) -> None:
+    """Row blocks just under and just over the strips up to which B and D stored transposed
+    are read in place (`DIRECT_ROW_STRIPS`): the same sums either way, tails included."""
+    from chainfuse.codegen.gemm_chain import DIRECT_ROW_STRIPS
+
+    chain = builders.gemm_chain(1, 8, 5, 6, 7, between, b_transposed=True, d_transposed=True)
+    nr = compile(chain).spec.kernel.nr
+    rows = DIRECT_ROW_STRIPS * nr + past
+    chain = builders.gemm_chain(1, 2 * rows + 7, 29, 37, 23, between, b_transposed=True,
+                                d_transposed=True, bias1=True, bias2=True)  # fmt: skip
+    kernel = compile(chain, tiles={"m": rows, "l": 18, "k": 16, "n": 13})
+    check_against_reference(kernel, chain, seed=rows)
+
+
 def _linear_mlp(
     x: object, w1: object, w2: object, between: str | None, b1: object, b2: object
 ) -> object:
