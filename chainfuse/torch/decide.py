@@ -130,11 +130,13 @@ def _path(key: str) -> Path:
 
 
 def decision_key(parts: Sequence[Any]) -> str:
-    """The cache key of a decision: what was timed and where (host, threads, versions)."""
+    """The cache key of a decision: what was timed and where (host, threads, versions, and the
+    code generators: a decision is timed again when the kernel it timed would change)."""
     from chainfuse import __version__
 
     host = cache._host_fingerprint()
-    text = json.dumps([_VERSION, __version__, torch.__version__, host, *parts], default=str)
+    code = cache._generator_fingerprint()
+    text = json.dumps([_VERSION, __version__, torch.__version__, host, code, *parts], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
