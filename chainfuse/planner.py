@@ -377,7 +377,11 @@ class _Search:
                 moved = sum(b for _, _, b in moved_bytes(nest, cost, tiles))
             if level == self.code:  # the code's tiles: rescaling, calls, packing (`model`)
                 factors = rescale_factors(self.chain, tiles, self.rescaled) if nest.fused else None
-                flops = code_flops(self.efficiency, cost.op_flops, factors, tiles, self.ext, moved)
+                packed = moved
+                if self.efficiency is not None and self.efficiency.direct:
+                    skip = self.efficiency.in_place(tiles, self.ext)
+                    packed -= sum(b for _, name, b in cost.moved if name in skip)
+                flops = code_flops(self.efficiency, cost.op_flops, factors, tiles, self.ext, packed)
             score = (moved / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score
         return score

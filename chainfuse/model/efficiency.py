@@ -14,7 +14,9 @@ put into the compute time:
   tiles move (`traffic.level_cost`) times that, at the peak. Only GEMM chains pack per load: a
   softmax chain packs a head's V once for all its row blocks (`DT_PANELS`) and a conv chain's
   code packs by its bands, so there the term would order plans by loads that pack nothing
-  (re-ranked against measured plans it lowered rho; docs/tuning.md#calibration).
+  (re-ranked against measured plans it lowered rho; docs/tuning.md#calibration). Nor does a
+  GEMM chain pack weights stored transposed in row blocks of up to `DIRECT_ROW_STRIPS` strips,
+  whose slivers its code reads in place (`in_place`).
 
 An online softmax's rescale per tile is the third term (`softmax.rescale_factors`). Other chips
 (GPU, NPU presets) and chains with no contraction keep the plain flops.
@@ -32,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from chainfuse.hardware import DeviceKind, Hardware
-from chainfuse.ir import Chain, Contraction, Softmax
+from chainfuse.ir import Chain, Contraction, DType, Softmax
 from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.kernels.calibration import Calibration, calibration
@@ -67,6 +69,8 @@ class Efficiency:
     steps: tuple[tuple[str, ...], ...]  # per op: the loops whose code tiles make a call's steps
     itemsize: int
     packs: bool = True  # whether the code packs what each load brings in (module docstring)
+    rows: str = ""  # the loop of the code's row blocks (a GEMM chain's m), for `in_place`
+    direct: tuple[tuple[str, int], ...] = ()  # (tensor, most rows of a block reading it in place)
     memo: dict[tuple[int, ...], tuple[float, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -100,6 +104,13 @@ class Efficiency:
         time = whole * steps / speed(steps) + (rest / speed(rest) if rest else 0.0)
         return time / extent
 
+    def in_place(self, tiles: Mapping[str, int], extents: Mapping[str, int]) -> frozenset[str]:
+        """The tensors the code reads in place, not packed, at the code-level `tiles`."""
+        if not self.direct:
+            return frozenset()
+        rows = min(tiles.get(self.rows, extents[self.rows]), extents[self.rows])
+        return frozenset(t for t, most in self.direct if rows <= most)
+
     def pack_flops(self, moved_bytes: int) -> float:
         """The flops' worth of packing what the code level's tiles bring in."""
         if not self.packs:
@@ -122,7 +133,8 @@ def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
         len(ix.terms) > 1 for op in chain.contractions for a in op.reads for ix in a.index
     )
     packs = not (softmax or windowed)
-    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize, packs)
+    rows, direct = _direct(chain, kernel) if packs else ("", ())
+    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize, packs, rows, direct)
 
 
 def code_flops(
@@ -135,10 +147,35 @@ def code_flops(
 ) -> float:
     """The flops' worth of the work at the code level's `tiles` (the planner's objective there):
     each op's flops times its softmax `factors` (None: 1) and `terms`' stretch, plus packing the
-    `moved` bytes."""
+    `moved` bytes (those the code packs: not the tensors it reads in place, `in_place`)."""
     factors = factors or (1.0,) * len(op_flops)
     if terms is None:
         return sum(f * x for f, x in zip(op_flops, factors, strict=True))
     stretch = terms.stretch(tiles, extents)
     flops = sum(f * x * y for f, x, y in zip(op_flops, factors, stretch, strict=True))
     return flops + terms.pack_flops(moved)
+
+
+def _direct(chain: Chain, kernel: MicroKernel) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """A GEMM chain's row loop and, per fp32 weight stored transposed (B, a gated MLP's B3, D:
+    its rows run along the reduction), the most rows of a row block whose code reads its
+    slivers in place (`codegen.gemm_chain.DIRECT_ROW_STRIPS` strips). Weights in the other
+    layout, read in place up to `DIRECT_STRIPS` strips, stay charged as packed: re-ranked
+    against measured plans of the paper's GEMM chains, not charging them lowered rho
+    (docs/tuning.md#calibration)."""
+    from chainfuse.codegen import gemm_chain as code
+    from chainfuse.codegen.gemm_spec import match_gemm_chain
+
+    try:
+        shape = match_gemm_chain(chain)
+    except ValueError:
+        return "", ()
+    if chain.dtype is not DType.FLOAT32:
+        return "", ()
+    rows = chain.contractions[0].inputs[0].loops[-2]  # (A: [..., m, k])
+    most = code.DIRECT_ROW_STRIPS * kernel.nr
+    b, d = shape.tensors[1], shape.tensors[2]
+    weights = [(b, shape.b_transposed), (d, shape.d_transposed)]
+    if shape.gate is not None:
+        weights.append((shape.gate, shape.b_transposed))
+    return rows, tuple((tensor, most) for tensor, transposed in weights if transposed)

@@ -96,8 +96,11 @@ def estimate(
         op_flops = cost.op_flops
         bw = outer.aggregate_bandwidth(workers) if outer.shared else outer.bandwidth * workers
         per_op = [0] * n_ops
-        for i, _, b in moved_bytes(nest, cost, tiles[inner.name]):
+        to_pack = [0] * n_ops  # (what the code packs: not the tensors it reads in place)
+        skip = terms.in_place(tiles[inner.name], ext) if terms is not None else frozenset()
+        for i, name, b in moved_bytes(nest, cost, tiles[inner.name]):
             per_op[i] += b
+            to_pack[i] += 0 if name in skip else b
         total = sum(per_op)
         moved.append((outer.name, total))
         used.append((inner.name, cost.used))
@@ -105,7 +108,7 @@ def estimate(
         for i in range(n_ops):
             op_time[i].append(per_op[i] / bw * imbalance)
         if inner.name == code and terms is not None:
-            packed = [terms.pack_flops(b) for b in per_op]
+            packed = [terms.pack_flops(b) for b in to_pack]
     if not op_flops:
         op_flops = level_cost(nest, {}).op_flops
     # (an online softmax only where it is fused: unfused, the softmax runs over whole rows,

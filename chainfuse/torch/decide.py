@@ -6,7 +6,10 @@ are constants: packed MKL weights, oneDNN's fused bias and activation); with mod
 nodes run by PyTorch. The caller names the baseline (`against`); it appears in the decision's
 `why`. The two are timed alternately (`compare`), the best batch of each; the fused call must
 take at most `MARGIN` of the baseline's time and give the same numbers within a loose sanity
-bound, else the chain stays unfused. The decision is kept on disk beside the kernel cache
+bound, else the chain stays unfused. The margin is none: alone, a chain's weights stay in cache
+between timed calls, in the model they come from memory, where the fused call gains more (a
+ViT-384 MLP timed at 1.01x alone was worth 10 % of the model at 2 threads), and the whole-graph
+check (`guard.check_graph`) is what keeps a model from being made slower. The decision is kept on disk beside the kernel cache
 (`<cache_dir>/decisions/`), keyed by everything the timing depends on, so a second compile of
 the same model on the same host decides without timing.
 """
@@ -41,9 +44,10 @@ __all__ = [
     "time_call",
 ]
 
-#: the fused call is kept where it takes at most this share of the baseline's time
-MARGIN = 0.97
-_VERSION = 4  # of the decision record: bumped when what is measured changes
+#: the fused call is kept where it takes at most this share of the baseline's time (module
+#: docstring; docs/performance.md)
+MARGIN = 1.0
+_VERSION = 5  # of the decision record: bumped when what is measured changes
 
 
 @dataclass(frozen=True)

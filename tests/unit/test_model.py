@@ -491,3 +491,35 @@ def test_efficiency_charges_packing_where_the_code_packs_per_load() -> None:
     assert gemm is not None and attention is not None
     assert gemm.pack_flops(1000) > 0
     assert attention.pack_flops(1000) == 0  # V packed once a head (`DT_PANELS`)
+
+
+def test_weights_stored_transposed_are_not_charged_packing_where_read_in_place() -> None:
+    from chainfuse.codegen.gemm_chain import DIRECT_ROW_STRIPS
+    from chainfuse.model import efficiency, kernel_of
+
+    xeon = Hardware.preset("xeon-gold-6240")
+    shape = (1, 4096 + 7, 64, 256, 512)
+    linear = gemm_chain(*shape, "gelu", b_transposed=True, d_transposed=True)
+    plain = gemm_chain(*shape, "gelu")
+    terms, untransposed, kernel = (
+        efficiency(linear, xeon),
+        efficiency(plain, xeon),
+        kernel_of(linear, xeon),
+    )
+    assert terms is not None and untransposed is not None and kernel is not None
+    most = DIRECT_ROW_STRIPS * kernel.nr
+    assert most < 4096 and terms.direct == (("B", most), ("D", most)) and untransposed.direct == ()
+    ext = linear.extents
+    assert terms.in_place({"m": most}, ext) == {"B", "D"}
+    assert terms.in_place({"m": most + 1}, ext) == frozenset()
+    assert untransposed.in_place({"m": 16}, ext) == frozenset()
+    # the same nest and tiles: equal bytes and flops, less compute where B and D are read in place
+    nest_t = Nest(linear, ("b", "m", "l", "k", "n"), 3)
+    nest_p = Nest(plain, ("b", "m", "l", "k", "n"), 3)
+    l1 = {"b": 1, "m": 48, "l": 16, "k": 16, "n": 64}
+    l3 = {"b": 1, "m": 4096, "l": 512, "k": 256, "n": 64}
+    for m, cheaper in ((most, True), (most + kernel.nr, False)):
+        tiles = {"L1": l1, "L2": {**l3, "m": m, "l": 96, "k": 128}, "L3": l3}
+        t, p = estimate(nest_t, tiles, xeon), estimate(nest_p, tiles, xeon)
+        assert t.bytes_per_level == p.bytes_per_level and t.flops == p.flops
+        assert (t.compute_s < p.compute_s) is cheaper
