@@ -50,6 +50,7 @@ from chainfuse.codegen.softmax import (
 from chainfuse.codegen.writer import Writer
 from chainfuse.ir import DType
 from chainfuse.kernels import emit_with_packing
+from chainfuse.kernels.packing import DIRECT_ROW_STRIPS  # (B or D stored transposed)
 
 __all__ = [
     "DIRECT_FAR_STRIPS",
@@ -63,11 +64,6 @@ __all__ = [
 #: Row blocks of at most this many nr-strips read B and D slivers in place, not packed
 #: (docs/tuning.md) ...
 DIRECT_STRIPS = 8
-#: ... or of at most this many strips where a sliver's rows are contiguous along the reduction
-#: (B or D stored transposed: nn.Linear's weights, attention's K): read in place there, a cold
-#: weight streams in under the micro-kernel's FMAs, where packing it is a pass of its own
-#: (docs/tuning.md)
-DIRECT_ROW_STRIPS = 16
 #: ... if the slivers' rows are at most this many elements apart (docs/tuning.md) ...
 DIRECT_STRIDE = 256
 #: ... or at any distance for this many strips: a packed copy used once or twice does not pay

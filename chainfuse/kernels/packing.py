@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from chainfuse.kernels.contract import MicroKernel
 
-__all__ = ["emit_with_packing", "pack_a", "pack_b"]
+__all__ = ["DIRECT_ROW_STRIPS", "emit_with_packing", "pack_a", "pack_b"]
+
+#: A GEMM chain's code reads the fp32 slivers of a weight stored transposed (rows contiguous
+#: along the reduction: nn.Linear's weights, attention's K) in place, not packed, in row blocks
+#: of at most this many nr-strips: a cold weight streams in under the micro-kernel's FMAs, where
+#: packing it is a pass of its own (docs/tuning.md). Here, below both, because the code
+#: (`codegen.row_block`) and the model's packing term (`model.efficiency`) follow it alike.
+DIRECT_ROW_STRIPS = 16
 
 
 def pack_a(kernel: MicroKernel, *, transposed: bool = False) -> str:

@@ -38,6 +38,7 @@ from chainfuse.ir import Chain, Contraction, DType, Softmax
 from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.kernels.calibration import Calibration, calibration
+from chainfuse.kernels.packing import DIRECT_ROW_STRIPS
 
 __all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
 
@@ -157,25 +158,25 @@ def code_flops(
 
 
 def _direct(chain: Chain, kernel: MicroKernel) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """A GEMM chain's row loop and, per fp32 weight stored transposed (B, a gated MLP's B3, D:
-    its rows run along the reduction), the most rows of a row block whose code reads its
-    slivers in place (`codegen.gemm_chain.DIRECT_ROW_STRIPS` strips). Weights in the other
-    layout, read in place up to `DIRECT_STRIPS` strips, stay charged as packed: re-ranked
-    against measured plans of the paper's GEMM chains, not charging them lowered rho
-    (docs/tuning.md#calibration)."""
-    from chainfuse.codegen import gemm_chain as code
-    from chainfuse.codegen.gemm_spec import match_gemm_chain
-
-    try:
-        shape = match_gemm_chain(chain)
-    except ValueError:
+    """An fp32 GEMM chain's row loop (A's m) and, per weight stored transposed (read by a
+    contraction with its rows along the reduction: nn.Linear's `[out, in]`), the most rows of a
+    row block whose code reads its slivers in place (`kernels.packing.DIRECT_ROW_STRIPS`
+    strips). Weights in the other layout, read in place by the code in row blocks of fewer
+    strips, stay charged as packed: re-ranked against measured plans of the paper's GEMM chains,
+    not charging them lowered rho (docs/tuning.md#calibration)."""
+    if chain.dtype is not DType.FLOAT32 or len(chain.contractions) < 2:
         return "", ()
-    if chain.dtype is not DType.FLOAT32:
+    first = chain.contractions[0]
+    a = first.inputs[0]
+    if len(a.loops) < 2:
         return "", ()
-    rows = chain.contractions[0].inputs[0].loops[-2]  # (A: [..., m, k])
-    most = code.DIRECT_ROW_STRIPS * kernel.nr
-    b, d = shape.tensors[1], shape.tensors[2]
-    weights = [(b, shape.b_transposed), (d, shape.d_transposed)]
-    if shape.gate is not None:
-        weights.append((shape.gate, shape.b_transposed))
-    return rows, tuple((tensor, most) for tensor, transposed in weights if transposed)
+    inputs = {t.name for t in chain.inputs}
+    most = DIRECT_ROW_STRIPS * kernel.nr
+    direct: dict[str, int] = {}
+    for op in chain.contractions:
+        for acc in op.inputs:
+            if acc.tensor == a.tensor or acc.tensor not in inputs or not acc.loops:
+                continue
+            if acc.loops[-1] in op.reduction:
+                direct[acc.tensor] = most
+    return a.loops[-2], tuple(direct.items())
