@@ -9,9 +9,9 @@ take at most `MARGIN` of the baseline's time and give the same numbers within a 
 bound, else the chain stays unfused. The margin is none: alone, a chain's weights stay in cache
 between timed calls, in the model they come from memory, where the fused call gains more (a
 ViT-384 MLP timed at 1.01x alone was worth 10 % of the model at 2 threads), and the whole-graph
-check (`guard.check_graph`) is what keeps a model from being made slower. The decision is kept on disk beside the kernel cache
-(`<cache_dir>/decisions/`), keyed by everything the timing depends on, so a second compile of
-the same model on the same host decides without timing.
+check (`guard.check_graph`) is what keeps a model from being made slower. The decision is kept
+on disk beside the kernel cache (`<cache_dir>/decisions/`), keyed by everything the timing
+depends on, so a second compile of the same model on the same host decides without timing.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ tracing context and fake mode), for a graph that is only timed: a chain's unfuse
 example inputs are real values. `check_graph` is the whole-graph check: the rewritten graph
 and the plain one, both compiled by Inductor, timed alternately on the example inputs (`paired`:
 the median of the rounds' ratios); the rewritten one is kept unless it is measured slower by
-more than `GRAPH_TOLERANCE` (so
-that a chain's gain lost around it, an epilogue Inductor no longer fuses across the custom
-operator, never makes the model slower). Each fused chain has already been measured at least
-as fast as Inductor's code for its nodes (`MARGIN`); asking the whole graph for a margin of a
-few per cent threw away measured gains (whole calls vary by more than the few per cent a model's chains save; see
-docs/performance.md). The answer is kept on disk as the chains' decisions are.
+more than `GRAPH_TOLERANCE` (so that a chain's gain lost around it, an epilogue Inductor no
+longer fuses across the custom operator, never makes the model slower). Each fused chain has
+already been measured at least as fast as Inductor's code for its nodes (`MARGIN`); asking the
+whole graph for a margin of a few per cent threw away measured gains (whole calls vary by more
+than the few per cent a model's chains save; see docs/performance.md). The answer is kept on
+disk as the chains' decisions are.
 """
 
 from __future__ import annotations
