@@ -379,8 +379,8 @@ class _Search:
                 factors = rescale_factors(self.chain, tiles, self.rescaled) if nest.fused else None
                 packed = moved
                 if self.efficiency is not None and self.efficiency.direct:
-                    skip = self.efficiency.in_place(tiles, self.ext)
-                    packed -= sum(b for _, name, b in cost.moved if name in skip)
+                    n_ops = len(self.chain.ops)
+                    packed = sum(self.efficiency.packed_bytes(cost.moved, n_ops, tiles, self.ext))
                 flops = code_flops(self.efficiency, cost.op_flops, factors, tiles, self.ext, packed)
             score = (moved / bw + flops / self.peak / workers) * imbalance
         self.memo[key] = score

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from chainfuse.hardware import DeviceKind, Hardware
@@ -111,6 +111,19 @@ class Efficiency:
             return frozenset()
         rows = min(tiles.get(self.rows, extents[self.rows]), extents[self.rows])
         return frozenset(t for t, most in self.direct if rows <= most)
+
+    def packed_bytes(
+        self, moved: Iterable[tuple[int, str, int]], n_ops: int,
+        tiles: Mapping[str, int], extents: Mapping[str, int],
+    ) -> list[int]:  # fmt: skip
+        """Per op, the bytes of `moved` ((op, tensor, bytes) into the code level) that the code
+        packs: all but those of the tensors it reads in place (`in_place`)."""
+        skip = self.in_place(tiles, extents)
+        out = [0] * n_ops
+        for i, name, b in moved:
+            if name not in skip:
+                out[i] += b
+        return out
 
     def pack_flops(self, moved_bytes: int) -> float:
         """The flops' worth of packing what the code level's tiles bring in."""

@@ -96,11 +96,9 @@ def estimate(
         op_flops = cost.op_flops
         bw = outer.aggregate_bandwidth(workers) if outer.shared else outer.bandwidth * workers
         per_op = [0] * n_ops
-        to_pack = [0] * n_ops  # (what the code packs: not the tensors it reads in place)
-        skip = terms.in_place(tiles[inner.name], ext) if terms is not None else frozenset()
-        for i, name, b in moved_bytes(nest, cost, tiles[inner.name]):
+        level_moved = moved_bytes(nest, cost, tiles[inner.name])
+        for i, _, b in level_moved:
             per_op[i] += b
-            to_pack[i] += 0 if name in skip else b
         total = sum(per_op)
         moved.append((outer.name, total))
         used.append((inner.name, cost.used))
@@ -108,6 +106,7 @@ def estimate(
         for i in range(n_ops):
             op_time[i].append(per_op[i] / bw * imbalance)
         if inner.name == code and terms is not None:
+            to_pack = terms.packed_bytes(level_moved, n_ops, tiles[inner.name], ext)
             packed = [terms.pack_flops(b) for b in to_pack]
     if not op_flops:
         op_flops = level_cost(nest, {}).op_flops
