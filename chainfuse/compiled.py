@@ -62,6 +62,7 @@ _MASK, _MASK_STRIDES = PACKED["mask"], slice(PACKED["mask_strides"], PACKED["mas
 _ROWS_MAX = PACKED["schedule"]  # the row path's reach: the one decision a call may change
 _KEYS = PACKED["sizes"] + 5  # L: what a call with another number of keys changes
 _EXTRAS = (PACKED["B3"], PACKED["bias1"], PACKED["bias2"])
+_PACKED = PACKED["packed"]
 
 
 class _Built:
@@ -391,9 +392,11 @@ class Kernel(_Built):
         mask_strides: list[int] | None,
         threads: int,
         keys: int | None = None,
+        packed_at: int = 0,
     ) -> None:
         """Run on checked operands (`bind`'s pointers, strides and mask strides; `keys` as
-        `bind` took it)."""
+        `bind` took it; `packed_at`: the address of the weights packed once, checked by
+        `ops.packed.packed_pointer`, or 0; only the AMX kernels read it)."""
         local = self._workspace(1 if self._alone else threads)
         packed = local.args
         keys = self._sizes[5] if keys is None else keys
@@ -410,6 +413,7 @@ class Kernel(_Built):
         packed[_B] = pointers[1]
         packed[_D] = pointers[2]
         packed[_E] = pointers[3]
+        packed[_PACKED] = packed_at
         if mask_strides is not None:
             packed[_MASK] = pointers[4]
             packed[_MASK_STRIDES] = mask_strides

@@ -8,7 +8,10 @@ process, on 1 and 2 threads (``--threads``):
   ``torch.bmm`` x 2 (and the activation between);
 - attention on the same 12, against bf16 ``F.scaled_dot_product_attention``;
 - BERT-base / ViT-base MLPs (768 -> 3072 -> 768, GELU) of 128-2048 tokens, against ``F.linear``,
-  ``F.gelu``, ``F.linear``.
+  ``F.gelu``, ``F.linear``;
+- the same MLPs as a model holds them (``linear-mlp``): nn.Linear's ``[out, in]`` weights and
+  biases, chainfuse's with the weights packed once (``ops.pack_weights``, as the torch backend
+  packs frozen weights) and packed per call, against ``F.linear`` with biases (oneDNN's).
 
 Every chainfuse result is checked against the float64 reference first (the project's one
 tolerance rule). % of peak is of the AMX probe (TDPBF16PS throughput, measured before and after
@@ -43,7 +46,12 @@ from chainfuse.kernels.amx import amx_mode, amx_status
 __all__ = ["Line", "main", "run"]
 
 #: (suite, geomean target, least ratio) of the AMX kernels against PyTorch's bf16 ops
-TARGETS = {"gemm-chain": (2.0, 1.3), "attention": (3.0, 1.5), "mlp": (1.5, None)}
+TARGETS = {
+    "gemm-chain": (2.0, 1.3),
+    "attention": (3.0, 1.5),
+    "mlp": (1.5, None),
+    "linear-mlp": (1.3, None),
+}
 #: share of the AMX peak at least half of the GEMM-chain and attention cases should reach
 PEAK_SHARE = 0.40
 MLP_TOKENS = (128, 197, 256, 512, 577, 1024, 2048)
@@ -86,6 +94,7 @@ def cases(smoke: bool) -> list[Case]:
             Case("attention", "tiny", "softmax",
                  builders.attention_chain(1, 2, 40, 40, 32, 32, dtype=bf16)),
             Case("mlp", "tiny-33", "gelu", builders.gemm_chain(1, 33, 64, 64, 128, "gelu", bf16)),
+            Case("linear-mlp", "tiny-33", "packed", _linear_mlp(33, 64, 128)),
         ]  # fmt: skip
     shaped = [w for w in workloads.GEMM if w.attention_shaped]
     out = [
@@ -104,7 +113,18 @@ def cases(smoke: bool) -> list[Case]:
              builders.gemm_chain(1, t, dim, dim, hidden, "gelu", bf16))
         for t in MLP_TOKENS
     ]  # fmt: skip
+    out += [
+        Case("linear-mlp", f"bert-vit-base-{t}", variant, _linear_mlp(t, dim, hidden))
+        for t in MLP_TOKENS
+        for variant in ("packed", "per-call")
+    ]
     return out
+
+
+def _linear_mlp(tokens: int, dim: int, hidden: int) -> Chain:
+    """`F.linear(gelu(F.linear(x, W1, b1)), W2, b2)` as a chain: weights stored `[out, in]`."""
+    return builders.gemm_chain(1, tokens, dim, dim, hidden, "gelu", "bfloat16", b_transposed=True,
+                               d_transposed=True, bias1=True, bias2=True)  # fmt: skip
 
 
 def _torch_fn(case: Case, args: Sequence[Any]) -> Callable[[], Any]:
@@ -115,6 +135,10 @@ def _torch_fn(case: Case, args: Sequence[Any]) -> Callable[[], Any]:
     if case.suite == "attention":
         q, k, v = args
         return lambda: F.scaled_dot_product_attention(q, k, v)
+    if case.suite == "linear-mlp":
+        x, w1, w2, b1, b2 = args  # (x [1, M, K], W1 [1, L, K], W2 [1, N, L]: as stored)
+        W1, W2 = w1[0], w2[0]
+        return lambda: F.linear(F.gelu(F.linear(x[0], W1, b1)), W2, b2)
     if case.suite == "mlp":
         x, w1, w2 = args
         W1, W2 = w1[0].t().contiguous(), w2[0].t().contiguous()  # (nn.Linear's weights)
@@ -122,6 +146,17 @@ def _torch_fn(case: Case, args: Sequence[Any]) -> Callable[[], Any]:
     A, B, D = args
     act = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu}[case.variant]
     return lambda: torch.bmm(act(torch.bmm(A, B)), D)
+
+
+def _linear_mlp_fn(case: Case, args: Sequence[Any]) -> Callable[[], Any]:
+    """chainfuse's call of a model's MLP (`ops.gemm_chain` on the weights' `.T` views), the
+    weights packed once (variant "packed") or per call ("per-call")."""
+    from chainfuse import ops
+
+    x, w1, w2, b1, b2 = args
+    B, D = w1[0].t(), w2[0].t()
+    packed = ops.pack_weights(B, D) if case.variant == "packed" else None
+    return lambda: ops.gemm_chain(x[0], B, D, "gelu", bias1=b1, bias2=b2, packed=packed)
 
 
 def _line(case: Case, threads: int, rounds: int, peak: float | None) -> Line:
@@ -132,15 +167,15 @@ def _line(case: Case, threads: int, rounds: int, peak: float | None) -> Line:
     inputs = reference.random_inputs(chain, seed=0)
     args = [torch.from_numpy(inputs[t.name]).to(torch.bfloat16) for t in chain.inputs]
     kernel = compile(chain, threads=threads)
-    got = kernel(*args)
+    ours: Callable[[], Any] = lambda: kernel(*args)  # noqa: E731
+    if case.suite == "linear-mlp":
+        ours = _linear_mlp_fn(case, args)
+    got = ours()
     widened = {t.name: a.float().numpy().astype(np.float64) for t, a in zip(chain.inputs, args, strict=True)}  # fmt: skip
     want = reference.run(chain, widened)[chain.outputs[0].name]
-    reference.assert_close(got.float().numpy(), want, chain)
-    timing = interleave(
-        {"chainfuse": lambda: kernel(*args), "torch": _torch_fn(case, args)},
-        rounds,
-        best=threads > 1,
-    )
+    reference.assert_close(got.float().numpy().reshape(want.shape), want, chain)
+    timing = interleave({"chainfuse": ours, "torch": _torch_fn(case, args)}, rounds,
+                        best=threads > 1)  # fmt: skip
     gflop = _flops(chain) / 1e9
     ms = timing["chainfuse"].ms
     share = None if peak is None else gflop / (ms / 1e3) / (peak * threads)
@@ -198,7 +233,7 @@ def table(lines: Sequence[Line], facts: dict[str, Any]) -> str:
             text = (f"{suite:<10} {n}t: geomean {geomean(ratios):.2f}x (target >= {target}x), "
                     f"min {min(ratios):.2f}x" + (f" (target >= {least}x)" if least else ""))  # fmt: skip
             shares = [x.peak_share for x in sel if x.peak_share is not None]
-            if shares and suite != "mlp":
+            if shares and suite not in ("mlp", "linear-mlp"):
                 hit = sum(s >= PEAK_SHARE for s in shares)
                 text += f"; {hit} of {len(sel)} at >= {PEAK_SHARE:.0%} of the AMX peak"
             out.append(text)

@@ -1,4 +1,5 @@
-"""Lower a bf16 GEMM chain onto AMX tiles: `E = f(A . B) . D`, bf16 in and out, fp32 in tiles.
+"""Lower a bf16 GEMM chain onto AMX tiles: `E = f(A . B + b1) . D + b2` (or a gated MLP's
+`(f(A . B) * (A . B3)) . D`), bf16 in and out, fp32 in tiles.
 
 One source, two builds: the C calls the `CF_TILE_*` macros of `csrc/amx_tiles.c`, which are the
 AMX instructions (`-mamx-tile -mamx-bf16`) or, with `-DCF_AMX_EMULATE`, their bit-exact plain-C
@@ -8,13 +9,15 @@ emulation (any host; `kernels.amx.AmxPath`). The blocks::
         A's rows: in place (k whole 32s, whole 16-row tiles), else packed once, zero-padded
         for l_o:                                   # blocks of T_L keys (whole 32s); causal:
                                                    # only up to the block's last row's key
-            pack B[:, l_o] and D[l_o, :] as VNNI tiles (zeros past k, l and n)
+            pack B[:, l_o] and D[l_o, :] as VNNI tiles (zeros past k, l and n), or
+            take those tiles from the weights packed once (`packed`: ops.pack_weights)
             for m_i in m_o, 32 rows at a time:     # causal: its keys only, in whole 32s
-                S = A[m_i, :] . B[:, l_o]          # op1: fp32 tiles over all of k
-                P = bf16(f(S))                     # fp32 f (softmax: online, per row; scaled,
+                S = A[m_i, :] . B[:, l_o]          # op1: fp32 tiles over all of k (gated: S3
+                                                   # = A[m_i, :] . B3[:, l_o] too)
+                P = bf16(f(S + b1))                # fp32 f (softmax: online, per row; scaled,
                                                    # masked, causal compare, then exp)
                 Eacc[m_i, :] (+)= P . D[l_o, :]    # op2: fp32 tiles, kept in scratch
-        E[m_o, :] = bf16(Eacc)                     # (softmax: Eacc / the rows' sums)
+        E[m_o, :] = bf16(Eacc + b2)                # (softmax: Eacc / the rows' sums + b2)
 
 A softmax's mask (boolean: bytes, True takes part, added as 0 / -inf as SDPA adds it; additive:
 bf16, added to the scaled scores) is read element by element through its strides along
@@ -45,6 +48,7 @@ from chainfuse.codegen.common import (
 )
 from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
 from chainfuse.codegen.schedule import CodeSchedule, TileChange
+from chainfuse.codegen.softmax import activation_c
 from chainfuse.codegen.writer import Writer
 from chainfuse.ir import Chain, MaskKind
 from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath
@@ -54,6 +58,7 @@ __all__ = [
     "AMX_MAX_L",
     "AMX_MAX_M",
     "AMX_MAX_WORKSPACE",
+    "PACKED_HEADER",
     "amx_arithmetic",
     "amx_describe",
     "amx_header",
@@ -76,8 +81,9 @@ AMX_MAX_L = 512
 AMX_MAX_WORKSPACE = 64 << 20
 
 
-def amx_workspace_bytes(K: int, N: int) -> int:
-    """One thread's workspace (`CF_AMX_REGIONS`) at the largest tiles, in bytes."""
+def amx_workspace_bytes(K: int, N: int, gated: bool = False) -> int:
+    """One thread's workspace (`CF_AMX_REGIONS`) at the largest tiles, in bytes (`gated`: a
+    gated MLP's, with the up projection's panel and scores)."""
     kp, lde, mb, tl = _r32(K), -(-N // 16) * 16, AMX_MAX_M, AMX_MAX_L
 
     def a16(x: int) -> int:
@@ -85,26 +91,19 @@ def amx_workspace_bytes(K: int, N: int) -> int:
 
     floats = (a16(kp * tl // 2) + a16(tl * lde // 2) + a16(mb * kp // 2) + a16(32 * tl)
               + a16(16 * tl) + a16(mb * lde) + 2 * a16(mb))  # fmt: skip
+    if gated:
+        floats += a16(kp * tl // 2) + a16(32 * tl)
     return 4 * floats
 
 
 def amx_unsupported(shape: GemmChainShape, k_n: tuple[int, int] | None = None) -> str:
     """Why the AMX generator does not take a chain of `shape` ("" when it does). It takes every
-    two-GEMM chain `match_gemm_chain` recognises (the four betweens, masks of both kinds and
-    causal softmaxes, B stored either way) whose reduction and output widths `k_n` = (K, N),
-    when given, keep a thread's workspace within `AMX_MAX_WORKSPACE`; not the model features
-    (biases, D stored transposed, the sigmoid-gated activations, a gated MLP), which the fp32
-    path runs."""
-    if shape.gate is not None:
-        return "the AMX kernels do not take a gated MLP"
-    if shape.bias1 is not None or shape.bias2 is not None:
-        return "the AMX kernels do not take a bias"
-    if shape.d_transposed:
-        return "the AMX kernels do not take D stored transposed"
-    if shape.epilogue not in (Epilogue.NONE, Epilogue.RELU, Epilogue.GELU, Epilogue.SOFTMAX):
-        return f"the AMX kernels do not take a {shape.epilogue.value} between the GEMMs"
+    chain `match_gemm_chain` recognises (every between, masks of both kinds and causal
+    softmaxes, B and D stored either way, biases, the gated MLP) whose reduction and output
+    widths `k_n` = (K, N), when given, keep a thread's workspace within `AMX_MAX_WORKSPACE`
+    (a bias before a softmax is an additive mask over l: the kernels read it as one)."""
     if k_n is not None:
-        need = amx_workspace_bytes(*k_n)
+        need = amx_workspace_bytes(*k_n, shape.gate is not None)
         if need > AMX_MAX_WORKSPACE:
             return (
                 f"K = {k_n[0]} and N = {k_n[1]} run whole in AMX tiles: {need} bytes of workspace"
@@ -182,8 +181,13 @@ def amx_describe(schedule: CodeSchedule, path: AmxPath) -> str:
         *(f"  {c.tile} {c.planned} -> {c.code}: {c.reason}" for c in schedule.changes),
         f"  micro-kernel {spec.kernel.name}: 32 rows of {m} by 32 of {l_} (op1) or of {n}"
         " (op2), 16-row and 16-column tails in single tiles",
-        f"  B and D packed as VNNI tiles per l block; A read in place where {k} is whole 32s",
+        f"  B and D packed as VNNI tiles per l block, or read from the weights packed once (a"
+        f" call's `packed`); A read in place where {k} is whole 32s",
     ]
+    if spec.bias1 or spec.bias2:
+        lines.append("  biases added in fp32: bias1 before f, bias2 before E's one rounding")
+    if spec.gated:
+        lines.append(f"  gated: op1 runs B and B3 over all of {k}; f(S) * S3 rounded to bf16")
     if spec.mask is not MaskKind.NONE:
         lines.append(f"  {spec.mask.value} mask read through its strides, added in fp32")
     if spec.causal:
@@ -208,6 +212,7 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
     w.line("")
     _emit_pack_vnni(w)
     w.line("")
+    w.line(f"#define CF_GATED {int(spec.gated)} /* a gated MLP: the up projection's B3 too */")
     _emit_regions(w)
     with w.block(
         f"long {name}_workspace(long K, long N, const long* tiles, const long* code_schedule)"
@@ -227,7 +232,9 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         "    const uint16_t* restrict D, uint16_t* restrict E, const long* sizes,\n"
         "    const long* strides, float scale, const void* restrict mask_data,\n"
         "    const long* mask_strides, float* restrict work, long work_per_thread,\n"
-        "    int nthreads, const long* tiles)"
+        "    int nthreads, const long* tiles, const uint16_t* restrict bias1,\n"
+        "    const uint16_t* restrict bias2, const uint16_t* restrict B3,\n"
+        "    const uint16_t* restrict packed)"
     ):
         w.line("const long nb0 = sizes[0], nb1 = sizes[1], M = sizes[2], N = sizes[3];")
         w.line("const long K = sizes[4], L = sizes[5];")
@@ -240,11 +247,16 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         w.line("const long sMm = mask_strides[2], sMl = mask_strides[3];")
         w.line("(void)scale; (void)mask_data; (void)sM0; (void)sM1; (void)sMm; (void)sMl;")
         w.line("const long KB = KP / 32; /* k blocks of 32: op1's tile steps */")
+        w.line("(void)bias1; (void)bias2; (void)B3; /* (null where absent) */")
+        _emit_prepacked(w)
         w.line("const long mblocks = (M + MB - 1) / MB, blocks = nb0 * nb1 * mblocks;")
         w.line("long next_blk = 0; /* the next block to claim: see cf_claim */")
         with per_thread(w):
             w.line("float* restrict base = work + (long)t * work_per_thread;")
             w.line("uint16_t* restrict Bp = (uint16_t*)base; /* B's l block, VNNI tiles */")
+            if spec.gated:
+                w.line("uint16_t* restrict B3p = (uint16_t*)(base + AT_B3); /* B3's, the same */")
+                w.line("float* restrict S3 = base + AT_S3; /* the up projection's fp32 block */")
             w.line(
                 "uint16_t* restrict Dp = (uint16_t*)(base + AT_DP); /* D's l block, VNNI tiles */"
             )
@@ -271,7 +283,8 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         w.line(
             f"{name}((const uint16_t*)a[0], (const uint16_t*)a[1], (const uint16_t*)a[2],"
             " (uint16_t*)a[3], a + 9, a + 15, scale, (const void*)a[4], a + 27, (float*)a[5],"
-            " a[6], (int)a[7], a + 32);"
+            " a[6], (int)a[7], a + 32, (const uint16_t*)a[40], (const uint16_t*)a[41],"
+            " (const uint16_t*)a[42], (const uint16_t*)a[43]);"
         )
     return w.text()
 
@@ -348,17 +361,38 @@ def _emit_regions(w: Writer) -> None:
     w.line("/* the tiles (run-time arguments): MB rows of m per parallel block, TLP keys per l")
     w.line("   block, both whole 32s; K and N padded to whole tiles; a thread's workspace regions")
     w.line("   (floats from its base): B's and D's VNNI panels, A's rows (when packed), op1's fp32")
-    w.line("   block S, its bf16 f(S) P, the row block's fp32 E and the softmax's row stats */")
+    w.line("   block S, its bf16 f(S) P, the row block's fp32 E, the softmax's row stats, and a")
+    w.line("   gated MLP's B3 panel and fp32 block S3 */")
     lines = [
         "const long MB = CF_R32((tiles)[0]), TLP = CF_R32((tiles)[1]);",
         "const long KP = CF_R32(K), NT = ((N) + 15) / 16, LDE = NT * 16;",
         "const long AT_DP = ALIGN16(KP * TLP / 2), AT_AP = AT_DP + ALIGN16(TLP * NT * 8);",
         "const long AT_S = AT_AP + ALIGN16(MB * KP / 2), AT_P = AT_S + ALIGN16(32 * TLP);",
         "const long AT_E = AT_P + ALIGN16(16 * TLP), AT_STATS = AT_E + ALIGN16(MB * LDE);",
-        "const long SCRATCH = AT_STATS + 2 * ALIGN16(MB);",
-        "(void)AT_STATS;",
+        "const long AT_B3 = AT_STATS + 2 * ALIGN16(MB);",
+        "const long AT_S3 = AT_B3 + CF_GATED * ALIGN16(KP * TLP / 2);",
+        "const long SCRATCH = AT_S3 + CF_GATED * ALIGN16(32 * TLP);",
+        "(void)AT_STATS; (void)AT_S3;",
     ]
     define_lines(w, "CF_AMX_REGIONS(tiles, K, N)", lines)
+
+
+#: uint16s of `packed`'s header (64 bytes: see `ops.packed`) before the tiles
+PACKED_HEADER = 32
+
+
+def _emit_prepacked(w: Writer) -> None:
+    """Where the weights packed once (`packed`, `ops.pack_weights`) lie: past the header, B's
+    VNNI tiles over all of l (l tile-major, as `cf_amx_pack_vnni` lays out a panel: any l
+    block of whole 32s is a slice), [B3's,] then D's (n tile-major over all of l's blocks:
+    an l block's tiles are `LBL` apart)."""
+    w.line("/* the weights packed once (null: packed per l block): past the header, B's VNNI")
+    w.line("   tiles over all of l, [B3's,] then D's, whose n tiles are LBL l blocks apart */")
+    w.line("const long LBL = CF_R32(L) / 32;")
+    w.line(f"const uint16_t* restrict Bpk = packed ? packed + {PACKED_HEADER} : 0;")
+    w.line("const uint16_t* restrict B3pk = packed && CF_GATED ? Bpk + KP * LBL * 32 : 0;")
+    w.line("const uint16_t* restrict Dpk = packed ? Bpk + (1 + CF_GATED) * KP * LBL * 32 : 0;")
+    w.line("(void)B3pk;")
 
 
 def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
@@ -369,6 +403,8 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const uint16_t* restrict A_b = A + b0 * sA0 + b1 * sA1 + m0 * sAm;")
     w.line("const uint16_t* restrict B_b = B + b0 * sB0 + b1 * sB1;")
     w.line("const uint16_t* restrict D_b = D + b0 * sD0 + b1 * sD1;")
+    if spec.gated:
+        w.line("const uint16_t* restrict B3_b = B3 + b0 * sB0 + b1 * sB1; /* (B's strides) */")
     w.line("uint16_t* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
     w.line("/* A's rows straight into tiles where k is whole 32s and every row tile whole; else")
     w.line("   packed once for the block, zeros past k and past its rows (to whole 16s) */")
@@ -400,14 +436,30 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
     with w.block("for (long l0 = 0; l0 < l_end; l0 += TLP)"):
         w.line("const long lc = l_end - l0 < TLP ? l_end - l0 : TLP;")
         w.line("const long LB = CF_R32(lc) / 32, LT = 2 * LB; /* blocks of 32 keys, tiles of 16 */")
-        w.line("/* this l block of B (k x l) and of D (l x n) as VNNI tiles */")
-        if spec.b_transposed:
-            w.line(
-                "cf_amx_pack_vnni(B_b + l0 * sBr, 1, sBr, K, lc, KB, LT, Bp); /* B stored [l][k] */"
-            )
-        else:
-            w.line("cf_amx_pack_vnni(B_b + l0, sBr, 1, K, lc, KB, LT, Bp);")
-        w.line("cf_amx_pack_vnni(D_b + l0 * sDl, sDl, 1, lc, N, LB, NT, Dp);")
+        w.line("/* this l block of B (k x l) and of D (l x n) as VNNI tiles: slices of the")
+        w.line("   weights packed once (`packed`), else packed here */")
+        w.line("const uint16_t* restrict Bl = Bp;")
+        w.line("const uint16_t* restrict Dl = Dp;")
+        w.line("long dstride = LB; /* tiles between D's column tiles */")
+        if spec.gated:
+            w.line("const uint16_t* restrict B3l = B3p;")
+        with w.block("if (packed)"):
+            w.line("Bl = Bpk + l0 / 16 * KB * 512;")
+            w.line("Dl = Dpk + l0 / 32 * 512;")
+            w.line("dstride = LBL;")
+            if spec.gated:
+                w.line("B3l = B3pk + l0 / 16 * KB * 512;")
+        with w.block("else"):
+            for src, dst in (("B_b", "Bp"), ("B3_b", "B3p")) if spec.gated else (("B_b", "Bp"),):
+                if spec.b_transposed:
+                    w.line(f"cf_amx_pack_vnni({src} + l0 * sBr, 1, sBr, K, lc, KB, LT, {dst});"
+                           " /* stored [l][k] */")  # fmt: skip
+                else:
+                    w.line(f"cf_amx_pack_vnni({src} + l0, sBr, 1, K, lc, KB, LT, {dst});")
+            if spec.d_transposed:
+                w.line("cf_amx_pack_vnni(D_b + l0, 1, sDl, lc, N, LB, NT, Dp); /* stored [n][l] */")
+            else:
+                w.line("cf_amx_pack_vnni(D_b + l0 * sDl, sDl, 1, lc, N, LB, NT, Dp);")
         with w.block("for (long r0 = 0; r0 < mc; r0 += 32)"):
             w.line("const long rows = mc - r0 < 32 ? mc - r0 : 32;")
             w.line("const long rt16 = rows > 16 ? 32 : 16; /* the rows the tiles compute */")
@@ -423,28 +475,36 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
                 "const uint16_t* restrict a = (const uint16_t*)((const char*)a_rows + r0 * lda);"
             )
             w.line("/* op1: S = A[rows, :] . B[:, l0 : l0 + lr], fp32 tiles over all of k */")
-            with w.block("for (long c0 = 0; c0 < LTr; c0 += 2)"):
-                w.line("const uint16_t* restrict b = Bp + c0 * KB * 512;")
-                w.line("if (rows > 16) cf_amx_r2c2(KB, a, lda, b, KB, S + c0 * 16, 4 * TLP, 0);")
-                w.line("else cf_amx_r1c2(KB, a, lda, b, KB, S + c0 * 16, 4 * TLP, 0);")
+            for bl, s_ in (("Bl", "S"), ("B3l", "S3")) if spec.gated else (("Bl", "S"),):
+                with w.block("for (long c0 = 0; c0 < LTr; c0 += 2)"):
+                    w.line(f"const uint16_t* restrict b = {bl} + c0 * KB * 512;")
+                    w.line(
+                        f"if (rows > 16) cf_amx_r2c2(KB, a, lda, b, KB, {s_} + c0 * 16, 4 * TLP, 0);"
+                    )
+                    w.line(f"else cf_amx_r1c2(KB, a, lda, b, KB, {s_} + c0 * 16, 4 * TLP, 0);")
             _emit_epilogue(w, spec)
             w.line("/* op2: Eacc[rows, :] (+)= P . D[l0 : l0 + lr, :], fp32 tiles */")
             with w.block("for (long c0 = 0; c0 < NT; c0 += 2)"):
-                w.line("const uint16_t* restrict d = Dp + c0 * LB * 512;")
+                w.line("const uint16_t* restrict d = Dl + c0 * dstride * 512;")
                 w.line("float* restrict e = Eacc + r0 * LDE + c0 * 16;")
                 w.line("const int acc = l0 > 0;")
                 for rt in (2, 1):
                     head = "if (rows > 16)" if rt == 2 else "else"
                     with w.block(head):
                         w.line(
-                            f"if (c0 + 1 < NT) cf_amx_r{rt}c2(LBr, P, 2 * TLP, d, LB, e, 4 * LDE,"
-                            " acc);"
+                            f"if (c0 + 1 < NT) cf_amx_r{rt}c2(LBr, P, 2 * TLP, d, dstride, e,"
+                            " 4 * LDE, acc);"
                         )
-                        w.line(f"else cf_amx_r{rt}c1(LBr, P, 2 * TLP, d, LB, e, 4 * LDE, acc);")
+                        w.line(
+                            f"else cf_amx_r{rt}c1(LBr, P, 2 * TLP, d, dstride, e, 4 * LDE, acc);"
+                        )
     w.line(
         "/* E = bf16(Eacc), rounded once"
         + (", each row divided by its sum */" if softmax else " */")
     )
+    plus = " + cf_from_bf16(bias2[j])" if spec.bias2 else ""
+    if spec.bias2:
+        w.line("/* bias2 added in fp32 before the one rounding */")
     with w.block("for (long i = 0; i < mc; ++i)"):
         w.line("const float* restrict src = Eacc + i * LDE;")
         w.line("uint16_t* restrict dst = E_b + i * sEm;")
@@ -453,9 +513,9 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("/* a row with no key above -inf has no mass: zeros where the softmax is safe")
             w.line("   (SDPA), else NaN (torch.softmax); a NaN in Eacc stays */")
             w.line(f"const float inv = row_sum[i] > 0.0f ? 1.0f / row_sum[i] : {empty};")
-            w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j] * inv);")
+            w.line(f"for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j] * inv{plus});")
         else:
-            w.line("for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j]);")
+            w.line(f"for (long j = 0; j < N; ++j) dst[j] = cf_to_bf16(src[j]{plus});")
 
 
 def _emit_epilogue(w: Writer, spec: GemmChainSpec) -> None:
@@ -464,21 +524,23 @@ def _emit_epilogue(w: Writer, spec: GemmChainSpec) -> None:
     if ep is Epilogue.SOFTMAX:
         _emit_online_softmax(w, spec)
         return
-    w.line(f"/* P = bf16({ep.value if ep is not Epilogue.NONE else 'S'}), f in fp32; zeros past"
-           " lr (D's rows there are zero too) */")  # fmt: skip
+    said = "S" if ep is Epilogue.NONE else f"{ep.value}(S)"
+    said = f"{said} * S3" if spec.gated else said
+    said = said.replace("S", "(S + bias1)", 1) if spec.bias1 else said
+    w.line(f"/* P = bf16({said}), f in fp32 (NaN stays NaN); zeros past lr (D's rows there are")
+    w.line("   zero too) */")
     with w.block("for (long i = 0; i < rt16; ++i)"):
         w.line("const float* restrict s = S + i * TLP;")
+        if spec.gated:
+            w.line("const float* restrict s3 = S3 + i * TLP;")
         w.line("uint16_t* restrict p = P + i * TLP;")
         w.line("#pragma omp simd")
         with w.block("for (long j = 0; j < lr; ++j)"):
-            if ep is Epilogue.RELU:
-                w.line("const float v = s[j] < 0.0f ? 0.0f : s[j]; /* NaN stays NaN */")
-            elif ep is Epilogue.GELU:
-                w.line(
-                    "const float v = 0.5f * s[j] * (1.0f + cf_erf(s[j] * 0.70710678118654752f));"
-                )
-            else:
-                w.line("const float v = s[j];")
+            w.line(
+                "const float x = s[j]" + (" + cf_from_bf16(bias1[l0 + j]);" if spec.bias1 else ";")
+            )
+            v = activation_c(ep, "x")
+            w.line(f"const float v = ({v})" + (" * s3[j];" if spec.gated else ";"))
             w.line("p[j] = cf_to_bf16(v);")
         w.line("for (long j = lr; j < LBr * 32; ++j) p[j] = 0;")
 

@@ -75,7 +75,7 @@ DIRECT_FAR_STRIPS = 2
 PACKED = {
     "A": 0, "B": 1, "D": 2, "E": 3, "mask": 4, "work": 5, "work_per_thread": 6, "nthreads": 7,
     "scale_bits": 8, "sizes": 9, "strides": 15, "mask_strides": 27, "outer_m": 31, "tiles": 32,
-    "schedule": 36, "bias1": 40, "bias2": 41, "B3": 42, "end": 43,
+    "schedule": 36, "bias1": 40, "bias2": 41, "B3": 42, "packed": 43, "end": 44,
 }  # fmt: skip
 
 

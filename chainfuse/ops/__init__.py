@@ -8,6 +8,7 @@ not a compile, and attention's key lengths share a plan per bucket.
 
     E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
     y = chainfuse.ops.gated_mlp(x, w1.T, w3.T, w2.T)           # SwiGLU, nn.Linear weights
+    P = chainfuse.ops.pack_weights(w1.T, w2.T)                 # bf16 weights, once (AMX)
     y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="relu")
 """
 
@@ -16,6 +17,7 @@ from chainfuse.ops.calls import calls
 from chainfuse.ops.conv_chain import conv_chain
 from chainfuse.ops.gated_mlp import gated_mlp, gated_mlp_shape
 from chainfuse.ops.gemm_chain import gemm_chain, gemm_chain_shape
+from chainfuse.ops.packed import pack_weights
 from chainfuse.ops.sdpa import attention_dims, attention_shape
 
 __all__ = [
@@ -28,4 +30,5 @@ __all__ = [
     "gated_mlp_shape",
     "gemm_chain",
     "gemm_chain_shape",
+    "pack_weights",
 ]

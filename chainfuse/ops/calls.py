@@ -213,14 +213,15 @@ def run(
     like: bool,
     keys: int | None = None,
     by_keys: tuple[Any, ...] | None = None,
+    packed_at: int = 0,
 ) -> None:
     """Check and run one kernel call on `inputs` (views of the caller's operands at the same
     addresses, in the same order) into `out` (a view of `result`), with `keys` of l (None:
     the kernel's own; see `bucketed`), and remember how under `key`, for `replay`, and
     under `by_keys` (`bucket_key`: then k, v and the mask are the caller's), for
-    `replay_keys`."""
+    `replay_keys`. `packed_at`: the address of the weights packed once (`ops.packed`), or 0."""
     _, pointers, strides, mask_strides = kernel.bind(inputs, out, keys)
-    kernel.launch(pointers, strides, mask_strides, threads, keys)
+    kernel.launch(pointers, strides, mask_strides, threads, keys, packed_at)
     if key is not None or by_keys is not None:
         at = kernel.positions + ((kernel.mask_at,) if mask_strides is not None else ())
         at += kernel.extra_positions
@@ -233,8 +234,9 @@ def run(
             calls.by_keys.remember(by_keys, entry)
 
 
-def replay(r: Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
-    """Run a call `run` ran before with operands like these: their pointers, its strides."""
+def replay(r: Replay, operands: tuple[Any, ...], out: Any, threads: int, packed_at: int = 0) -> Any:
+    """Run a call `run` ran before with operands like these: their pointers, its strides (and
+    this call's packed weights, `packed_at`, as `run` takes them)."""
     given = out is not None
     if out is None:
         out = empty_result(operands[0], r.shape, r.like)
@@ -249,7 +251,7 @@ def replay(r: Replay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
         pointers.append(pointer(operands[i]))
     if given:  # (a new result shares memory with nothing)
         disjoint(pointers[3], [pointers[0], pointers[1], pointers[2], *pointers[4:]], r.layouts)
-    r.kernel.launch(pointers, r.strides, r.mask_strides, threads, r.keys)
+    r.kernel.launch(pointers, r.strides, r.mask_strides, threads, r.keys, packed_at)
     return out
 
 

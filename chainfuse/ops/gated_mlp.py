@@ -27,13 +27,16 @@ from chainfuse.ops.arguments import (
 )
 from chainfuse.ops.calls import calls, replay, run, signature
 from chainfuse.ops.gemm_chain import steps_of, swapped, transposed
+from chainfuse.ops.packed import packed_for_call
 from chainfuse.ops.views import lead_merged
 from chainfuse.runtime import get_num_threads
 
 __all__ = ["gated_mlp", "gated_mlp_shape"]
 
 
-def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu", out: Any = None) -> Any:
+def gated_mlp(
+    X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu", out: Any = None, *, packed: Any = None
+) -> Any:
     """`(act(X @ W1) * (X @ W3)) @ W2` for X [..., M, K], W1 and W3 [K, L], W2 [L, N] (2-D
     weights: X's leading dims are rows of one call), or X [b, M, K] with weights [b, K, L],
     [b, L, N]. `act` is "silu" (Llama's SwiGLU), "gelu" (erf) or "gelu_tanh".
@@ -41,21 +44,25 @@ def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu", out: Any = N
     float32, bfloat16 or float16 in and out (fp32 arithmetic inside). The weights are read as
     stored: row-major, or the transposes of row-major matrices (nn.Linear's `weight.T`); W1 and
     W3 must lie alike (the same strides). Returns [..., M, N] of X's kind; `out=` writes into a
-    preallocated result. K = 0 or L = 0 gives zeros."""
+    preallocated result. K = 0 or L = 0 gives zeros. `packed`: bf16 2-D weights packed once by
+    `ops.pack_weights(W1, W2, W3)`, which the AMX kernels read instead of packing them per row
+    block (the fp32 path reads the weights as stored)."""
     threads = get_num_threads()
     key = None
     if act.__class__ is str:
-        sig = signature((X, W1, W3, W2, out))
+        sig = signature((X, W1, W3, W2, out, packed))
         if sig is not None:
             key = ("gated_mlp", act, threads, sig)
             replays = calls.replays
             hit = replays.get(key)
             if hit is not None:
                 replays.hits += 1
-                return replay(hit, (X, W1, W3, W2), out, threads)
+                pk = 0 if packed is None else packed_for_call(packed, X, W1, W2, W3)
+                return replay(hit, (X, W1, W3, W2), out, threads, pk)
             replays.misses += 1
     if subclassed(X, W1, W3, W2, out):
-        found = gated_mlp(plain(X), plain(W1), plain(W3), plain(W2), act, plain(out))
+        found = gated_mlp(plain(X), plain(W1), plain(W3), plain(W2), act, plain(out),
+                          packed=plain(packed))  # fmt: skip
         return found if out is None else out
     dtype = dtype_of("X, W1, W3, W2", X, W1, W3, W2)
     sx, s1, s3, s2 = (shape_of(n, x, float32=False)
@@ -69,6 +76,7 @@ def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu", out: Any = N
     batched = len(s1) == 3
     M, K = sx[-2], sx[-1]
     L, N = s1[-1], s2[-1]
+    packed_at = 0 if packed is None else packed_for_call(packed, X, W1, W2, W3)
     if 0 in shape or K == 0 or L == 0:  # (act(0) * 0: zeros)
         return no_work("X", X, shape, 0, out)
     b_t = transposed(W1)
@@ -85,7 +93,7 @@ def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu", out: Any = N
         if rows is None:  # (leading dims whose strides do not merge: one call per index)
             result = out if out is not None else new_result(X, shape)[0]
             for at in np.ndindex(*sx[:-2]):
-                result[at] = gated_mlp(X[at], W1, W3, W2, act)
+                result[at] = gated_mlp(X[at], W1, W3, W2, act, packed=packed)
             return result
         A = rows[None]
     B, B3, D = (x if len(x.shape) == 3 else x[None] for x in (W1, W3, D))
@@ -98,11 +106,11 @@ def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu", out: Any = N
     if user_out is None:
         user_out, like = new_result(X, shape)
     elif not (user_out.is_contiguous() if is_torch(user_out) else user_out.flags.c_contiguous):
-        found = gated_mlp(X, W1, W3, W2, act)
+        found = gated_mlp(X, W1, W3, W2, act, packed=packed)
         user_out[...] = found
         return user_out
     into = user_out.reshape(batch, M, N)
-    run(kernel, (A, B, B3, D), into, threads, key, user_out, like)
+    run(kernel, (A, B, B3, D), into, threads, key, user_out, like, packed_at=packed_at)
     return user_out
 
 

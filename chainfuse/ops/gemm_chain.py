@@ -30,6 +30,7 @@ from chainfuse.ops.arguments import (
     subclassed,
 )
 from chainfuse.ops.calls import calls, replay, run, signature
+from chainfuse.ops.packed import packed_for_call
 from chainfuse.ops.views import lead_merged, stretched
 from chainfuse.runtime import get_num_threads
 
@@ -45,6 +46,7 @@ def gemm_chain(
     *,
     bias1: Any = None,
     bias2: Any = None,
+    packed: Any = None,
 ) -> Any:
     """`between(A @ B + bias1) @ D + bias2` for A [b, M, K] (or [M, K]), B [b, K, L], D [b, L, N].
 
@@ -66,24 +68,31 @@ def gemm_chain(
     D [..., L, N], the batch dims aligned from the right, each equal or 1 (`gemm_chain_shape`).
     An MLP's x [batch, tokens, dim] with 2-D weights is one call over batch x tokens rows (the
     weights read once), where x's rows lie evenly in memory (see `_gemm_chain_broadcast`).
+
+    `packed`: bf16 B and D (2-D, or the same for every batch) packed once by
+    `ops.pack_weights(B, D)`: the AMX kernels read them from there instead of packing them per
+    row block (the fp32 path reads B and D as stored); an error where it packs other sizes.
     """
     if A.__class__ is not np.ndarray and gpu.routed(A, B, D, out):  # CUDA, or triton asked for
+        if packed is not None:
+            raise ValueError("packed: the AMX kernels' weights; pass it with CPU tensors")
         return gpu.gemm_chain(A, B, D, between, out, bias1=bias1, bias2=bias2)
     threads = get_num_threads()
     key = None
     if between is None or between.__class__ is str or isinstance(between, Activation):
-        sig = signature((A, B, D, out, bias1, bias2))
+        sig = signature((A, B, D, out, bias1, bias2, packed))
         if sig is not None:
             key = ("gemm_chain", between, threads, sig)
             replays = calls.replays
             hit = replays.get(key)
             if hit is not None:
                 replays.hits += 1
-                return replay(hit, _operands(A, B, D, bias1, bias2), out, threads)
+                pk = 0 if packed is None else packed_for_call(packed, A, B, D)
+                return replay(hit, _operands(A, B, D, bias1, bias2), out, threads, pk)
             replays.misses += 1
     if subclassed(A, B, D, out, bias1, bias2):  # (np.memmap and such: plain arrays)
         found = gemm_chain(plain(A), plain(B), plain(D), between, plain(out),
-                           bias1=plain(bias1), bias2=plain(bias2))  # fmt: skip
+                           bias1=plain(bias1), bias2=plain(bias2), packed=plain(packed))  # fmt: skip
         return found if out is None else out
     dtype, (sa, sb, sd) = operands_of("A, B, D", A, B, D)
     biases = bias1, bias2
@@ -93,7 +102,7 @@ def gemm_chain(
         or len(sa) not in (2, 3)
         or not sa[:-2] == sb[:-2] == sd[:-2]
     ):
-        return _gemm_chain_broadcast(A, B, D, between, out, (sa, sb, sd), biases)
+        return _gemm_chain_broadcast(A, B, D, between, out, (sa, sb, sd), biases, packed)
     inference_only("A, B, D, bias1, bias2", A, B, D, bias1, bias2)
     on_cpu("A, B, D, out, bias1, bias2", A, B, D, out, bias1, bias2)
     flat = len(sa) == 2
@@ -118,6 +127,7 @@ def gemm_chain(
     for name, bias, size, what in (("bias1", bias1, L, "B's L"), ("bias2", bias2, N, "D's N")):
         if bias is not None and tuple(bias.shape) != (size,):
             raise ValueError(f"{name}: expected shape ({size},) ({what}), got {tuple(bias.shape)}")
+    packed_at = 0 if packed is None else packed_for_call(packed, A, B, D)
     if 0 in (batch, M, N, K, L):
         builders.gemm_chain(
             1, 1, 1, 1, 1, between, dtype
@@ -149,7 +159,7 @@ def gemm_chain(
     if user_out is None:
         user_out, like = new_result(first, (M, N) if flat else (batch, M, N))
         out = user_out[None] if flat else user_out
-    run(kernel, operands, out, threads, key, user_out, like)
+    run(kernel, operands, out, threads, key, user_out, like, packed_at=packed_at)
     return user_out
 
 
@@ -179,6 +189,7 @@ def _gemm_chain_broadcast(
     out: Any,
     shapes: tuple[tuple[int, ...], ...],
     biases: tuple[Any, Any],
+    packed: Any = None,
 ) -> Any:
     """`gemm_chain` on operands of other ranks than all 2-D or all 3-D, or 3-D ones of different
     batch sizes: the batch dims broadcast (`gemm_chain_shape`). Where B and D have no batch of
@@ -204,19 +215,19 @@ def _gemm_chain_broadcast(
         if rows is not None:
             flat = out.reshape(-1, shape[-1]) if whole else None
             part = gemm_chain(rows, B.reshape(pb[n:]), D.reshape(pd[n:]), between, out=flat,
-                              bias1=biases[0], bias2=biases[1])  # fmt: skip
+                              bias1=biases[0], bias2=biases[1], packed=packed)  # fmt: skip
             return out if flat is not None else _written(part.reshape(shape), out)
     operands = [stretched(x, (*lead, *x.shape[n:])) for x in (A, B, D)]
     merged = [lead_merged(x, n) for x in operands]
     if all(x is not None for x in merged):
         flat = out.reshape(-1, *shape[n:]) if whole else None
         part = gemm_chain(merged[0], merged[1], merged[2], between, out=flat,
-                          bias1=biases[0], bias2=biases[1])  # fmt: skip
+                          bias1=biases[0], bias2=biases[1], packed=packed)  # fmt: skip
         return out if flat is not None else _written(part.reshape(shape), out)
     result = out if out is not None else new_result(A, shape)[0]
     for at in np.ndindex(*lead[:-1]):
         result[at] = gemm_chain(operands[0][at], operands[1][at], operands[2][at], between,
-                                bias1=biases[0], bias2=biases[1])  # fmt: skip
+                                bias1=biases[0], bias2=biases[1], packed=packed)  # fmt: skip
     return result
 
 

@@ -332,16 +332,18 @@ def _gemm_chain_op(
     between: str | None,
     bias1: torch.Tensor | None,
     bias2: torch.Tensor | None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The operator's CPU and CUDA kernel: `ops.gemm_chain` (CUDA: Triton), which checks every
-    argument (or PyTorch's ops, where `gemm_chain_reason` says so)."""
+    argument (or PyTorch's ops, where `gemm_chain_reason` says so; they read B and D, not
+    `packed`, the weights `ops.pack_weights` packed for the AMX kernels)."""
     why = gemm_chain_reason(A, B, D, between, bias1, bias2)
     if why is not None and not torch.is_grad_enabled():
         count(fallbacks, why, "gemm_chain")
         handed: torch.Tensor = torch_gemm_chain(A, B, D, between, bias1, bias2)
         return handed
     out: torch.Tensor = _on_torch_threads(
-        ops.gemm_chain, A, B, D, between=between, bias1=bias1, bias2=bias2
+        ops.gemm_chain, A, B, D, between=between, bias1=bias1, bias2=bias2, packed=packed
     )
     return out
 
@@ -354,6 +356,7 @@ def _gemm_chain_shape(
     between: str | None,
     bias1: torch.Tensor | None,
     bias2: torch.Tensor | None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[..., M, N] of A's dtype, contiguous, the batch dims broadcast: `ops.gemm_chain_shape`,
     which checks the sizes as `ops.gemm_chain` checks them (the biases' too)."""
@@ -374,15 +377,22 @@ def _bias_shape(name: str, bias: torch.Tensor | None, size: Any, what: str, dtyp
 
 
 def gemm_chain(
-    A: Any, B: Any, D: Any, between: str | None = None, bias1: Any = None, bias2: Any = None
+    A: Any,
+    B: Any,
+    D: Any,
+    between: str | None = None,
+    bias1: Any = None,
+    bias2: Any = None,
+    packed: Any = None,
 ) -> Any:
     """`chainfuse.ops.gemm_chain` for torch tensors: `between(A @ B + bias1) @ D + bias2` in one
     kernel (`between`: None, "relu", "gelu", "gelu_tanh", "quick_gelu", "silu" or "softmax";
-    B and D may be nn.Linear weights' transposes, `W.T`, read as stored); inside
-    `torch.compile`, the operator `torch.ops.chainfuse.gemm_chain`."""
+    B and D may be nn.Linear weights' transposes, `W.T`, read as stored; `packed`: bf16 weights
+    packed once by `ops.pack_weights`, for the AMX kernels); inside `torch.compile`, the
+    operator `torch.ops.chainfuse.gemm_chain`."""
     if torch.compiler.is_compiling():
         _refuse_grad("A, B, D, bias1, bias2", A, B, D, bias1, bias2)
-        return _gemm_chain_op(A, B, D, between, bias1, bias2)
+        return _gemm_chain_op(A, B, D, between, bias1, bias2, packed)
     why = gemm_chain_reason(A, B, D, between, bias1, bias2)
     if why is not None and not _needs_grad(A, B, D, bias1, bias2):
         ops.gemm_chain_shape(A.shape, B.shape, D.shape)  # (chainfuse's shape errors)
@@ -390,34 +400,47 @@ def gemm_chain(
         _bias_shape("bias2", bias2, D.shape[-1], "D's N", A.dtype)
         count(fallbacks, why, "gemm_chain")
         return torch_gemm_chain(A, B, D, between, bias1, bias2)
-    return _on_torch_threads(ops.gemm_chain, A, B, D, between=between, bias1=bias1, bias2=bias2)
+    return _on_torch_threads(
+        ops.gemm_chain, A, B, D, between=between, bias1=bias1, bias2=bias2, packed=packed
+    )
 
 
 @torch.library.custom_op("chainfuse::gated_mlp", mutates_args=(), device_types="cpu")
 def _gated_mlp_op(
-    X: torch.Tensor, W1: torch.Tensor, W3: torch.Tensor, W2: torch.Tensor, act: str
+    X: torch.Tensor,
+    W1: torch.Tensor,
+    W3: torch.Tensor,
+    W2: torch.Tensor,
+    act: str,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.gated_mlp`, which checks every argument."""
-    out: torch.Tensor = _on_torch_threads(ops.gated_mlp, X, W1, W3, W2, act)
+    out: torch.Tensor = _on_torch_threads(ops.gated_mlp, X, W1, W3, W2, act, packed=packed)
     return out
 
 
 @_gated_mlp_op.register_fake
 def _gated_mlp_fake(
-    X: torch.Tensor, W1: torch.Tensor, W3: torch.Tensor, W2: torch.Tensor, act: str
+    X: torch.Tensor,
+    W1: torch.Tensor,
+    W3: torch.Tensor,
+    W2: torch.Tensor,
+    act: str,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[..., M, N] of X's dtype, contiguous: `ops.gated_mlp_shape`'s checks and result."""
     return X.new_empty(ops.gated_mlp_shape(X.shape, W1.shape, W3.shape, W2.shape))
 
 
-def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu") -> Any:
+def gated_mlp(X: Any, W1: Any, W3: Any, W2: Any, act: str = "silu", packed: Any = None) -> Any:
     """`chainfuse.ops.gated_mlp` for torch tensors: `(act(X @ W1) * (X @ W3)) @ W2` in one
-    kernel (Llama's SwiGLU MLP: `gated_mlp(x, gate.weight.T, up.weight.T, down.weight.T)`);
-    inside `torch.compile`, the operator `torch.ops.chainfuse.gated_mlp`."""
+    kernel (Llama's SwiGLU MLP: `gated_mlp(x, gate.weight.T, up.weight.T, down.weight.T)`;
+    `packed`: bf16 weights packed once by `ops.pack_weights(W1, W2, W3)`, for the AMX
+    kernels); inside `torch.compile`, the operator `torch.ops.chainfuse.gated_mlp`."""
     if torch.compiler.is_compiling():
         _refuse_grad("X, W1, W3, W2", X, W1, W3, W2)
-        return _gated_mlp_op(X, W1, W3, W2, act)
-    return _on_torch_threads(ops.gated_mlp, X, W1, W3, W2, act)
+        return _gated_mlp_op(X, W1, W3, W2, act, packed)
+    return _on_torch_threads(ops.gated_mlp, X, W1, W3, W2, act, packed=packed)
 
 
 def _needs_grad(*xs: torch.Tensor | None) -> bool:

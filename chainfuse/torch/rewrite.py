@@ -24,7 +24,9 @@ import torch
 import torch.fx as fx
 
 from chainfuse import ops
-from chainfuse.ir import Activation
+from chainfuse.codegen.amx_chain import AMX_MAX_WORKSPACE, amx_workspace_bytes
+from chainfuse.ir import Activation, DType
+from chainfuse.kernels.amx import amx_path
 from chainfuse.torch.finder import ChainKind, Found, Gemm
 from chainfuse.torch.kinds import value_of
 
@@ -189,13 +191,36 @@ class Emitter:
         return self._buffer(graph, f"_cf_t_{attr.replace('.', '_')}",
                             lambda: getattr(self.gm, attr).detach().t())  # fmt: skip
 
+    def _packed(self, graph: fx.Graph, g1: Gemm, g2: Gemm, g3: Gemm | None = None) -> Any:
+        """The chain's weights packed once for the AMX kernels (`ops.pack_weights`), a constant
+        of the graph, where they are frozen bf16 constants and this host runs those kernels on
+        them; else None (the kernels read the weights as stored)."""
+        gemms = (g1, g2) if g3 is None else (g1, g2, g3)
+        if not all(self._constant(g.weight) for g in gemms) or _dtype(g1.x) != torch.bfloat16:
+            return None
+        if amx_path(DType.BFLOAT16) is None:
+            return None
+        mats = [self._matrix(g) for g in gemms]  # B, D [, B3], each [in, out]
+        K, N = mats[0].shape[0], mats[1].shape[1]
+        if amx_workspace_bytes(K, N, g3 is not None) > AMX_MAX_WORKSPACE:
+            return None  # (the fp32 path runs it: it reads the weights as stored)
+        names = "_".join(str(g.weight.target).replace(".", "_") for g in gemms)
+        return self._buffer(graph, f"_cf_pk_{names}", lambda: ops.pack_weights(*mats))
+
+    def _matrix(self, g: Gemm) -> torch.Tensor:
+        """g's frozen weight as the [in, out] matrix of a chain (a view)."""
+        w: torch.Tensor = getattr(self.gm, str(g.weight.target)).detach()
+        return w.t() if g.transposed else w
+
     def _mlp(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         g1, g2, between = found.parts["first"], found.parts["second"], found.parts["between"]
         B, D = self._weight(g1, graph, env), self._weight(g2, graph, env)
         op = torch.ops.chainfuse.gemm_chain.default
         b1, b2 = env(g1.bias) if g1.bias else None, env(g2.bias) if g2.bias else None
         if self.caps.bias:
-            out = graph.call_function(op, (env(g1.x), B, D, between, b1, b2))
+            packed = self._packed(graph, g1, g2)
+            args = (env(g1.x), B, D, between, b1, b2)
+            out = graph.call_function(op, args if packed is None else (*args, packed))
         else:
             out = graph.call_function(op, (env(g1.x), B, D, between))
             if b2 is not None:
@@ -208,7 +233,9 @@ class Emitter:
         (g1, g3), g2 = found.parts["up"], found.parts["down"]
         op = torch.ops.chainfuse.gated_mlp.default
         weights = (self._weight(g, graph, env) for g in (g1, g3, g2))  # each [in, out]
-        return graph.call_function(op, (env(g1.x), *weights, found.parts["act"]))
+        packed = self._packed(graph, g1, g2, g3)
+        args = (env(g1.x), *weights, found.parts["act"])
+        return graph.call_function(op, args if packed is None else (*args, packed))
 
     def _sdpa(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         p = found.parts

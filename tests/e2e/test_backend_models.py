@@ -258,3 +258,45 @@ def test_backend_is_found_without_importing_chainfuse() -> None:
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "chainfuse.torch.backend True"
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_frozen_bf16_weights_are_packed_once_for_the_amx_kernels(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With Inductor and freezing, a bf16 model's MLP weights are constants: the backend packs
+    them once for the AMX kernels (emulated here: any host) and every call reads that packing.
+    The model's output is held to `_check_close`'s rule, with every MLP on an AMX kernel."""
+    import importlib
+
+    from chainfuse import ops
+    from chainfuse.kernels.amx import AmxPath
+    from chainfuse.torch import rewrite
+
+    monkeypatch.setenv("CHAINFUSE_AMX", "emulate")
+    packings: list[tuple[int, ...]] = []
+    real_pack = ops.pack_weights
+
+    def pack(*weights: Any) -> Any:
+        packings.append(tuple(w.shape[1] for w in weights))
+        return real_pack(*weights)
+
+    monkeypatch.setattr(rewrite.ops, "pack_weights", pack)
+    reads: list[int] = []
+    real_run = importlib.import_module("chainfuse.ops.calls").run
+
+    def counted(kernel: Any, *args: Any, packed_at: int = 0, **kwargs: Any) -> Any:
+        if packed_at:
+            assert kernel.arithmetic.startswith(AmxPath.EMULATED.value), kernel.arithmetic
+            reads.append(packed_at)
+        return real_run(kernel, *args, packed_at=packed_at, **kwargs)
+
+    for module in ("chainfuse.ops.gemm_chain", "chainfuse.ops.gated_mlp"):
+        monkeypatch.setattr(importlib.import_module(module), "run", counted)
+    model, inputs, chains = _model(name)
+    report = Report()
+    _check_close(model, inputs, torch.bfloat16, report, mode="inductor")
+    mlps = 2  # two layers, one MLP each
+    assert len(packings) == mlps, packings
+    assert len(reads) >= mlps
+    assert sum(c.fused for c in report.chains) >= chains, [(c.name, c.why) for c in report.chains]
