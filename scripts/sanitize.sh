@@ -25,11 +25,14 @@ done
 if (($# == 0)); then
     # drawn sizes (1, primes, tails of every tile), strided and broadcast views, forced conv tiles
     # with tails and both halo policies, on 1 to 3 threads; the emulated AMX kernels' causal
-    # key skipping and conv bands on threads (about 2 minutes on 2 cores)
+    # key skipping and conv bands on threads, and their reads of weights packed once (about 2
+    # minutes on 2 cores)
     set -- tests/numerics/test_gemm_chain.py tests/numerics/test_conv_chain.py \
-        tests/numerics/test_amx_attention.py tests/numerics/test_amx_conv.py -k \
+        tests/numerics/test_amx_attention.py tests/numerics/test_amx_conv.py \
+        tests/numerics/test_amx_model_features.py -k \
         "unmasked or few_rows or strided or op2_into_e or broadcast or fewer_blocks \
-or zero_size or forced_tiles_and_halo or amx_causal_attention_of_unequal or amx_conv_bands"
+or zero_size or forced_tiles_and_halo or amx_causal_attention_of_unequal or amx_conv_bands \
+or packed_once"
 fi
 cache="$(mktemp -d "${TMPDIR:-/tmp}/chainfuse-sanitize-XXXXXX")"
 trap 'rm -rf "$cache"' EXIT

@@ -197,10 +197,12 @@ class Backend:
                 )
                 continue
             decision = self._decide(gm, found, emitter, values)
+            why = decision.why
             if decision.fuse:
                 _replace(gm, found, emitter)
+                why += "; weights packed once for the AMX kernels" if emitter.packs(found) else ""
             self.report.chains.append(
-                ChainReport(found.name, found.form, decision.fuse, decision.why, decision)
+                ChainReport(found.name, found.form, decision.fuse, why, decision)
             )
         used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
         sources: Any = getattr(gm, "_param_name_to_source", None)

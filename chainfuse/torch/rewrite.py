@@ -191,19 +191,38 @@ class Emitter:
         return self._buffer(graph, f"_cf_t_{attr.replace('.', '_')}",
                             lambda: getattr(self.gm, attr).detach().t())  # fmt: skip
 
-    def _packed(self, graph: fx.Graph, g1: Gemm, g2: Gemm, g3: Gemm | None = None) -> Any:
-        """The chain's weights packed once for the AMX kernels (`ops.pack_weights`), a constant
-        of the graph, where they are frozen bf16 constants and this host runs those kernels on
-        them; else None (the kernels read the weights as stored)."""
+    def packs(self, found: Found) -> bool:
+        """Whether `found`'s fused call reads its weights packed once (`_packed`)."""
+        p = found.parts
+        if found.kind is ChainKind.MLP:
+            return self._packable(p["first"], p["second"]) is not None
+        if found.kind is ChainKind.GATED_MLP:
+            (g1, g3), g2 = p["up"], p["down"]
+            return self._packable(g1, g2, g3) is not None
+        return False
+
+    def _packable(self, g1: Gemm, g2: Gemm, g3: Gemm | None = None) -> list[torch.Tensor] | None:
+        """The chain's weights B, D [, B3] as [in, out] matrices where the AMX kernels will read
+        them packed once: frozen bf16 constants, on a host that runs those kernels on them;
+        else None (the kernels read the weights as stored)."""
         gemms = (g1, g2) if g3 is None else (g1, g2, g3)
         if not all(self._constant(g.weight) for g in gemms) or _dtype(g1.x) != torch.bfloat16:
             return None
         if amx_path(DType.BFLOAT16) is None:
             return None
-        mats = [self._matrix(g) for g in gemms]  # B, D [, B3], each [in, out]
+        mats = [self._matrix(g) for g in gemms]
         K, N = mats[0].shape[0], mats[1].shape[1]
         if amx_workspace_bytes(K, N, g3 is not None) > AMX_MAX_WORKSPACE:
             return None  # (the fp32 path runs it: it reads the weights as stored)
+        return mats
+
+    def _packed(self, graph: fx.Graph, g1: Gemm, g2: Gemm, g3: Gemm | None = None) -> Any:
+        """The chain's weights packed once for the AMX kernels (`ops.pack_weights`), a constant
+        of the graph, where `_packable`; else None."""
+        mats = self._packable(g1, g2, g3)
+        if mats is None:
+            return None
+        gemms = (g1, g2) if g3 is None else (g1, g2, g3)
         names = "_".join(str(g.weight.target).replace(".", "_") for g in gemms)
         return self._buffer(graph, f"_cf_pk_{names}", lambda: ops.pack_weights(*mats))
 

@@ -299,4 +299,6 @@ def test_frozen_bf16_weights_are_packed_once_for_the_amx_kernels(
     mlps = 2  # two layers, one MLP each
     assert len(packings) == mlps, packings
     assert len(reads) >= mlps
+    said = [c.name for c in report.chains if "weights packed once for the AMX kernels" in c.why]
+    assert len(said) == mlps, [(c.name, c.why) for c in report.chains]
     assert sum(c.fused for c in report.chains) >= chains, [(c.name, c.why) for c in report.chains]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import chainfuse
 from chainfuse import builders, ops
-from chainfuse.codegen.amx_chain import AMX_MAX_L
+from chainfuse.codegen.amx_chain import AMX_MAX_L, AMX_MAX_M, amx_workspace_bytes
 from chainfuse.compiler import AmxKernel, compile
 from chainfuse.kernels.amx import ENV_AMX, AmxPath
 from tests.checks import check_against_reference
@@ -98,6 +98,14 @@ def test_amx_gated_mlp_matches_the_reference(
     chain = builders.gated_mlp_chain(1, M, N, K, L, act, "bfloat16", b_transposed=transposed,
                                      d_transposed=transposed)  # fmt: skip
     check_against_reference(_amx(chain, tiles), chain, seed=seed, convert=_bf16)
+
+
+def test_the_gated_workspace_bound_is_the_kernels_own() -> None:
+    # (the up projection's panel and scores too: what the dispatch weighs against the bound)
+    chain = builders.gated_mlp_chain(1, AMX_MAX_M, 24, 40, AMX_MAX_L, "silu", "bfloat16")
+    kernel = _amx(chain, {"m": AMX_MAX_M, "l": AMX_MAX_L})
+    assert 4 * kernel._per == amx_workspace_bytes(40, 24, gated=True)
+    assert amx_workspace_bytes(40, 24, gated=True) > amx_workspace_bytes(40, 24)
 
 
 def _mlp(M: int, K: int, L: int, N: int, seed: int) -> tuple[Any, ...]:
