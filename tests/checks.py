@@ -32,3 +32,20 @@ def check_against_reference(
     got = out.detach().float().numpy() if hasattr(out, "detach") else np.asarray(out)
     reference.assert_close(got, want, chain, inputs=inputs if softmax_term else None)
     return out, inputs
+
+
+def torch_activation(name: str | None) -> Callable[[Any], Any]:
+    """PyTorch's op for a GEMM chain's `between` (None: identity): what a model's MLP runs."""
+    import torch
+
+    F = torch.nn.functional
+    acts: dict[str | None, Callable[[Any], Any]] = {
+        None: lambda h: h,
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+        "quick_gelu": lambda h: h * torch.sigmoid(1.702 * h),
+        "silu": F.silu,
+        "softmax": lambda h: h.softmax(-1),
+    }
+    return acts[name]

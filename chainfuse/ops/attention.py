@@ -25,7 +25,16 @@ from chainfuse.ops.arguments import (
     shape_of,
     subclassed,
 )
-from chainfuse.ops.calls import bucket_key, bucketed, calls, replay, replay_keys, run, signature
+from chainfuse.ops.calls import (
+    amx_setting,
+    bucket_key,
+    bucketed,
+    calls,
+    replay,
+    replay_keys,
+    run,
+    signature,
+)
 from chainfuse.ops.sdpa import attention_dims, attention_shape, check_flags
 from chainfuse.ops.views import lead_merged, stretched
 from chainfuse.runtime import get_num_threads
@@ -55,7 +64,7 @@ def known_attention(
     ):
         sig = signature((q, k, v, attn_mask))
         if sig is not None:
-            key = ("attention", is_causal, enable_gqa, scale, threads, sig)
+            key = ("attention", is_causal, enable_gqa, scale, threads, amx_setting(), sig)
             replays = calls.replays
             hit = replays.get(key)
             if hit is not None:

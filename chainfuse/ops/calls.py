@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -19,6 +20,7 @@ from chainfuse import builders
 from chainfuse.compiled import ConvKernel, Kernel
 from chainfuse.compiler import compile, compile_conv
 from chainfuse.ir import Activation
+from chainfuse.kernels.amx import ENV_AMX
 from chainfuse.operands import TORCH_TYPES, Layout, apart, empty_like_input, is_torch, pointer
 from chainfuse.ops.arguments import empty_result
 
@@ -139,6 +141,13 @@ def signature(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return tuple(key)
 
 
+def amx_setting() -> str | None:
+    """`CHAINFUSE_AMX` as set now: part of every key of the caches below, so that a change of it
+    takes effect at the next call (the AMX kernels, or not) instead of replaying the kernel an
+    earlier setting chose."""
+    return os.environ.get(ENV_AMX)
+
+
 def bucket_key(key: tuple[Any, ...], mask: Any) -> tuple[tuple[Any, ...], int] | None:
     """The `calls.by_keys` key of an attention call whose `calls.replays` key is `key`, and its
     number of keys; None unless q, k and v are 4-D. What decides the call's kernel and path
@@ -199,7 +208,7 @@ def bucketed(
     if mask_shape is not None and mask_shape[-1] == seq_k:
         mask_shape = (*mask_shape[:-1], bucket)
     kernel = calls.attention_kernels((*sizes[:3], bucket, *sizes[4:]), causal, mask, scale,
-                                     mask_shape, dtype, threads)  # fmt: skip
+                                     mask_shape, dtype, threads, amx_setting())  # fmt: skip
     return kernel, None if bucket == seq_k else seq_k
 
 
@@ -319,7 +328,9 @@ def _compile_gemm(
     d_transposed: bool = False,
     bias1: bool = False,
     bias2: bool = False,
+    amx: str | None = None,
 ) -> Kernel:
+    del amx  # (a key: `amx_setting`)
     chain = builders.gemm_chain(*sizes, between, dtype, b_transposed=b_transposed,
                                 d_transposed=d_transposed, bias1=bias1, bias2=bias2)  # fmt: skip
     return compile(chain, threads=threads)
@@ -332,7 +343,9 @@ def _compile_gated(
     threads: int,
     b_transposed: bool,
     d_transposed: bool,
+    amx: str | None = None,
 ) -> Kernel:
+    del amx  # (a key: `amx_setting`)
     chain = builders.gated_mlp_chain(*sizes, act, dtype, b_transposed=b_transposed,
                                      d_transposed=d_transposed)  # fmt: skip
     return compile(chain, threads=threads)
@@ -346,16 +359,24 @@ def _compile_attention(
     mask_shape: tuple[int, ...] | None,
     dtype: str,
     threads: int,
+    amx: str | None = None,
 ) -> Kernel:
+    del amx  # (a key: `amx_setting`)
     chain = builders.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
                                mask_shape=mask_shape, dtype=dtype)  # fmt: skip
     return compile(chain, threads=threads)
 
 
 def _compile_conv(
-    sizes: tuple[int, ...], between: str | None, after: str | None, dtype: str = "float32"
+    sizes: tuple[int, ...],
+    between: str | None,
+    after: str | None,
+    dtype: str = "float32",
+    amx: str | None = None,
 ) -> ConvKernel:
-    """The compiled kernel of one conv chain, by its plain sizes (bf16: on AMX tiles)."""
+    """The compiled kernel of one conv chain, by its plain sizes (bf16: on AMX tiles; `amx`:
+    `amx_setting`, a key)."""
+    del amx
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
     try:
         chain = builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),

@@ -18,7 +18,7 @@ from chainfuse.ops.arguments import (
     shape_of,
     subclassed,
 )
-from chainfuse.ops.calls import ConvReplay, calls, replay_conv, signature
+from chainfuse.ops.calls import ConvReplay, amx_setting, calls, replay_conv, signature
 from chainfuse.runtime import get_num_threads
 
 __all__ = ["conv_chain"]
@@ -64,7 +64,7 @@ def conv_chain(
     ):
         sig = signature((x, w1, w2, b1, b2, out))
         if sig is not None:
-            key = ("conv_chain", stride, padding, between, after, threads, sig)
+            key = ("conv_chain", stride, padding, between, after, threads, amx_setting(), sig)
             replays = calls.conv_replays
             hit = replays.get(key)
             if hit is not None:
@@ -119,7 +119,7 @@ def conv_chain(
         )
         return no_work("x", x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
-    kernel = calls.conv_kernels(sizes, between, after, dtype)
+    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting())
     out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
     kernel.launch(pointers, strides, threads)
     if key is not None:

@@ -25,7 +25,7 @@ from chainfuse.ops.arguments import (
     shape_of,
     subclassed,
 )
-from chainfuse.ops.calls import calls, replay, run, signature
+from chainfuse.ops.calls import amx_setting, calls, replay, run, signature
 from chainfuse.ops.gemm_chain import steps_of, swapped, transposed
 from chainfuse.ops.packed import packed_for_call
 from chainfuse.ops.views import lead_merged
@@ -52,7 +52,7 @@ def gated_mlp(
     if act.__class__ is str:
         sig = signature((X, W1, W3, W2, out, packed))
         if sig is not None:
-            key = ("gated_mlp", act, threads, sig)
+            key = ("gated_mlp", act, threads, amx_setting(), sig)
             replays = calls.replays
             hit = replays.get(key)
             if hit is not None:
@@ -101,7 +101,8 @@ def gated_mlp(
     D = swapped(D) if d_t else D
     batch = sx[0] if batched else 1
     M = A.shape[1]
-    kernel = calls.gated_kernels((batch, M, N, K, L), act, dtype, threads, b_t, d_t)
+    kernel = calls.gated_kernels((batch, M, N, K, L), act, dtype, threads, b_t, d_t,
+                                 amx_setting())  # fmt: skip
     user_out, like = out, False
     if user_out is None:
         user_out, like = new_result(X, shape)

@@ -29,7 +29,7 @@ from chainfuse.ops.arguments import (
     shape_of,
     subclassed,
 )
-from chainfuse.ops.calls import calls, replay, run, signature
+from chainfuse.ops.calls import amx_setting, calls, replay, run, signature
 from chainfuse.ops.packed import packed_for_call
 from chainfuse.ops.views import lead_merged, stretched
 from chainfuse.runtime import get_num_threads
@@ -82,7 +82,7 @@ def gemm_chain(
     if between is None or between.__class__ is str or isinstance(between, Activation):
         sig = signature((A, B, D, out, bias1, bias2, packed))
         if sig is not None:
-            key = ("gemm_chain", between, threads, sig)
+            key = ("gemm_chain", between, threads, amx_setting(), sig)
             replays = calls.replays
             hit = replays.get(key)
             if hit is not None:
@@ -153,7 +153,7 @@ def gemm_chain(
         return no_work("A", A, (batch, M, N), value, out)
     kernel = calls.gemm_kernels(
         (batch, M, N, K, L), between, dtype, threads, b_t, d_t, bias1 is not None,
-        bias2 is not None,
+        bias2 is not None, amx_setting(),
     )  # fmt: skip
     like = False
     if user_out is None:

@@ -20,7 +20,7 @@ from chainfuse import builders, ops
 from chainfuse.codegen.amx_chain import AMX_MAX_L, AMX_MAX_M, amx_workspace_bytes
 from chainfuse.compiler import AmxKernel, compile
 from chainfuse.kernels.amx import ENV_AMX, AmxPath
-from tests.checks import check_against_reference
+from tests.checks import check_against_reference, torch_activation
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -44,12 +44,8 @@ STRUCTURES = [
 ]
 
 ACTS = {
-    None: lambda h: h,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-    "quick_gelu": lambda h: h * torch.sigmoid(1.702 * h),
-    "silu": F.silu,
+    name: torch_activation(name)
+    for name in (None, "relu", "gelu", "gelu_tanh", "quick_gelu", "silu", "softmax")
 }
 
 
@@ -200,3 +196,21 @@ def test_packings_that_do_not_fit_the_call_are_errors() -> None:
         ops.pack_weights(w1.T[:, :20], w2.T)
     with pytest.raises(ValueError, match="B: expected a 2-D weight"):
         ops.pack_weights(w1.T[None], w2.T)
+
+
+def test_a_change_of_the_amx_setting_takes_effect_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ops' caches (kernels and replays) are keyed by `CHAINFUSE_AMX`: a call after it
+    changes runs the kernel the new setting chooses, not the one an earlier call compiled."""
+    x, w1, w2, b1, b2 = _mlp(9, 20, 40, 12, seed=7)
+    ops.calls.clear()
+    paths = []
+    for mode in ("off", "emulate", "off", "emulate"):
+        monkeypatch.setenv(ENV_AMX, mode)
+        ops.gemm_chain(x, w1.T, w2.T, "gelu", bias1=b1, bias2=b2)
+        ops.gemm_chain(x, w1.T, w2.T, "gelu", bias1=b1, bias2=b2)  # (its replay)
+        (hit,) = [r for key, r in ops.calls.replays.items() if key[3] == mode]
+        paths.append(hit.kernel.arithmetic.split(":")[0])
+    assert paths == ["fp32-fma", AmxPath.EMULATED.value] * 2
+    assert ops.calls.info()["gemm_kernels"].size == 2

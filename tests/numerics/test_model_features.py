@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import chainfuse
 from chainfuse import builders, ops, reference
 from chainfuse.compiler import compile
-from tests.checks import check_against_reference
+from tests.checks import check_against_reference, torch_activation
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -50,13 +50,8 @@ STRUCTURES = [
 GATED = [("silu", True, "float32"), ("gelu_tanh", False, "bfloat16"), ("gelu", True, "float16")]
 
 ACTS = {
-    None: lambda h: h,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-    "quick_gelu": lambda h: h * torch.sigmoid(1.702 * h),
-    "silu": F.silu,
-    "softmax": lambda h: h.softmax(-1),
+    name: torch_activation(name)
+    for name in (None, "relu", "gelu", "gelu_tanh", "quick_gelu", "silu", "softmax")
 }
 
 
