@@ -6,7 +6,7 @@ Inductor, and Inductor with freezing (fp32 and bf16, 1 and 2 threads).
     chainfuse bench models --models whisper,vit384 --dtype fp32 --threads 1 --out bench-models
 
 The models: `bert` (BERT-base, 128 tokens), `vit` (ViT-base, 224 px: 197 tokens), `vit384`
-(ViT-base, 384 px: 577 tokens), `gpt2` (GPT-2 124M, a 1024-token prompt), `llama` (a 1024-wide
+(ViT-base, 384 px: 577 tokens), `vit512` (ViT-base, 512 px: 1025 tokens), `gpt2` (GPT-2 124M, a 1024-token prompt), `llama` (a 1024-wide
 8-layer Llama-style model, GQA 4:1, 256 tokens) and `whisper` (the encoder of a Whisper-base-sized
 model: 80 mel bins x 3000 frames, a stride-2 conv stem, then 6 layers of attention over 1500
 positions). The causal LMs run as a generation's prefill runs them: `logits_to_keep=1`, so only
@@ -39,7 +39,7 @@ from typing import Any
 __all__ = ["Spread", "main", "speedup"]
 
 VARIANTS = ("eager", "inductor", "inductor-freezing", "chainfuse")
-MODELS = ("bert", "vit", "vit384", "gpt2", "llama", "whisper")
+MODELS = ("bert", "vit", "vit384", "vit512", "gpt2", "llama", "whisper")
 # a model, its positional inputs and its keyword inputs
 Built = tuple[Any, tuple[Any, ...], dict[str, Any]]
 
@@ -109,20 +109,22 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
     # (hidden, layers, heads, intermediate, tokens / pixels / positions) per model;
     # Llama-style: GQA 4:1; Whisper: 2 mel frames per position (the conv stem's stride 2)
     if quick:
-        bert, vit, vit384, gpt2, llama, whisper = (
+        bert, vit, vit384, vit512, gpt2, llama, whisper = (
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 128),
+            (128, 2, 4, 512, 160),
             (128, 2, 4, 512, 128),
             (128, 2, 4, 384, 64),
             (128, 2, 4, 512, 250),
         )
-    else:  # BERT-base, ViT-base at 224 and 384 px, GPT-2 (124M) with a 1024-token prompt,
-        # a 1024-wide Llama, a Whisper-base-sized encoder (1500 positions)
-        bert, vit, vit384, gpt2, llama, whisper = (
+    else:  # BERT-base, ViT-base at 224, 384 and 512 px, GPT-2 (124M) with a 1024-token
+        # prompt, a 1024-wide Llama, a Whisper-base-sized encoder (1500 positions)
+        bert, vit, vit384, vit512, gpt2, llama, whisper = (
             (768, 12, 12, 3072, 128),
             (768, 12, 12, 3072, 224),
             (768, 12, 12, 3072, 384),
+            (768, 12, 12, 3072, 512),
             (768, 12, 12, 3072, 1024),
             (1024, 8, 16, 2816, 256),
             (512, 6, 8, 2048, 1500),
@@ -162,7 +164,8 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
         return whisper_encoder.WhisperEncoder(config), (mel,), {}
 
     return {"bert": make_bert, "vit": lambda: make_vit(vit), "vit384": lambda: make_vit(vit384),
-            "gpt2": make_gpt2, "llama": make_llama, "whisper": make_whisper}  # fmt: skip
+            "vit512": lambda: make_vit(vit512), "gpt2": make_gpt2, "llama": make_llama,
+            "whisper": make_whisper}  # fmt: skip
 
 
 def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:
