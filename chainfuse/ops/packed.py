@@ -100,7 +100,11 @@ def packed_pointer(packed: Any, K: int, L: int, N: int, gated: bool) -> int:
 
 def packed_for_call(packed: Any, A: Any, B: Any, D: Any, B3: Any = None) -> int:
     """The address of `packed` for a call on A, B, D [, B3], checked: weights the same for
-    every batch (2-D, or batch dims of 1 or of stride 0), and `pack_weights`' of their sizes."""
+    every batch (2-D, or batch dims of 1 or of stride 0), bf16 (the packing's dtype), and
+    `pack_weights`' of their sizes."""
+    if dtype_name(A.dtype) != "bfloat16":
+        raise ValueError(f"packed: a packing of bf16 weights for the AMX kernels; this call's "
+                         f"operands are {A.dtype}")  # fmt: skip
     for name, x in (("B", B), ("D", D), ("B3", B3)):
         if x is None:
             continue
@@ -124,6 +128,8 @@ def _matrix(name: str, x: Any) -> tuple[int, int]:
         raise ValueError(f"{name}: expected a 2-D weight, got shape {shape}")
     if dtype_name(x.dtype) != "bfloat16":
         raise TypeError(f"{name}: expected bfloat16 (the AMX kernels' weights), got {x.dtype}")
+    if is_torch(x) and x.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor (the AMX kernels'), got {x.device}")
     return shape[0], shape[1]
 
 

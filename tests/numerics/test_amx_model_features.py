@@ -20,6 +20,7 @@ from chainfuse import builders, ops
 from chainfuse.codegen.amx_chain import AMX_MAX_L, AMX_MAX_M, amx_workspace_bytes
 from chainfuse.compiler import AmxKernel, compile
 from chainfuse.kernels.amx import ENV_AMX, AmxPath
+from chainfuse.runtime import requested_num_threads, set_num_threads
 from tests.checks import check_against_reference, torch_activation
 
 torch = pytest.importorskip("torch")
@@ -141,6 +142,22 @@ def test_weights_packed_once_give_the_same_bits(
     assert torch.equal(read, ops.gemm_chain(x, other.T, w2.T, act, bias1=b1, bias2=b2))
 
 
+def test_threads_share_one_packing() -> None:
+    """Row blocks on three threads read the one packing: the result of one thread packing per
+    l block, bit for bit."""
+    x, w1, w2, b1, b2 = _mlp(200, 17, AMX_MAX_L + 37, 19, seed=8)  # 400 rows: several blocks
+    before = requested_num_threads()
+    try:
+        set_num_threads(1)
+        want = ops.gemm_chain(x, w1.T, w2.T, "gelu", bias1=b1, bias2=b2)
+        set_num_threads(3)
+        packed = ops.pack_weights(w1.T, w2.T)
+        got = ops.gemm_chain(x, w1.T, w2.T, "gelu", bias1=b1, bias2=b2, packed=packed)
+    finally:
+        set_num_threads(before)
+    assert torch.equal(got, want)
+
+
 def test_gated_weights_packed_once_give_the_same_bits() -> None:
     x, w1, w2, _, _ = _mlp(37, 40, 70, 24, seed=3)
     w3 = (torch.randn(70, 40) / 40**0.5).bfloat16()
@@ -190,6 +207,8 @@ def test_packings_that_do_not_fit_the_call_are_errors() -> None:
         ops.gemm_chain(x, w1.T, w2.T, packed=[1, 2])
     with pytest.raises(ValueError, match=r"packed: B differs per batch"):
         ops.gemm_chain(x, torch.stack([w1.T, w1.T]), torch.stack([w2.T, w2.T]), packed=packed)
+    with pytest.raises(ValueError, match=r"packed: a packing of bf16 weights.*torch\.float32"):
+        ops.gemm_chain(x.float(), w1.T.float(), w2.T.float(), packed=packed)
     with pytest.raises(TypeError, match="B: expected bfloat16"):
         ops.pack_weights(w1.T.float(), w2.T.float())
     with pytest.raises(ValueError, match=r"D: expected 20 rows \(B's L\)"):
