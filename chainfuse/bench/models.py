@@ -17,7 +17,8 @@ head over every position does not swamp the comparison.
 Models are built from their Hugging Face configs with random weights (nothing downloaded; needs
 `transformers`). Each variant runs in a process of its own (compiled there; OpenMP threads told to
 sleep when idle, `OMP_WAIT_POLICY=PASSIVE` unless set, so a waiting variant does not spin while
-another is timed), then the variants are timed interleaved, one call each per round (`--rounds`).
+another is timed), then the variants are timed interleaved, one call each per round (`--rounds`),
+every other round in the reverse order.
 Reported: each variant's median, and the speed-up over Inductor with freezing (the alternative a
 user has) as the median of the per-round ratios (Inductor-with-freezing time / chainfuse time in
 the same round: a noisy host slows both alike within a round) with their interquartile range;
@@ -237,7 +238,7 @@ def _worker(conn: Any, name: str, quick: bool, dtype: str, threads: int, variant
 def run_model(name: str, quick: bool, dtype: str, threads: int, rounds: int,
               log: Callable[[str], None]) -> Row:  # fmt: skip
     """The variants compiled one after another, each in its own process, then timed
-    interleaved: one call of each per round."""
+    interleaved: one call of each per round, in the reverse order every other round."""
     import multiprocessing
 
     # (read by OpenMP when a worker loads torch: its idle threads sleep instead of spinning)
@@ -253,10 +254,12 @@ def run_model(name: str, quick: bool, dtype: str, threads: int, rounds: int,
         pipes[variant] = ours
         log(f"{name} {dtype} {threads}t: {variant} ready in {ours.recv():.0f} s")
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for _ in range(rounds):
-        for variant, pipe in pipes.items():
-            pipe.send("time")
-            samples[variant].append(pipe.recv())
+    for r in range(rounds):
+        # (the order reversed every other round: a drift of the host's speed within a round
+        # favours no variant over the rounds, nor does the call before a variant's)
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            pipes[variant].send("time")
+            samples[variant].append(pipes[variant].recv())
     stats = []
     for pipe in pipes.values():
         pipe.send("stop")
