@@ -310,13 +310,15 @@ def _constants(parts: dict[str, Any]) -> list[str]:
 
 def _predicted(found: Found, values: dict[fx.Node, Any]) -> float | None:
     p = found.parts
-    if found.kind is ChainKind.MLP:
-        x, w1, w2 = values[p["first"].x], values[p["first"].weight], values[p["second"].weight]
-        hidden = w1.shape[0] if p["first"].transposed else w1.shape[1]
-        out = w2.shape[0] if p["second"].transposed else w2.shape[1]
+    if found.kind in (ChainKind.MLP, ChainKind.GATED_MLP):
+        gated = found.kind is ChainKind.GATED_MLP
+        first, second = (p["up"][0], p["down"]) if gated else (p["first"], p["second"])
+        x, w1, w2 = values[first.x], values[first.weight], values[second.weight]
+        hidden = w1.shape[0] if first.transposed else w1.shape[1]
+        out = w2.shape[0] if second.transposed else w2.shape[1]
         dims = {"M": math.prod(x.shape[:-1]), "K": x.shape[-1], "L": hidden, "N": out,
-                "between": p["between"]}  # fmt: skip
-        return predicted_time("mlp", dims, x.dtype)
+                "between": p["act"] if gated else p["between"]}  # fmt: skip
+        return predicted_time("gated_mlp" if gated else "mlp", dims, x.dtype)
     if found.kind in (ChainKind.SDPA, ChainKind.ATTENTION):
         q, v = values[p["q"]], values[p["v"]]
         seq_k = v.shape[-2]

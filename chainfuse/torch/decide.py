@@ -224,6 +224,12 @@ def predicted_time(kind: str, dims: dict[str, Any], dtype: torch.dtype) -> float
         if kind == "mlp":
             chain = builders.gemm_chain(1, dims["M"], dims["N"], dims["K"], dims["L"],
                                         dims["between"], name[dtype])  # fmt: skip
+        elif kind == "gated_mlp":  # (planned as the kernel is: `planned_part`)
+            chain = builders.planned_part(
+                builders.gated_mlp_chain(
+                    1, dims["M"], dims["N"], dims["K"], dims["L"], dims["between"], name[dtype]
+                )
+            )
         elif kind == "attention":
             chain = builders.attention_chain(
                 dims["batch"], dims["heads"], dims["seq_q"], dims["seq_k"], dims["d"],

@@ -301,4 +301,6 @@ def test_frozen_bf16_weights_are_packed_once_for_the_amx_kernels(
     assert len(reads) >= mlps
     said = [c.name for c in report.chains if "weights packed once for the AMX kernels" in c.why]
     assert len(said) == mlps, [(c.name, c.why) for c in report.chains]
+    # (every fused chain has the planner's prediction, the gated MLP's too)
+    assert all(c.decision and c.decision.predicted_s for c in report.chains if c.fused)
     assert sum(c.fused for c in report.chains) >= chains, [(c.name, c.why) for c in report.chains]
