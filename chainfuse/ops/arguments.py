@@ -26,6 +26,7 @@ __all__ = [
     "out_apart",
     "plain",
     "shape_of",
+    "steps_of",
     "subclassed",
 ]
 
@@ -215,3 +216,10 @@ def out_apart(names: str, out: Any, *xs: Any) -> None:
     named = [(n, at(x), layout_of(x, tuple(x.shape)))
              for n, x in zip(names.split(", "), xs, strict=True) if x is not None]  # fmt: skip
     apart((at(out), layout_of(out, tuple(out.shape))), named)
+
+
+def steps_of(x: Any) -> tuple[int, ...]:
+    """x's strides in elements."""
+    if type(x) is np.ndarray or isinstance(x, np.ndarray):
+        return tuple(s // x.itemsize for s in x.strides)
+    return tuple(x.stride())

@@ -27,6 +27,7 @@ from chainfuse.ops.arguments import (
     out_apart,
     plain,
     shape_of,
+    steps_of,
     subclassed,
 )
 from chainfuse.ops.calls import amx_setting, calls, replay, run, signature
@@ -258,13 +259,6 @@ def _bias_kinds(biases: tuple[Any, Any], dtype: str) -> None:
             raise ValueError(f"{name}: expected a 1-D vector, got shape {shape}")
         if dtype_name(bias.dtype) != dtype:
             raise TypeError(f"{name}: expected dtype {dtype} (the inputs'), got {bias.dtype}")
-
-
-def steps_of(x: Any) -> tuple[int, ...]:
-    """x's strides in elements."""
-    if type(x) is np.ndarray or isinstance(x, np.ndarray):
-        return tuple(s // x.itemsize for s in x.strides)
-    return tuple(x.stride())
 
 
 def transposed(x: Any) -> bool:

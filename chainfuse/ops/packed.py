@@ -23,7 +23,7 @@ import numpy as np
 
 from chainfuse.codegen.amx_chain import PACKED_HEADER
 from chainfuse.operands import is_torch
-from chainfuse.ops.arguments import dtype_name, shape_of
+from chainfuse.ops.arguments import dtype_name, shape_of, steps_of
 
 __all__ = ["MAGIC", "VERSION", "pack_weights", "packed_for_call", "packed_pointer"]
 
@@ -45,7 +45,7 @@ def pack_weights(B: Any, D: Any, B3: Any = None) -> Any:
         raise ValueError(f"B3: expected B's shape {(K, L)}, got {tuple(B3.shape)}")
     header = np.array([MAGIC, VERSION, K, L, N, int(B3 is not None), 0, 0], np.int64)
     assert header.nbytes == 2 * PACKED_HEADER
-    lp, kp, np_ = -(-L // 32) * 32, -(-K // 32) * 32, -(-N // 16) * 16
+    kp, lp, np_ = _padded(K, L, N)
     parts = [header.view(np.uint16), _vnni(_bits(B), kp, lp)]
     if B3 is not None:
         parts.append(_vnni(_bits(B3), kp, lp))
@@ -92,7 +92,7 @@ def packed_pointer(packed: Any, K: int, L: int, N: int, gated: bool) -> int:
         kinds = ("a two-GEMM chain's", "a gated MLP's")
         raise ValueError(f"packed: holds {kinds[have[3]]} weights of K, L, N = {have[:3]}; this"
                          f" call is {kinds[int(gated)]} of {(K, L, N)}")  # fmt: skip
-    lp, kp, np_ = -(-L // 32) * 32, -(-K // 32) * 32, -(-N // 16) * 16
+    kp, lp, np_ = _padded(K, L, N)
     if size != PACKED_HEADER + (1 + int(gated)) * kp * lp + lp * np_:
         raise ValueError(f"packed: {size} elements, not the {K}x{L}x{N} packing's")
     return address
@@ -108,18 +108,12 @@ def packed_for_call(packed: Any, A: Any, B: Any, D: Any, B3: Any = None) -> int:
     for name, x in (("B", B), ("D", D), ("B3", B3)):
         if x is None:
             continue
-        lead = zip(x.shape[:-2], _steps(x)[:-2], strict=True)
+        lead = zip(x.shape[:-2], steps_of(x)[:-2], strict=True)
         if any(size > 1 and step != 0 for size, step in lead):
             raise ValueError(f"packed: {name} differs per batch ({tuple(x.shape)}); packed "
                              "weights are one 2-D matrix each")  # fmt: skip
     K, L, N = A.shape[-1], B.shape[-1], D.shape[-1]
     return packed_pointer(packed, K, L, N, B3 is not None)
-
-
-def _steps(x: Any) -> tuple[int, ...]:
-    if isinstance(x, np.ndarray):
-        return tuple(s // x.itemsize for s in x.strides)
-    return tuple(x.stride())
 
 
 def _matrix(name: str, x: Any) -> tuple[int, int]:
@@ -136,16 +130,16 @@ def _matrix(name: str, x: Any) -> tuple[int, int]:
 def _bits(x: Any) -> np.ndarray:
     """x's values as their bf16 bits, uint16, row-major."""
     if is_torch(x):
-        return np.ascontiguousarray(x.detach().contiguous().view(_torch_int16()).numpy()).view(
-            np.uint16
-        )
+        import torch
+
+        bits: np.ndarray = x.detach().contiguous().view(torch.int16).numpy()
+        return bits.view(np.uint16)
     return np.ascontiguousarray(x).view(np.uint16)
 
 
-def _torch_int16() -> Any:
-    import torch
-
-    return torch.int16
+def _padded(K: int, L: int, N: int) -> tuple[int, int, int]:
+    """K and L to whole 32s (k blocks, l blocks), N to whole 16s (tiles): the packing's sizes."""
+    return -(-K // 32) * 32, -(-L // 32) * 32, -(-N // 16) * 16
 
 
 def _vnni(x: np.ndarray, rows: int, cols: int) -> np.ndarray:

@@ -188,8 +188,7 @@ class Emitter:
         if self.caps.weight_views:
             return graph.call_method("t", (env(g.weight),))
         attr = str(g.weight.target)
-        return self._buffer(graph, f"_cf_t_{attr.replace('.', '_')}",
-                            lambda: getattr(self.gm, attr).detach().t())  # fmt: skip
+        return self._buffer(graph, f"_cf_t_{attr.replace('.', '_')}", lambda: self._matrix(g))
 
     def packs(self, found: Found) -> bool:
         """Whether `found`'s fused call reads its weights packed once (`_packed`)."""
