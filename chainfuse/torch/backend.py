@@ -315,6 +315,7 @@ def _predicted(found: Found, values: dict[fx.Node, Any]) -> float | None:
         first, second = (p["up"][0], p["down"]) if gated else (p["first"], p["second"])
         x, w1, w2 = values[first.x], values[first.weight], values[second.weight]
         hidden = w1.shape[0] if first.transposed else w1.shape[1]
+        hidden //= 1 if first.half is None else 2  # (W1 and W3 one weight: its half)
         out = w2.shape[0] if second.transposed else w2.shape[1]
         dims = {"M": math.prod(x.shape[:-1]), "K": x.shape[-1], "L": hidden, "N": out,
                 "between": p["act"] if gated else p["between"]}  # fmt: skip

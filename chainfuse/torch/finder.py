@@ -5,17 +5,19 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
 
     linear(+bias) -> relu | gelu | gelu_tanh | quick_gelu | silu -> [dropout] -> linear(+bias)
     act(x W1) * (x W3) -> W2                                     (gated MLP, no biases)
+    a, b = (x W13).chunk(2, -1); act(a) * b -> W2                (the same, W1 and W3 fused)
     scaled_dot_product_attention(q, k, v, ...)                   (dropout_p = 0)
     q @ kᵀ -> [* or / scale] -> [+ mask] -> softmax(-1) -> [dropout] -> @ v
     conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
 
 `linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()` /
-`x @ W` followed by `+ b`. Every compute op left out gets a reason (`Finding.skipped`).
+`x @ W` followed by `+ b` (`W.t()` also as `W.T`). Every compute op left out gets a reason (`Finding.skipped`).
 Finding changes nothing: `rewrite` replaces the chains.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import operator
 from dataclasses import dataclass, field
@@ -42,7 +44,10 @@ class ChainKind(enum.Enum):
 @dataclass(frozen=True, eq=False)
 class Gemm:
     """One GEMM with a weight: `end = x @ W' (+ bias)`, `W' = W.T` where `transposed` (W stored
-    [out, in] as nn.Linear keeps it), else W itself ([in, out], as addmm's)."""
+    [out, in] as nn.Linear keeps it), else W itself ([in, out], as addmm's). `half`: 0 or 1
+    where the chain takes only that half of the GEMM's outputs (W' split in two along its
+    output features: a gated MLP whose W1 and W3 are one weight, its result `chunk`ed).
+    `view`: the `W.t()` node the GEMM reads (a written-out `x @ W.t()`), an input of its chain."""
 
     node: fx.Node
     x: fx.Node
@@ -51,6 +56,8 @@ class Gemm:
     bias: fx.Node | None
     end: fx.Node
     words: str  # "linear+bias", "addmm", "x @ W.t() + b"
+    half: int | None = None
+    view: fx.Node | None = None  # the graph's own `W.t()` node, where the GEMM reads one
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +105,7 @@ def _transpose_of(node: Any) -> fx.Node | None:
     args: Any = node.args
     swap = (
         (node.target in ("t", torch.t) and len(args) == 1)
+        or (node.target is getattr and len(args) == 2 and args[1] in ("T", "mT"))
         or (node.target in ("transpose", torch.transpose) and {*args[1:]} in ({0, 1}, {-1, -2}))
         or (node.target == "permute" and tuple(args[1:]) in ((1, 0), ((1, 0),)))
     )
@@ -116,7 +124,9 @@ def gemm_at(node: fx.Node) -> Gemm | None:
         w_t = _transpose_of(args[2])
         if w_t is None and not _is_weight(args[2]):
             return None
-        return Gemm(node, args[1], w_t or args[2], w_t is not None, args[0], node, "addmm")
+        view = args[2] if w_t is not None else None
+        return Gemm(node, args[1], w_t or args[2], w_t is not None, args[0], node, "addmm",
+                    view=view)  # fmt: skip
     if kind_of(node) is Kind.LINEAR:
         bias: Any = args[2] if len(args) > 2 else node.kwargs.get("bias")
         if not _is_weight(args[1]) or (bias is not None and not _is_vector(bias)):
@@ -137,7 +147,8 @@ def gemm_at(node: fx.Node) -> Gemm | None:
         if len(other) == 1 and _is_vector(other[0]) and not users[0].kwargs:
             end, bias = users[0], other[0]
     words = ("x @ W.t()" if transposed else "x @ W") + (" + b" if bias is not None else "")
-    return Gemm(node, args[0], weight, transposed, bias, end, words)
+    view = args[1] if transposed else None
+    return Gemm(node, args[0], weight, transposed, bias, end, words, view=view)
 
 
 def _single_user(node: fx.Node) -> fx.Node | None:
@@ -216,16 +227,41 @@ def _mlp(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | str:
 
 
 def _gated(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | None:
-    act = activation_at(g1.end)
-    if act is None or g1.bias is not None:
+    """`act(x W1) * (x W3) -> W2`, or the same with W1 and W3 one weight whose result is split
+    in two halves (`_halves`), the activation on either."""
+    if g1.bias is not None:
+        return None
+    halves = _halves(g1.end)
+    if halves is None:
+        return _gated_from(g1, gemms, None, 0)
+    return _gated_from(g1, gemms, halves, 0) or _gated_from(g1, gemms, halves, 1)
+
+
+def _gated_from(
+    g: Gemm, gemms: dict[fx.Node, Gemm], halves: tuple[fx.Node, fx.Node] | None, i: int
+) -> Found | None:
+    """The gated MLP whose activation reads g's result, or its half `i` of `halves` (then the
+    other half is what the activation's result is multiplied by)."""
+    act = activation_at(g.end if halves is None else halves[i])
+    if act is None:
         return None
     prod = _single_user(act.end)
     if prod is None or prod.target not in (operator.mul, torch.mul, "mul") or len(prod.args) != 2:
         return None
-    other: Any = prod.args[1] if prod.args[0] is act.end else prod.args[0]
-    g3 = next((g for g in gemms.values() if g.end is other), None)
-    if g3 is None or g3.x is not g1.x or g3.bias is not None or len(other.users) != 1:
+    operand: Any = prod.args[1] if prod.args[0] is act.end else prod.args[0]
+    if len(operand.users) != 1:
         return None
+    if halves is not None:  # one weight, split in two: its other half is the multiplicand
+        if operand is not halves[1 - i] or set(halves[i].users) - set(act.nodes):
+            return None
+        g1, g3 = dataclasses.replace(g, half=i), dataclasses.replace(g, half=1 - i)
+        split: Any = halves[0].args[0]
+        up: tuple[fx.Node, ...] = (g.node, split, *halves)
+    else:
+        found3 = next((c for c in gemms.values() if c.end is operand), None)
+        if found3 is None or found3.x is not g.x or found3.bias is not None:
+            return None
+        g1, g3, up = g, found3, (g.node, found3.node)
     taken: list[fx.Node] = []
     node, why = _walk(prod, taken)
     g2 = gemms.get(node)
@@ -233,9 +269,36 @@ def _gated(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | None:
         return None
     if not (g1.transposed == g2.transposed == g3.transposed):
         return None
-    nodes = (g1.node, *act.nodes, g3.node, prod, *taken, g2.node)
-    form = f"{act.name}({g1.words}) * {g3.words} -> {g2.words}"
+    nodes = (*up, *act.nodes, prod, *taken, g2.node)
+    if halves is not None:
+        form = f"{act.name}(half {i} of {g.words}) * half {1 - i} -> {g2.words}"
+    else:
+        form = f"{act.name}({g1.words}) * {g3.words} -> {g2.words}"
     return Found(ChainKind.GATED_MLP, form, nodes, {"up": (g1, g3), "down": g2, "act": act.name})
+
+
+def _halves(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """The two `getitem`s of `node.chunk(2, -1)` (or a `split` of its last dimension into two
+    equal halves) where that is `node`'s only use; else None."""
+    split = _single_user(node)
+    value = value_of(node)
+    if split is None or not isinstance(value, torch.Tensor) or value.shape[-1] % 2:
+        return None
+    args: Any = split.args
+    if len(args) < 2 or args[0] is not node:
+        return None
+    dim = args[2] if len(args) > 2 else split.kwargs.get("dim", 0)
+    half = value.shape[-1] // 2
+    halved = (split.target in ("chunk", torch.chunk) and args[1] == 2) or (
+        split.target in ("split", torch.split) and args[1] in (half, [half, half], (half, half))
+    )
+    if not halved or dim not in (-1, value.dim() - 1):
+        return None
+    index = {u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None: u
+             for u in split.users}  # fmt: skip
+    if len(split.users) != 2 or set(index) != {0, 1}:
+        return None
+    return index[0], index[1]
 
 
 def _sdpa(node: fx.Node) -> Found | str:

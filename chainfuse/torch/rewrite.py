@@ -74,6 +74,18 @@ def _last_dim_dense(node: Any) -> bool:
     return isinstance(value, torch.Tensor) and (value.shape[-1] == 1 or value.stride(-1) == 1)
 
 
+def _half_of(g: Gemm) -> slice:
+    """The output features of g's half (`Gemm.half`) in its weight."""
+    n = value_of(g.end).shape[-1] // 2  # (`finder._halves` checked it is even)
+    return slice(n * (g.half or 0), n * ((g.half or 0) + 1))
+
+
+def _name(g: Gemm) -> str:
+    """g's weight as part of a buffer's name (its half's too)."""
+    name = str(g.weight.target).replace(".", "_")
+    return name if g.half is None else f"{name}_half{g.half}"
+
+
 class Emitter:
     """Emits chains into `gm`'s graph (or a standalone copy for timing). `frozen`: the weights
     are constants of the graph (get_attr), so they may be packed or folded once here;
@@ -181,14 +193,17 @@ class Emitter:
         return node
 
     def _weight(self, g: Gemm, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
-        """g's weight as the [in, out] operand of a chain."""
-        if not g.transposed:
-            out: fx.Node = env(g.weight)
-            return out
-        if self.caps.weight_views:
-            return graph.call_method("t", (env(g.weight),))
-        attr = str(g.weight.target)
-        return self._buffer(graph, f"_cf_t_{attr.replace('.', '_')}", lambda: self._matrix(g))
+        """g's weight as the [in, out] operand of a chain (a view: its half where `g.half`)."""
+        if g.transposed and not self.caps.weight_views:
+            return self._buffer(graph, f"_cf_t_{_name(g)}", lambda: self._matrix(g))
+        if g.view is not None:  # x @ W.t(): the graph's own [in, out] view
+            w: fx.Node = env(g.view)
+        else:
+            w = env(g.weight)
+            w = graph.call_method("t", (w,)) if g.transposed else w
+        if g.half is not None:
+            w = graph.call_function(operator.getitem, (w, (slice(None), _half_of(g))))
+        return w
 
     def packs(self, found: Found) -> bool:
         """Whether `found`'s fused call reads its weights packed once (`_packed`)."""
@@ -222,12 +237,14 @@ class Emitter:
         if mats is None:
             return None
         gemms = (g1, g2) if g3 is None else (g1, g2, g3)
-        names = "_".join(str(g.weight.target).replace(".", "_") for g in gemms)
+        names = "_".join(_name(g) for g in gemms)
         return self._buffer(graph, f"_cf_pk_{names}", lambda: ops.pack_weights(*mats))
 
     def _matrix(self, g: Gemm) -> torch.Tensor:
         """g's frozen weight as the [in, out] matrix of a chain (a view)."""
         w: torch.Tensor = getattr(self.gm, str(g.weight.target)).detach()
+        if g.half is not None:
+            w = w[_half_of(g)] if g.transposed else w[:, _half_of(g)]
         return w.t() if g.transposed else w
 
     def _mlp(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:

@@ -44,6 +44,7 @@ X = torch.randn(2, 5, 32)
         (lambda x: F.linear(F.relu(F.linear(x, W1, B1)), W2, B2),
          "linear+bias -> relu -> linear+bias"),
         (lambda x: F.gelu(x @ W1.t() + B1) @ W2.t() + B2, "x @ W.t() + b -> gelu -> x @ W.t() + b"),
+        (lambda x: F.relu(x @ W1.T) @ W2.T + B2, "x @ W.t() -> relu -> x @ W.t() + b"),
         (lambda x: F.linear(F.gelu(F.linear(x, W1), approximate="tanh"), W2),
          "linear -> gelu_tanh -> linear"),
         (lambda x: (lambda h: h * torch.sigmoid(1.702 * h))(x @ W1.t()) @ W2.t(),
@@ -71,6 +72,92 @@ def test_gated_mlp_and_what_ends_a_chain() -> None:
     found = find(_graph(fn, X))
     assert [c.kind for c in found.chains] == [ChainKind.GATED_MLP]
     assert any("layer_norm" in why for _, why in found.skipped)
+
+
+class _Net(nn.Module):
+    """An MLP as models write it (weights as parameters, so the backend freezes them)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.up = nn.Linear(32, 96 if "chunk" in form or "split" in form else 48)
+        self.down = nn.Linear(48, 32)
+        self.w13 = nn.Parameter(torch.randn(32, 96) / 6)  # an [in, out] weight
+
+    def forward(self, x: Any) -> Any:
+        up, down = self.up.weight, self.down.weight
+        if self.form == "x @ W.T":  # as Falcon's linears: `x @ self.weight.T` (+ bias)
+            return F.gelu(x @ up.T + self.up.bias) @ down.T + self.down.bias
+        if self.form == "chunk":  # as Phi-3's gated MLP: one weight for gate and up
+            gate, h = F.linear(x, up).chunk(2, dim=-1)
+            return F.linear(h * F.silu(gate), down)
+        if self.form == "chunk, act on the second half":
+            h, gate = F.linear(x, up).chunk(2, dim=-1)
+            return F.linear(F.gelu(gate) * h, down)
+        if self.form == "split":
+            gate, h = torch.split(x @ up.t(), 48, dim=-1)
+            return (F.silu(gate) * h) @ down.t()
+        if self.form == "split of x @ W":  # [in, out] weights: the halves are column slices
+            gate, h = (x @ self.w13).split([48, 48], dim=-1)
+            return (F.silu(gate) * h) @ down.t()
+        raise AssertionError(self.form)
+
+
+GATED = {
+    "chunk": "silu(half 0 of linear) * half 1 -> linear",
+    "chunk, act on the second half": "gelu(half 1 of linear) * half 0 -> linear",
+    "split": "silu(half 0 of x @ W.t()) * half 1 -> x @ W.t()",
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
+@pytest.mark.parametrize("form", ["x @ W.T", *GATED, "split of x @ W"])
+def test_written_forms_are_fused_and_match(form: str, mode: str) -> None:
+    """Written-out GEMMs (`x @ W.T`, as Falcon's) and a gated MLP whose gate and up weights are
+    one (`chunk`/`split` of its result, as Phi-3's) are found, fused, and give the module's
+    result, with the weights as graph inputs (eager) and frozen (Inductor)."""
+    net = _Net(form).eval()
+    x = torch.randn(2, 7, 32)
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(net, backend=Backend(Options(mode=mode, measure=False), report),
+                                 fullgraph=True)  # fmt: skip
+        got, want = compiled(x), net(x)
+    if form == "split of x @ W":  # (W1 and W2 stored differently: not one gated chain)
+        assert not [c for c in report.chains if c.fused]
+    else:
+        (chain,) = report.chains
+        assert chain.fused and chain.form == GATED.get(form, chain.form)
+    want64 = _net64(net, x)
+    assert float((got - want64).abs().max()) <= 4 * float((want - want64).abs().max()) + 1e-6
+
+
+def _net64(net: nn.Module, x: Any) -> Any:
+    import copy
+
+    with torch.no_grad():
+        return copy.deepcopy(net).double()(x.double())
+
+
+def test_gated_halves_that_are_not_a_gated_mlp() -> None:
+    """A chunk into three, a half used twice, or halves of the wrong dimension stay unfused."""
+    W, W_out = torch.randn(96, 32), torch.randn(32, 96)
+
+    def thirds(x: Any) -> Any:
+        a, b, c = F.linear(x, W).chunk(3, dim=-1)
+        return F.linear(F.silu(a) * b + c, W2[:, :32])
+
+    def reused(x: Any) -> Any:
+        gate, h = F.linear(x, W).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * h, W2) + h.sum()
+
+    def rows(x: Any) -> Any:
+        gate, h = F.linear(x, W).chunk(2, dim=0)
+        return F.linear(F.silu(gate) * h, W_out)
+
+    for fn in (thirds, reused, rows):
+        assert not find(_graph(fn, X)).chains, fn.__name__
 
 
 def test_written_out_attention_with_a_mask() -> None:

@@ -1,6 +1,7 @@
 """`torch.compile(model, backend="chainfuse")` on whole models built from small configs (random
 weights, nothing downloaded): Hugging Face BERT, ViT (also at a larger image: more tokens than
-one tile), GPT-2, a Llama-style model, a Whisper encoder (conv stem, then attention over its
+one tile), GPT-2, a Llama-style model, Phi-3 (gate and up projections in one weight), Falcon
+(linears written `x @ W.T`), a Whisper encoder (conv stem, then attention over its
 frames), PyTorch's TransformerEncoderLayer, a ResNet-style conv net and a plain MLP.
 
 Every chain the installed chainfuse can run is fused (`measure=False`: no timing, so the
@@ -89,6 +90,15 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         cfg = transformers.LlamaConfig(vocab_size=100, num_key_value_heads=2, **small)
         gated = 2 * (CAPS.gated_mlp and "silu" in CAPS.activations)
         return transformers.LlamaForCausalLM(cfg), (ids,), 2 + gated
+    if name == "phi3":  # the gated MLP's gate and up weights are one (its result chunked)
+        cfg = transformers.Phi3Config(vocab_size=100, num_key_value_heads=2, pad_token_id=0,
+                                      **small)  # fmt: skip
+        gated = 2 * (CAPS.gated_mlp and "silu" in CAPS.activations)
+        return transformers.Phi3ForCausalLM(cfg), (ids,), 2 + gated
+    if name == "falcon":  # linears written out as `x @ self.weight.T`
+        cfg = transformers.FalconConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4)  # fmt: skip
+        return transformers.FalconForCausalLM(cfg), (ids,), 2 + 2 * CAPS.weight_views
     if name == "encoder-layer":
         layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
         return layer, (torch.randn(2, 17, 64),), 1 + CAPS.bias
@@ -144,7 +154,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
          ("bert", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
