@@ -270,7 +270,7 @@ def test_backend_is_found_without_importing_chainfuse() -> None:
     assert done.stdout.strip() == "chainfuse.torch.backend True"
 
 
-@pytest.mark.parametrize("name", ["bert", "llama"])
+@pytest.mark.parametrize("name", ["bert", "llama", "phi3"])
 def test_frozen_bf16_weights_are_packed_once_for_the_amx_kernels(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
