@@ -249,7 +249,7 @@ def _gated_from(
     if prod is None or prod.target not in (operator.mul, torch.mul, "mul") or len(prod.args) != 2:
         return None
     operand: Any = prod.args[1] if prod.args[0] is act.end else prod.args[0]
-    if len(operand.users) != 1:
+    if not isinstance(operand, fx.Node) or len(operand.users) != 1:
         return None
     if halves is not None:  # one weight, split in two: its other half is the multiplicand
         if operand is not halves[1 - i] or set(halves[i].users) - set(act.nodes):

@@ -10,7 +10,6 @@ shuffle that copies, a concatenation) ends the chain. The finder asks `kind_of` 
 from __future__ import annotations
 
 import enum
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -124,11 +123,6 @@ class Activation:
     nodes: tuple[fx.Node, ...]
 
 
-def _single(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _call(node: Any, *targets: Any) -> bool:
     return (
         isinstance(node, fx.Node)
@@ -137,20 +131,11 @@ def _call(node: Any, *targets: Any) -> bool:
     )
 
 
-def _scaled(node: Any, x: fx.Node, want: float) -> bool:
-    """`node` is `want * x` (either order)."""
-    if not _call(node, operator.mul, torch.mul, "mul") or len(node.args) != 2:
-        return False
-    a, b = node.args
-    c = constant_of(a) if b is x else constant_of(b) if a is x else None
-    return c is not None and math.isclose(c, want, rel_tol=1e-4)
-
-
 def activation_at(x: fx.Node) -> Activation | None:
     """The activation applied to `x` by its users, where `x` has no other use: a call
-    (relu, gelu, gelu(approximate="tanh"), silu) or a written-out form (tanh-GELU as GPT-2
-    writes it, quick-GELU `x * sigmoid(1.702 x)`, SiLU `x * sigmoid(x)`). None when `x`'s users
-    are not exactly one activation."""
+    (relu, gelu, gelu(approximate="tanh"), silu) or a written-out form (`_written_out`: GPT-2's
+    tanh-GELU, quick-GELU `x * sigmoid(1.702 x)`, SiLU `x * sigmoid(x)`, ...). None when `x`'s
+    users are not exactly one activation."""
     users = list(x.users)
     if len(users) == 1:
         u = users[0]
@@ -161,51 +146,99 @@ def activation_at(x: fx.Node) -> Activation | None:
         if _call(u, F.gelu, "gelu") and len(u.args) == 1:
             approximate = u.kwargs.get("approximate", "none")
             return Activation("gelu_tanh" if approximate == "tanh" else "gelu", u, (u,))
-    return _written_out(x, users)
+    return _written_out(x)
 
 
-def _written_out(x: fx.Node, users: list[fx.Node]) -> Activation | None:
-    if len(users) == 2:  # x * sigmoid(c * x): silu (c = 1) or quick-GELU (c = 1.702)
-        sig = next((u for u in users if _call(u, torch.sigmoid, F.sigmoid, "sigmoid")), None)
-        prod = next((u for u in users if _call(u, operator.mul, torch.mul, "mul") and any(
-            _call(a, torch.sigmoid, F.sigmoid, "sigmoid") for a in u.args)), None)  # fmt: skip
-        if (
-            sig is not None
-            and prod is not None
-            and sig.args[0] is x
-            and (set(prod.args) == {x, sig})
-        ):
-            return Activation("silu", prod, (sig, prod))
-        inner = next((u for u in users if _scaled(u, x, 1.702)), None)
-        if prod is not None and inner is not None and len(inner.users) == 1:
-            sig = _single(inner)
-            if (
-                sig is not None
-                and _call(sig, torch.sigmoid, F.sigmoid, "sigmoid")
-                and set(prod.args) == {x, sig}
-            ):
-                return Activation("quick_gelu", prod, (inner, sig, prod))
-    if len(users) == 3:  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): GPT-2's gelu_new
-        half = next((u for u in users if _scaled(u, x, 0.5)), None)
-        cube = next((u for u in users if _call(u, torch.pow, "pow") and u.args[0] is x), None)
-        if half is None or cube is None or constant_of(cube.args[1]) != 3.0:
-            return None
-        chain = [cube]
-        for step in ("scale", "sum", "scale", "tanh", "one", "out"):
-            nxt = _single(chain[-1])
-            if nxt is None:
-                return None
-            ok = {
-                "scale": _call(nxt, operator.mul, torch.mul, "mul"),
-                "sum": _call(nxt, operator.add, torch.add, "add") and x in nxt.args,
-                "tanh": _call(nxt, torch.tanh, "tanh"),
-                "one": _call(nxt, operator.add, torch.add, "add"),
-                "out": _call(nxt, operator.mul, torch.mul, "mul") and half in nxt.args,
-            }[step]
-            if not ok:
-                return None
-            chain.append(nxt)
-        if not (_scaled(chain[1], cube, 0.044715) and _scaled(chain[3], chain[2], 0.7978845608)):
-            return None
-        return Activation("gelu_tanh", chain[-1], (half, *chain))
+# Written-out activations are told apart by what they compute, not by how they are written:
+# the elementwise ops fed only by x (and numbers) are run on a float64 probe and compared with
+# each activation chainfuse has. GPT-2's and Bloom's tanh-GELUs, `x * sigmoid(1.702 x)`,
+# `x * 0.5 * (1 + erf(x / sqrt(2)))` and the like all match, whatever their order of ops.
+_ELEMENTWISE = {torch.erf, torch.exp, torch.sqrt, "erf", "exp", "sqrt", operator.pow, "div",
+                torch.add, torch.mul, torch.div, "sub", torch.sub}  # fmt: skip
+_MAX_WRITTEN_OPS = 16  # ops in a written-out activation
+_LOOK_AHEAD = 48  # graph nodes past x searched for them (they sit next to each other)
+_PROBE = torch.cat([torch.linspace(-9.0, 9.0, 1441, dtype=torch.float64),
+                    torch.tensor([1e1, 2e1, 5e1, 1e2, 1e3, 1e4], dtype=torch.float64).repeat(2)
+                    * torch.tensor([1.0] * 6 + [-1.0] * 6, dtype=torch.float64)])  # fmt: skip
+_CANDIDATES: dict[str, Any] = {
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t),
+    "silu": F.silu,
+}
+_MATCH = 1e-6  # largest difference from a candidate, relative to max(1, |f|): the candidates
+# differ from each other by 4.7e-4 or more (gelu and gelu_tanh), a rounded constant by ~1e-9
+
+
+def _elementwise(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    try:
+        if node.target in _ELEMENTWISE:
+            return True
+    except TypeError:  # an unhashable target
+        return False
+    return kind_of(node) in (Kind.ONE_TO_ONE, Kind.IDENTITY) and node.target is not F.batch_norm
+
+
+def _written_out(x: fx.Node) -> Activation | None:
+    """The activation a run of elementwise ops computes from x alone, or None (module
+    comment above). The run ends at the first node whose value leaves it, every other node's
+    value (and x's) used only inside it."""
+    region: list[fx.Node] = []
+    inside = {x}
+    node = x.next
+    for _ in range(_LOOK_AHEAD):
+        if len(region) == _MAX_WRITTEN_OPS or node.op == "output":
+            break
+        args = node.all_input_nodes
+        if args and all(a in inside for a in args) and _elementwise(node):
+            region.append(node)
+            inside.add(node)
+        node = node.next
+    for i, end in enumerate(region):
+        run = [n for n in region[: i + 1] if n is end or _feeds(n, end, inside)]
+        nodes = {x, *run}
+        if any(set(n.users) - nodes for n in (x, *run) if n is not end):
+            continue
+        name = _identify(x, run)
+        if name is not None:
+            return Activation(name, end, tuple(run))
+    return None
+
+
+def _feeds(node: fx.Node, end: fx.Node, inside: set[fx.Node]) -> bool:
+    """Whether `node`'s value reaches `end` through nodes of `inside`."""
+    seen, todo = set(), [end]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a is node:
+                return True
+            if a in inside and a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False
+
+
+def _identify(x: fx.Node, run: list[fx.Node]) -> str | None:
+    """The candidate activation that `run` (elementwise ops of x) computes, or None."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {x: graph.placeholder("x")}
+    for n in run:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[run[-1]])
+    try:
+        with torch.no_grad():
+            got = fx.GraphModule(torch.nn.Module(), graph)(_PROBE.clone())
+    except Exception:  # (an op that does not run on a float64 vector: not an activation)
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != _PROBE.shape:
+        return None
+    got = got.double()
+    for name, fn in _CANDIDATES.items():
+        want = fn(_PROBE)
+        if bool(((got - want).abs() <= _MATCH * want.abs().clamp(min=1.0)).all()):
+            return name
     return None

@@ -53,6 +53,13 @@ X = torch.randn(2, 5, 32)
          "linear -> silu -> x @ W.t()"),
         (lambda x: F.linear(F.dropout(F.silu(F.linear(x, W1)), 0.1, False), W2),
          "linear -> silu -> dropout -> linear"),
+        # written-out activations are told by what they compute (Bloom's, erf and fast GELUs)
+        (lambda x: F.linear((lambda h: h * 0.5 * (1.0 + torch.tanh(0.79788456 * h * (
+            1 + 0.044715 * h * h))))(F.linear(x, W1)), W2), "linear -> gelu_tanh -> linear"),
+        (lambda x: F.linear((lambda h: h * 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0))))(
+            F.linear(x, W1, B1)), W2), "linear+bias -> gelu -> linear"),
+        (lambda x: F.linear((lambda h: h / (1 + torch.exp(-h)))(F.linear(x, W1)), W2),
+         "linear -> silu -> linear"),
         (lambda x: torch.addmm(B2, F.relu(torch.addmm(B1, x[0], W1.t())), W2.t()),
          "addmm -> relu -> addmm"),
     ],
@@ -60,6 +67,18 @@ X = torch.randn(2, 5, 32)
 def test_mlp_forms(fn: Any, form: str) -> None:
     found = find(_graph(fn, X))
     assert [c.form for c in found.chains] == [form]
+
+
+@pytest.mark.parametrize(
+    "act",
+    [lambda h: h * torch.sigmoid(1.5 * h),  # no activation chainfuse has
+     lambda h: torch.tanh(h) * 2.0,
+     lambda h: h * 0.5 * (1.0 + torch.erf(h / 1.5)),
+     lambda h: F.gelu(h) * 2.0],  # a GELU, then an op that is not one
+)  # fmt: skip
+def test_written_out_functions_that_are_no_activation_end_no_chain(act: Any) -> None:
+    found = find(_graph(lambda x: F.linear(act(F.linear(x, W1)), W2), X))
+    assert not found.chains
 
 
 def test_gated_mlp_and_what_ends_a_chain() -> None:
