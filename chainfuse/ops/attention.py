@@ -288,6 +288,22 @@ def _heads_repeated(x: Any, times: int) -> Any:
     return np.repeat(x, times, axis=1) if type(x) is np.ndarray else x.repeat_interleave(times, 1)
 
 
+def _split_heads(x: Any, kv_heads: int, group: int) -> Any:
+    """[heads, ...] as [kv_heads, group, ...] (a view: one dim split in two)."""
+    if type(x) is np.ndarray:
+        return x.reshape(kv_heads, group, *x.shape[1:])
+    return x.unflatten(0, (kv_heads, group))
+
+
+def _broadcast_heads(x: Any, group: int) -> Any:
+    """[kv_heads, seq, dim] as [kv_heads, group, seq, dim], each head seen `group` times (a
+    view with a stride of 0)."""
+    shape = (x.shape[0], group, *x.shape[1:])
+    if type(x) is np.ndarray:
+        return np.broadcast_to(x[:, None], shape)
+    return x[:, None].expand(*shape)
+
+
 def _grouped(
     q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, mask_kind: str | None,
     mask_shape: tuple[int, ...] | None, dtype: str, out: Any,
@@ -300,9 +316,11 @@ def _grouped(
     Without causality, and either with one query and a mask (if any) that does not vary over
     the heads, or without a mask and with q's heads g at a time one after the other in memory
     (a contiguous q), q is seen as [batch, kv_heads, g * seq_q, d]: one call whose blocks of
-    queries are g times longer (remembered for a repeat call). Otherwise one call per member of
-    the group on the strided views q[:, j::g] and out[:, j::g] (a mask along the heads sliced
-    the same way)."""
+    queries are g times longer (remembered for a repeat call). Else, with a batch of one (a
+    prefill), one call on q seen as [kv_heads, g, seq_q, d] and k, v as [kv_heads, g, seq, d]
+    with a stride of 0 over g (remembered too). Otherwise one call per member of the group on
+    the strided views q[:, j::g] and out[:, j::g] (a mask along the heads sliced the same
+    way)."""
     batch, heads, seq_q, d_qk = (int(s) for s in q.shape)
     kv_heads, seq_k, d_v = int(k.shape[1]), int(k.shape[2]), int(v.shape[3])
     group = heads // kv_heads
@@ -323,6 +341,20 @@ def _grouped(
             q_all, out_all = q.reshape(*merged, d_qk), out.reshape(*merged, d_v)
         merged_inputs = (q_all, k, v) if mask is None else (q_all, k, v, mask)
         run(kernel, merged_inputs, out_all, threads, key, result, like, keys, by_keys)
+        return
+    if batch == 1:
+        # one call: the kv heads as the batch, each one's group of q heads as its heads, k and
+        # v read in place for all of them (a stride of 0 over the group)
+        split = [_split_heads(x[0], kv_heads, group) for x in (q, out)]
+        kv = [_broadcast_heads(x[0], group) for x in (k, v)]
+        operands: tuple[Any, ...] = (split[0], *kv)
+        if mask is not None:
+            m = mask.reshape((1,) * (4 - len(mask.shape)) + tuple(mask.shape))[0]
+            operands += (_split_heads(m, kv_heads, group) if per_head else m[None],)
+        one = (kv_heads, group, seq_q, seq_k, d_qk, d_v)
+        shape = tuple(int(s) for s in operands[3].shape) if mask is not None else None
+        kernel, keys = bucketed(one, causal, mask_kind, scale, shape, dtype, threads)
+        run(kernel, operands, split[1], threads, key, result, like, keys, by_keys)
         return
     if per_head and mask_shape is not None:
         mask_shape = (*mask_shape[:-3], kv_heads, *mask_shape[-2:])

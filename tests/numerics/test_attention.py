@@ -612,6 +612,37 @@ def test_grouped_query_attention_matches_sdpa_in_float64(kind: str) -> None:
     reference.assert_close(ours.astype(np.float64), theirs.numpy(), chain)
 
 
+@pytest.mark.parametrize("mask", [None, "causal", "per-head", "shared", "causal+padding"])
+def test_one_prefill_of_grouped_query_attention_is_one_remembered_call(mask: str | None) -> None:
+    """A batch of one (a prefill) with GQA, q's heads strided as a model's transpose leaves
+    them: one kernel call for all groups, remembered, so a second call on new data of the same
+    layout is a replay; both within the tolerance of SDPA in float64."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from chainfuse import ops
+
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, L, E = 6, 2, 37, 24
+    kw: dict[str, object] = {"is_causal": mask is not None and mask.startswith("causal")}
+    if mask == "per-head":
+        kw["attn_mask"] = torch.randn(1, H, L, L, generator=g)
+    elif mask in ("shared", "causal+padding"):
+        kw["attn_mask"] = torch.rand(L, L, generator=g) > 0.2
+    ops.calls.clear()
+    for _ in range(2):
+        q = torch.randn(1, L, H, E, generator=g).transpose(1, 2)
+        k, v = (torch.randn(1, L, Hkv, E, generator=g).transpose(1, 2) for _ in range(2))
+        ours = ops.attention(q, k, v, enable_gqa=True, **kw)  # type: ignore[arg-type]
+        kw64 = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+                for n, x in kw.items()}  # fmt: skip
+        theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                enable_gqa=True, **kw64)  # type: ignore[arg-type]  # fmt: skip
+        chain = chainfuse.attention_chain(1, H, L, L, E, E)
+        reference.assert_close(ours.double().numpy(), theirs.numpy(), chain)
+    assert ops.calls.info()["replays"].hits == 1
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kv_heads=st.integers(1, 3), group=st.integers(1, 4), sq=SEQ, sk=SEQ,
