@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -114,7 +115,8 @@ class ConvReplay(NamedTuple):
 
 def signature(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The operands' part of a `calls.replays` key (None: operands absent from the call), or None
-    when they are not all numpy arrays or all plain CPU tensors outside autograd."""
+    when they are not all numpy arrays or all plain CPU tensors outside autograd (nn.Parameter
+    counts as plain, and requires_grad is no matter with grad mode off: a model's weights)."""
     kind = type(xs[0])
     key: list[Any] = [kind]
     if kind is np.ndarray:
@@ -126,11 +128,13 @@ def signature(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
             else:
                 return None
     elif kind in TORCH_TYPES or is_torch(xs[0]):
+        torch = sys.modules["torch"]
+        plain, grad = (kind, torch.Tensor, torch.nn.Parameter), torch.is_grad_enabled()
         try:
             for x in xs:
                 if x is None:
                     key.append(None)
-                elif type(x) is kind and x.is_cpu and not x.requires_grad:
+                elif type(x) in plain and x.is_cpu and not (grad and x.requires_grad):
                     key += (x.shape, x.stride(), x.dtype)
                 else:
                     return None

@@ -308,6 +308,26 @@ def test_repeat_calls_replay_with_new_operands() -> None:
     assert ops.calls.replays.hits >= hits + 4
 
 
+def test_a_models_parameters_replay_without_grad_and_are_refused_with_it() -> None:
+    """nn.Linear's weights (nn.Parameter, requires_grad) under no_grad: the second call is a
+    replay, right; the same weights with grad mode on are still refused by name."""
+    gen = torch.Generator().manual_seed(6)
+    fc1, fc2 = torch.nn.Linear(16, 40), torch.nn.Linear(40, 7)
+    chain = builders.gemm_chain(1, 9, 7, 16, 40, "gelu", bias1=True, bias2=True)
+    ops.calls.clear()
+    for _ in range(2):
+        x = torch.randn(9, 16, generator=gen)
+        with torch.no_grad():
+            got = ops.gemm_chain(x, fc1.weight.T, fc2.weight.T, "gelu", bias1=fc1.bias,
+                                 bias2=fc2.bias)  # fmt: skip
+            w1, b1, w2, b2 = (p.double() for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias))
+            want = F.linear(F.gelu(F.linear(x.double(), w1, b1)), w2, b2)
+        reference.assert_close(got.numpy(), want.numpy(), chain)
+    assert ops.calls.replays.hits == 1
+    with pytest.raises(RuntimeError, match="B: requires grad"):
+        ops.gemm_chain(x, fc1.weight.T, fc2.weight.T, "gelu", bias1=fc1.bias, bias2=fc2.bias)
+
+
 @pytest.mark.parametrize("between", list(ACTS))
 def test_handoff_to_pytorch_computes_the_same_chain(between: str | None) -> None:
     """A 16-bit call handed to PyTorch (`chainfuse.torch.handoff`, where the model predicts
