@@ -192,7 +192,8 @@ def decide(
         found = recall(key_parts)
         if found is not None:
             try:
-                return Decision(**{**found, "cached": True})
+                # (the model's prediction is today's: a record may predate it)
+                return Decision(**{**found, "cached": True, "predicted_s": predicted_s})
             except TypeError:
                 pass  # a record of another layout: decide again
     try:

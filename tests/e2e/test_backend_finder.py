@@ -210,8 +210,9 @@ def test_decision_keeps_the_faster_and_is_remembered(
     first = decide_mod.decide(["case"], slow, lambda: t, None)
     assert not first.fuse and not first.cached
     assert first.fused_s is not None and first.baseline_s is not None
-    again = decide_mod.decide(["case"], slow, lambda: t, None)
+    again = decide_mod.decide(["case"], slow, lambda: t, 0.5)
     assert again.cached and not again.fuse
+    assert again.predicted_s == 0.5  # (today's prediction, not the record's)
     assert decide_mod.decide(["other"], lambda: t, slow, None).fuse
     wrong = decide_mod.decide(["wrong"], lambda: t + 1, lambda: t, None)
     assert not wrong.fuse and "differs" in wrong.why
