@@ -10,9 +10,9 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
     q @ kᵀ -> [* or / scale] -> [+ mask] -> softmax(-1) -> [dropout] -> @ v
     conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
 
-`linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()` /
-`x @ W` followed by `+ b` (`W.t()` also as `W.T`). Every compute op left out gets a reason (`Finding.skipped`).
-Finding changes nothing: `rewrite` replaces the chains.
+`linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()`
+(also `W.T`) / `x @ W` followed by `+ b`. Every compute op left out gets a reason
+(`Finding.skipped`). Finding changes nothing: `rewrite` replaces the chains.
 """
 
 from __future__ import annotations
