@@ -344,7 +344,9 @@ def _grouped(
         return
     if batch == 1:
         # one call: the kv heads as the batch, each one's group of q heads as its heads, k and
-        # v read in place for all of them (a stride of 0 over the group)
+        # v read in place for all of them (a stride of 0 over the group). A repeat call
+        # replays it; the replay by key length is not recorded (it rebinds the caller's own k
+        # and v, which are not these views)
         split = [_split_heads(x[0], kv_heads, group) for x in (q, out)]
         kv = [_broadcast_heads(x[0], group) for x in (k, v)]
         operands: tuple[Any, ...] = (split[0], *kv)
@@ -354,7 +356,7 @@ def _grouped(
         one = (kv_heads, group, seq_q, seq_k, d_qk, d_v)
         shape = tuple(int(s) for s in operands[3].shape) if mask is not None else None
         kernel, keys = bucketed(one, causal, mask_kind, scale, shape, dtype, threads)
-        run(kernel, operands, split[1], threads, key, result, like, keys, by_keys)
+        run(kernel, operands, split[1], threads, key, result, like, keys, None)
         return
     if per_head and mask_shape is not None:
         mask_shape = (*mask_shape[:-3], kv_heads, *mask_shape[-2:])

@@ -616,7 +616,8 @@ def test_grouped_query_attention_matches_sdpa_in_float64(kind: str) -> None:
 def test_one_prefill_of_grouped_query_attention_is_one_remembered_call(mask: str | None) -> None:
     """A batch of one (a prefill) with GQA, q's heads strided as a model's transpose leaves
     them: one kernel call for all groups, remembered, so a second call on new data of the same
-    layout is a replay; both within the tolerance of SDPA in float64."""
+    layout is a replay; then more keys than queries (a chunk of a prompt against a longer
+    cache), key lengths of one bucket; each within the tolerance of SDPA in float64."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
@@ -624,23 +625,29 @@ def test_one_prefill_of_grouped_query_attention_is_one_remembered_call(mask: str
 
     g = torch.Generator().manual_seed(3)
     H, Hkv, L, E = 6, 2, 37, 24
-    kw: dict[str, object] = {"is_causal": mask is not None and mask.startswith("causal")}
-    if mask == "per-head":
-        kw["attn_mask"] = torch.randn(1, H, L, L, generator=g)
-    elif mask in ("shared", "causal+padding"):
-        kw["attn_mask"] = torch.rand(L, L, generator=g) > 0.2
-    ops.calls.clear()
-    for _ in range(2):
+
+    def check(keys: int) -> None:
         q = torch.randn(1, L, H, E, generator=g).transpose(1, 2)
-        k, v = (torch.randn(1, L, Hkv, E, generator=g).transpose(1, 2) for _ in range(2))
+        k, v = (torch.randn(1, keys, Hkv, E, generator=g).transpose(1, 2) for _ in range(2))
+        kw: dict[str, object] = {"is_causal": mask is not None and mask.startswith("causal")}
+        if mask == "per-head":
+            kw["attn_mask"] = torch.randn(1, H, L, keys, generator=g)
+        elif mask in ("shared", "causal+padding"):
+            kw["attn_mask"] = torch.rand(L, keys, generator=g) > 0.2
         ours = ops.attention(q, k, v, enable_gqa=True, **kw)  # type: ignore[arg-type]
         kw64 = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
                 for n, x in kw.items()}  # fmt: skip
         theirs = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                 enable_gqa=True, **kw64)  # type: ignore[arg-type]  # fmt: skip
-        chain = chainfuse.attention_chain(1, H, L, L, E, E)
+        chain = chainfuse.attention_chain(1, H, L, keys, E, E)
         reference.assert_close(ours.double().numpy(), theirs.numpy(), chain)
+
+    ops.calls.clear()
+    check(L)
+    check(L)
     assert ops.calls.info()["replays"].hits == 1
+    for keys in range(L + 1, L + 4):
+        check(keys)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
