@@ -40,7 +40,7 @@ from typing import Any
 __all__ = ["Spread", "main", "speedup"]
 
 VARIANTS = ("eager", "inductor", "inductor-freezing", "chainfuse")
-MODELS = ("bert", "vit", "vit384", "vit512", "gpt2", "llama", "whisper")
+MODELS = ("bert", "vit", "vit384", "vit512", "gpt2", "llama", "whisper", "bloom")
 # a model, its positional inputs and its keyword inputs
 Built = tuple[Any, tuple[Any, ...], dict[str, Any]]
 
@@ -110,7 +110,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
     # (hidden, layers, heads, intermediate, tokens / pixels / positions) per model;
     # Llama-style: GQA 4:1; Whisper: 2 mel frames per position (the conv stem's stride 2)
     if quick:
-        bert, vit, vit384, vit512, gpt2, llama, whisper = (
+        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom = (
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 128),
@@ -118,10 +118,12 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             (128, 2, 4, 512, 128),
             (128, 2, 4, 384, 64),
             (128, 2, 4, 512, 250),
+            (128, 2, 4, 512, 128),
         )
     else:  # BERT-base, ViT-base at 224, 384 and 512 px, GPT-2 (124M) with a 1024-token
-        # prompt, a 1024-wide Llama, a Whisper-base-sized encoder (1500 positions)
-        bert, vit, vit384, vit512, gpt2, llama, whisper = (
+        # prompt, a 1024-wide Llama, a Whisper-base-sized encoder (1500 positions), a
+        # Bloom-560m-wide model (ALiBi attention) with 8 of its 24 layers and a 512-token prompt
+        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom = (
             (768, 12, 12, 3072, 128),
             (768, 12, 12, 3072, 224),
             (768, 12, 12, 3072, 384),
@@ -129,6 +131,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             (768, 12, 12, 3072, 1024),
             (1024, 8, 16, 2816, 256),
             (512, 6, 8, 2048, 1500),
+            (1024, 8, 16, 4096, 512),
         )
     patch = 16 if not quick else 8
     prefill = {"logits_to_keep": 1}  # (as `generate` calls the model on the prompt)
@@ -164,9 +167,14 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
         mel = torch.randn(1, 80, 2 * whisper[4], generator=torch.Generator().manual_seed(0))
         return whisper_encoder.WhisperEncoder(config), (mel,), {}
 
+    def make_bloom() -> Built:  # (Bloom's MLP is 4x its hidden size: bloom[3] is that)
+        config = tf.BloomConfig(hidden_size=bloom[0], n_layer=bloom[1], n_head=bloom[2],
+                                vocab_size=32000)  # fmt: skip
+        return tf.BloomForCausalLM(config), (ids(bloom[4]),), prefill
+
     return {"bert": make_bert, "vit": lambda: make_vit(vit), "vit384": lambda: make_vit(vit384),
             "vit512": lambda: make_vit(vit512), "gpt2": make_gpt2, "llama": make_llama,
-            "whisper": make_whisper}  # fmt: skip
+            "whisper": make_whisper, "bloom": make_bloom}  # fmt: skip
 
 
 def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:

@@ -323,10 +323,11 @@ def _predicted(found: Found, values: dict[fx.Node, Any]) -> float | None:
     if found.kind in (ChainKind.SDPA, ChainKind.ATTENTION):
         q, v = values[p["q"]], values[p["v"]]
         seq_k = v.shape[-2]
-        if q.dim() != 4:
+        if q.dim() not in (3, 4):
             return None
-        dims = {"batch": q.shape[0], "heads": q.shape[1], "seq_q": q.shape[2], "seq_k": seq_k,
-                "d": q.shape[3], "dv": v.shape[3], "causal": bool(p.get("is_causal", False))}  # fmt: skip
+        batch, heads = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+        dims = {"batch": batch, "heads": heads, "seq_q": q.shape[-2], "seq_k": seq_k,
+                "d": q.shape[-1], "dv": v.shape[-1], "causal": bool(p.get("is_causal", False))}  # fmt: skip
         return predicted_time("attention", dims, q.dtype)
     return None
 

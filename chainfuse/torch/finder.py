@@ -8,6 +8,7 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
     a, b = (x W13).chunk(2, -1); act(a) * b -> W2                (the same, W1 and W3 fused)
     scaled_dot_product_attention(q, k, v, ...)                   (dropout_p = 0)
     q @ kᵀ -> [* or / scale] -> [+ mask] -> softmax(-1) -> [dropout] -> @ v
+    baddbmm(bias, q, kᵀ) -> [+ mask] -> softmax(-1) -> @ v        (ALiBi, as Bloom's)
     conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
 
 `linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()`
@@ -331,37 +332,93 @@ def _softmax_last(node: fx.Node) -> bool:
     return bool(dim == -1 or (rank is not None and dim == rank - 1))
 
 
-def _attention(mm: fx.Node) -> Found | str | None:
-    """`q @ kᵀ` -> scale -> mask -> softmax -> @ v, or None when `mm` is not a score GEMM."""
-    if len(mm.args) != 2 or mm.kwargs or _is_weight(mm.args[1]):
+def _baddbmm(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, float, float] | None:
+    """`beta * bias + alpha * (q @ kᵀ)` (`torch.baddbmm`, Bloom's scores with ALiBi) as (q, kᵀ,
+    bias or None, beta, alpha), or None."""
+    if node.target not in (torch.baddbmm, "baddbmm"):
         return None
+    bound: dict[str, Any] = dict(zip(("input", "batch1", "batch2"), node.args, strict=False))
+    bound.update(node.kwargs)
+    beta, alpha = constant_of(bound.get("beta", 1.0)), constant_of(bound.get("alpha", 1.0))
+    bias, q, kt = (bound.get(name) for name in ("input", "batch1", "batch2"))
+    if beta is None or alpha is None or set(bound) - {"input", "batch1", "batch2", "beta", "alpha"}:
+        return None
+    if not (isinstance(bias, fx.Node) and isinstance(q, fx.Node) and isinstance(kt, fx.Node)):
+        return None
+    return q, kt, bias if beta != 0.0 else None, beta, alpha
+
+
+def _attention(mm: fx.Node) -> Found | str | None:
+    """`q @ kᵀ` (or `baddbmm(bias, q, kᵀ)`) -> scale -> mask -> softmax -> @ v, with reshapes
+    that keep the last dimension anywhere between (Bloom: `[b·h, q, k] -> [b, h, q, k]`, the
+    mask added there, and back), or None when `mm` is not a score GEMM."""
+    scores = _baddbmm(mm)
+    if scores is None:
+        a, b = (mm.args[0], mm.args[1]) if len(mm.args) == 2 else (None, None)
+        if mm.kwargs or not isinstance(a, fx.Node) or not isinstance(b, fx.Node) or _is_weight(b):
+            return None
+        if kind_of(mm) is not Kind.MATMUL:
+            return None
+        scores = (a, b, None, 0.0, 1.0)
+    q, kt, bias, beta, scale = scores
     taken: list[fx.Node] = []
-    node, scale, mask = mm, 1.0, None
-    nxt = _single_user(node)
-    if nxt is not None and nxt.target in (operator.mul, operator.truediv, torch.mul, "mul", "div"):
-        c = constant_of(nxt.args[1]) if nxt.args[0] is node else constant_of(nxt.args[0])
-        if c is not None and (nxt.target is not operator.truediv or nxt.args[0] is node):
-            scale = 1.0 / c if nxt.target in (operator.truediv, "div") else c
-            taken.append(nxt)
-            node, nxt = nxt, _single_user(nxt)
-    if nxt is not None and nxt.target in (operator.add, torch.add, "add") and not nxt.kwargs:
-        other = [a for a in nxt.args if a is not node]
-        if len(other) == 1 and isinstance(other[0], fx.Node):
+    # the additive terms' path to the softmax: ("view", node) re-labels, ("mask", node) adds
+    steps: list[tuple[str, fx.Node]] = []
+    node, mask, scaled = mm, None, False
+    while (nxt := _single_user(node)) is not None:
+        if nxt.target in (operator.mul, operator.truediv, torch.mul, "mul", "div") and not (
+            scaled or mask or steps
+        ):
+            c = constant_of(nxt.args[1]) if nxt.args[0] is node else constant_of(nxt.args[0])
+            if c is None or (nxt.target in (operator.truediv, "div") and nxt.args[0] is not node):
+                break
+            c = 1.0 / c if nxt.target in (operator.truediv, "div") else c
+            scale, beta, scaled = scale * c, beta * c, True
+        elif _passes(nxt):
+            if kind_of(nxt) is Kind.VIEW:
+                steps.append(("view", nxt))
+        elif nxt.target in (operator.add, torch.add, "add") and not nxt.kwargs and mask is None:
+            other = [a for a in nxt.args if a is not node]
+            if len(other) != 1 or not isinstance(other[0], fx.Node):
+                break
             mask = other[0]
-            taken.append(nxt)
-            node, nxt = nxt, _single_user(nxt)
+            steps.append(("mask", nxt))
+        else:
+            break
+        taken.append(nxt)
+        node = nxt
     if nxt is None or not _softmax_last(nxt):
         return None
-    if nxt.kwargs.get("dtype") is not None and kind_of(nxt) is not Kind.REDUCTION:
-        return "softmax with a dtype"
     taken.append(nxt)
-    end, why = _walk(nxt, taken)
+    if not _same_dtype_softmax(nxt, node):
+        cast = _single_user(nxt)
+        if cast is None or cast.target not in ("to", "type") or not _dtype_is(cast, node):
+            return "softmax in another dtype, not cast back to the scores' dtype"
+        taken.append(cast)
+    end, why = _walk(taken[-1], taken)
     if why or kind_of(end) is not Kind.MATMUL or end.args[0] is not (taken[-1]):
         return why or "softmax is not followed by a matmul with v"
-    form = "matmul" + (" -> scale" if scale != 1.0 else "") + (" -> + mask" if mask else "")
+    probs, score = value_of(end.args[0]), value_of(mm)
+    if not (isinstance(probs, torch.Tensor) and isinstance(score, torch.Tensor)) or (
+        probs.shape != score.shape
+    ):
+        return "the probabilities reach the matmul with v in another shape than the scores"
+    head = "baddbmm" if mm.target in (torch.baddbmm, "baddbmm") else "matmul"
+    form = head + (" -> scale" if scaled else "") + (" -> + mask" if mask else "")
     form += " -> softmax -> matmul"
-    parts = {"q": mm.args[0], "kt": mm.args[1], "v": end.args[1], "mask": mask, "scale": scale}
+    parts = {"q": q, "kt": kt, "v": end.args[1], "mask": mask, "scale": scale, "bias": bias,
+             "bias_scale": beta, "steps": tuple(steps)}  # fmt: skip
     return Found(ChainKind.ATTENTION, form, (mm, *taken, end), parts)
+
+
+def _same_dtype_softmax(softmax: fx.Node, scores: fx.Node) -> bool:
+    """Whether the softmax keeps the scores' dtype (no `dtype=`, or the scores' own)."""
+    return softmax.kwargs.get("dtype") is None or _dtype_is(softmax, scores)
+
+
+def _dtype_is(node: fx.Node, like: fx.Node) -> bool:
+    a, b = value_of(node), value_of(like)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
 def conv_at(node: fx.Node) -> dict[str, Any] | None:
@@ -440,7 +497,7 @@ def find(graph: fx.Graph) -> Finding:
         result: Found | str | None = None
         if node in gemms:
             result = _gated(gemms[node], gemms) or _mlp(gemms[node], gemms)
-        elif kind is Kind.MATMUL:
+        elif kind is Kind.MATMUL or node.target in (torch.baddbmm, "baddbmm"):
             result = _attention(node) or "a matmul of two activations not in an attention form"
         elif kind is Kind.SDPA:
             result = _sdpa(node)

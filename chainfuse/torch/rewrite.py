@@ -282,6 +282,16 @@ class Emitter:
         p = found.parts
         k = graph.call_method("transpose", (env(p["kt"]), -2, -1))
         mask = env(p["mask"]) if p["mask"] is not None else None
+        views = [node for step, node in p["steps"] if step == "view"]
+        if p["bias"] is not None or views or _dtype(p["mask"]) not in (None, _dtype(p["q"])):
+            # the terms added to the scores as one tensor in q @ kᵀ's shape, made by Inductor's
+            # code (its one pass writes what the kernel reads as its mask)
+            steps = tuple(
+                None if step == "mask" else _shape_of(node, env) for step, node in p["steps"]
+            )
+            bias = env(p["bias"]) if p["bias"] is not None else None
+            terms = (env(p["q"]), env(p["kt"]), bias, float(p["bias_scale"]), mask, steps)
+            mask = graph.call_function(score_terms, terms)
         args = (env(p["q"]), k, env(p["v"]), mask, False, float(p["scale"]), False)
         return graph.call_function(torch.ops.chainfuse.attention.default, args)
 
@@ -316,6 +326,37 @@ class Emitter:
         beta = self.value(bound["bias"]).detach() if bound.get("bias") is not None else 0.0
         scale = gamma * torch.rsqrt(var + float(bound.get("eps", 1e-5)))
         return w * scale.reshape(-1, 1, 1, 1), (b - mean) * scale + beta
+
+
+def _shape_of(view: fx.Node, env: Callable[[Any], Any]) -> tuple[Any, ...]:
+    """The shape a `view`/`reshape` node asks for (its sizes may be nodes: dynamic shapes)."""
+    sizes: Any = view.args[1:] if view.target != torch.reshape else view.args[1]
+    if view.kwargs.get("shape") is not None:
+        sizes = view.kwargs["shape"]
+    if len(sizes) == 1 and isinstance(sizes[0], tuple | list):
+        sizes = sizes[0]
+    return tuple(env(s) for s in sizes)
+
+
+def score_terms(
+    q: torch.Tensor, kt: torch.Tensor, bias: torch.Tensor | None, bias_scale: float,
+    mask: torch.Tensor | None, steps: tuple[tuple[Any, ...] | None, ...],
+) -> torch.Tensor:  # fmt: skip
+    """What written-out attention adds to `q @ kᵀ` before its softmax, as one tensor of the
+    scores' shape: `bias_scale * bias` (baddbmm's input, broadcast), then `steps` in the graph's
+    order: a shape (the graph reshapes the scores) or None (it adds `mask`)."""
+    batch: tuple[int, ...] = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])  # type: ignore[no-untyped-call]
+    shape = (*batch, q.shape[-2], kt.shape[-1])
+    if bias is None:
+        terms = torch.zeros(shape, dtype=q.dtype, device=q.device)
+    else:
+        terms = torch.broadcast_to(bias * bias_scale if bias_scale != 1.0 else bias, shape)
+    for step in steps:
+        if step is not None:
+            terms = terms.reshape(step)
+        elif mask is not None:
+            terms = terms + mask
+    return terms.reshape(shape).to(q.dtype)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -197,6 +197,53 @@ def test_written_out_attention_with_a_mask() -> None:
     torch.testing.assert_close(got, fn(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+def _alibi_scores(q: Any, k: Any, v: Any, bias: Any, m: Any, form: str) -> Any:
+    """Attention as Bloom writes it: scores from `baddbmm(alibi, q, kᵀ)` over [b·h] batches,
+    reshaped to [b, h] for the mask and back for the matmul with v; and variants of it."""
+    b, h = m.shape[0], q.shape[0] // m.shape[0]
+    s = q.shape[1]
+    if form == "scaled after":  # the scale applied to the whole sum (bias included)
+        scores = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=0.5) * 0.25
+    else:
+        scores = bias.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=0.25)
+    w = scores.view(b, h, s, -1)
+    if form == "boolean mask":  # added, a boolean counts 1 where True
+        w = w + (m > 0)
+    elif form != "no mask":
+        w = w + m
+    dtype = torch.float32 if form == "float32 softmax" else None
+    p = F.softmax(w, dim=-1, dtype=dtype).to(q.dtype)
+    return torch.bmm(F.dropout(p, 0.0, False).view(b * h, s, -1), v)
+
+
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
+@pytest.mark.parametrize("form", ["mask", "scaled after", "boolean mask", "no mask",
+                                  "float32 softmax"])  # fmt: skip
+def test_written_out_attention_with_alibi(form: str, mode: str) -> None:
+    """Bloom's form (ALiBi as baddbmm's input, views around the mask) is one fused call whose
+    result is eager's within the rule, in float32 and (softmax in float32) in bfloat16."""
+    torch.manual_seed(0)
+    b, h, s, d = 2, 3, 13, 16
+    dtype = torch.bfloat16 if form == "float32 softmax" else torch.float32
+    q, k, v = (torch.randn(b * h, s, d, dtype=dtype) for _ in range(3))
+    bias = (torch.arange(s) * torch.rand(b * h, 1, 1)).to(dtype)  # [b·h, 1, s]: per head
+    causal = torch.ones(s, s).tril().bool()
+    m = torch.zeros(b, 1, s, s).masked_fill(~causal, torch.finfo(torch.float32).min).to(dtype)
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(_alibi_scores, backend=Backend(Options(mode=mode, measure=False), report),
+                           fullgraph=True)  # fmt: skip
+        got = fn(q, k, v, bias, m, form)
+        want = _alibi_scores(q, k, v, bias, m, form)
+        want64 = _alibi_scores(*(t.double() for t in (q, k, v, bias, m)), form)
+    (chain,) = report.chains
+    assert chain.fused and chain.form.startswith("baddbmm"), chain.why
+    assert float((got.double() - want64).abs().max()) <= (
+        4 * float((want.double() - want64).abs().max()) + 1e-6
+    )
+
+
 def test_decision_keeps_the_faster_and_is_remembered(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,7 +1,7 @@
 """`torch.compile(model, backend="chainfuse")` on whole models built from small configs (random
 weights, nothing downloaded): Hugging Face BERT, ViT (also at a larger image: more tokens than
 one tile), GPT-2, a Llama-style model, Phi-3 (gate and up projections in one weight), Falcon
-(linears written `x @ W.T`), a Whisper encoder (conv stem, then attention over its
+(linears written `x @ W.T`), Bloom (ALiBi attention written out with `baddbmm`), a Whisper encoder (conv stem, then attention over its
 frames), PyTorch's TransformerEncoderLayer, a ResNet-style conv net and a plain MLP.
 
 Every chain the installed chainfuse can run is fused (`measure=False`: no timing, so the
@@ -99,6 +99,9 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         cfg = transformers.FalconConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
                                         num_attention_heads=4)  # fmt: skip
         return transformers.FalconForCausalLM(cfg), (ids,), 2 + 2 * CAPS.weight_views
+    if name == "bloom":  # ALiBi: scores are `baddbmm(alibi, q, kᵀ)`, reshaped around the mask
+        cfg = transformers.BloomConfig(vocab_size=100, hidden_size=64, n_layer=2, n_head=4)
+        return transformers.BloomForCausalLM(cfg), (ids,), 2 + MLPS
     if name == "encoder-layer":
         layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
         return layer, (torch.randn(2, 17, 64),), 1 + CAPS.bias
@@ -155,7 +158,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
          ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
-         ("bert", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
+         ("bloom", "float32"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "dtype"), CASES)
@@ -192,7 +195,7 @@ def test_encoder_layer_fast_path_is_reported() -> None:
     assert any("fast path" in why for _, why in report.skipped)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "phi3"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "phi3", "bloom"])
 def test_greedy_generation_gives_eager_tokens_without_recompiling(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
