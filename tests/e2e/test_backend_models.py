@@ -325,3 +325,28 @@ def test_frozen_bf16_weights_are_packed_once_for_the_amx_kernels(
     # (every fused chain has the planner's prediction, the gated MLP's too)
     assert all(c.decision and c.decision.predicted_s for c in report.chains if c.fused)
     assert sum(c.fused for c in report.chains) >= chains, [(c.name, c.why) for c in report.chains]
+
+
+def test_bloom_bf16_attention_runs_on_the_amx_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bloom in bf16 under Inductor with freezing, the AMX kernels emulated (any host): its
+    ALiBi attention (baddbmm scores, the mask and bias as one mask tensor) runs on an AMX
+    kernel, every chain is fused, and the output keeps `_check_close`'s rule."""
+    import importlib
+
+    from chainfuse.kernels.amx import AmxPath
+
+    monkeypatch.setenv("CHAINFUSE_AMX", "emulate")
+    module = importlib.import_module("chainfuse.ops.attention")
+    arithmetic: list[str] = []
+    real_run = module.run
+
+    def counted(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+        arithmetic.append(kernel.arithmetic)
+        return real_run(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(module, "run", counted)
+    model, inputs, chains = _model("bloom")
+    report = Report()
+    _check_close(model, inputs, torch.bfloat16, report, mode="inductor")
+    assert arithmetic and all(a.startswith(AmxPath.EMULATED.value) for a in arithmetic), arithmetic
+    assert sum(c.fused for c in report.chains) >= chains, [(c.name, c.why) for c in report.chains]
