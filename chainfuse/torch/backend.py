@@ -36,7 +36,7 @@ from chainfuse.torch.decide import Decision, decide, predicted_time
 from chainfuse.torch.finder import ChainKind, Found, find
 from chainfuse.torch.guard import GraphCheck, check_graph, compile_graph, describe, plain_copy
 from chainfuse.torch.kinds import value_of
-from chainfuse.torch.rewrite import Capabilities, Emitter, external_inputs
+from chainfuse.torch.rewrite import Capabilities, Emitter, external_inputs, nan_rows, score_terms
 from chainfuse.torch.unfold import unfold
 
 __all__ = ["Backend", "ChainReport", "Options", "Report", "backend", "compile"]
@@ -260,11 +260,28 @@ class Backend:
                                f"{type(exc).__name__}: {reason})")  # fmt: skip
             return call, "Inductor's code for the unfused ops"
 
+        fused_run = runs[0]
+        if self.options.mode == "inductor" and _has_torch_ops(modules[0][0].graph):
+            # (ops of its own beside the kernel, e.g. the masks made one: timed as Inductor
+            # will run them, fused with each other, not one by one)
+            module, args = modules[0]
+            try:
+                compiled = compile_graph(module, args, self.options.freeze, isolated=True)
+                fused_run = functools.partial(_no_grad_call, compiled, args)
+                fused_run()
+            except Exception:  # (Inductor failed on them: timed as they run eagerly)
+                fused_run = runs[0]
         timed = inductor if self.options.mode == "inductor" else None
         key = [found.kind.value, found.form, torch.get_num_threads(), _constants(found.parts),
                self.options.mode, self.options.freeze, *[describe(values[n]) for n in ext]]  # fmt: skip
-        return decide(key, runs[0], eager, _predicted(found, values), self.options.measure,
+        return decide(key, fused_run, eager, _predicted(found, values), self.options.measure,
                       timed)  # fmt: skip
+
+
+def _has_torch_ops(graph: fx.Graph) -> bool:
+    """Whether a fused chain's graph computes anything besides chainfuse's call and views of
+    its operands (`rewrite.score_terms`, `rewrite.nan_rows`)."""
+    return any(n.target in (score_terms, nan_rows) for n in graph.nodes)
 
 
 def _attribute(module: torch.nn.Module, target: str) -> Any:

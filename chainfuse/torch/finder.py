@@ -7,7 +7,8 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
     act(x W1) * (x W3) -> W2                                     (gated MLP, no biases)
     a, b = (x W13).chunk(2, -1); act(a) * b -> W2                (the same, W1 and W3 fused)
     scaled_dot_product_attention(q, k, v, ...)                   (dropout_p = 0)
-    q @ kᵀ -> [* or / scale] -> [+ mask] -> softmax(-1) -> [dropout] -> @ v
+    q @ kᵀ -> [* or / scale] -> [+ mask | masked_fill(m, -inf) | where(keep, ., min)]...
+           -> softmax(-1) -> [dropout] -> @ v
     baddbmm(bias, q, kᵀ) -> [+ mask] -> softmax(-1) -> @ v        (ALiBi, as Bloom's)
     conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
 
@@ -349,9 +350,11 @@ def _baddbmm(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, float, fl
 
 
 def _attention(mm: fx.Node) -> Found | str | None:
-    """`q @ kᵀ` (or `baddbmm(bias, q, kᵀ)`) -> scale -> mask -> softmax -> @ v, with reshapes
-    that keep the last dimension anywhere between (Bloom: `[b·h, q, k] -> [b, h, q, k]`, the
-    mask added there, and back), or None when `mm` is not a score GEMM."""
+    """`q @ kᵀ` (or `baddbmm(bias, q, kᵀ)`) -> scale -> masks -> softmax -> @ v, or None when
+    `mm` is not a score GEMM. Between the scores and the softmax: additive masks, fills of
+    masked-out scores (`masked_fill(m, -inf)`, `where(keep, s, finfo.min)`), reshapes that keep
+    the last dimension (Bloom: `[b·h, q, k] -> [b, h, q, k]` around its mask, and back), and an
+    upcast for the softmax that is cast back after it."""
     scores = _baddbmm(mm)
     if scores is None:
         a, b = (mm.args[0], mm.args[1]) if len(mm.args) == 2 else (None, None)
@@ -362,27 +365,35 @@ def _attention(mm: fx.Node) -> Found | str | None:
         scores = (a, b, None, 0.0, 1.0)
     q, kt, bias, beta, scale = scores
     taken: list[fx.Node] = []
-    # the additive terms' path to the softmax: ("view", node) re-labels, ("mask", node) adds
-    steps: list[tuple[str, fx.Node]] = []
-    node, mask, scaled = mm, None, False
+    # what the graph does to the scores' additive terms on the way to the softmax, in order:
+    # ("view", node) re-labels them, ("add", node, mask) adds a mask, ("fill", node, where,
+    # value) sets them to value where `where` is true
+    steps: list[tuple[Any, ...]] = []
+    node, scaled, words = mm, False, []
     while (nxt := _single_user(node)) is not None:
         if nxt.target in (operator.mul, operator.truediv, torch.mul, "mul", "div") and not (
-            scaled or mask or steps
+            scaled or steps
         ):
             c = constant_of(nxt.args[1]) if nxt.args[0] is node else constant_of(nxt.args[0])
             if c is None or (nxt.target in (operator.truediv, "div") and nxt.args[0] is not node):
                 break
             c = 1.0 / c if nxt.target in (operator.truediv, "div") else c
             scale, beta, scaled = scale * c, beta * c, True
+            words.append("scale")
         elif _passes(nxt):
             if kind_of(nxt) is Kind.VIEW:
                 steps.append(("view", nxt))
-        elif nxt.target in (operator.add, torch.add, "add") and not nxt.kwargs and mask is None:
+        elif _upcast(nxt):
+            pass  # (the softmax in float32: cast back after it, below)
+        elif nxt.target in (operator.add, torch.add, "add") and not nxt.kwargs:
             other = [a for a in nxt.args if a is not node]
-            if len(other) != 1 or not isinstance(other[0], fx.Node):
+            if len(other) != 1 or not isinstance(other[0], fx.Node) or not _same_shape(nxt, node):
                 break
-            mask = other[0]
-            steps.append(("mask", nxt))
+            steps.append(("add", nxt, other[0]))
+            words.append("+ mask")
+        elif (fill := _fill(nxt, node)) is not None:
+            steps.append(("fill", nxt, *fill))
+            words.append(str(nxt.target if isinstance(nxt.target, str) else nxt.target.__name__))
         else:
             break
         taken.append(nxt)
@@ -390,9 +401,9 @@ def _attention(mm: fx.Node) -> Found | str | None:
     if nxt is None or not _softmax_last(nxt):
         return None
     taken.append(nxt)
-    if not _same_dtype_softmax(nxt, node):
+    if not _dtype_is(nxt, mm):  # (softmax(dtype=float32), or an upcast before it)
         cast = _single_user(nxt)
-        if cast is None or cast.target not in ("to", "type") or not _dtype_is(cast, node):
+        if cast is None or cast.target not in ("to", "type") or not _dtype_is(cast, mm):
             return "softmax in another dtype, not cast back to the scores' dtype"
         taken.append(cast)
     end, why = _walk(taken[-1], taken)
@@ -404,16 +415,60 @@ def _attention(mm: fx.Node) -> Found | str | None:
     ):
         return "the probabilities reach the matmul with v in another shape than the scores"
     head = "baddbmm" if mm.target in (torch.baddbmm, "baddbmm") else "matmul"
-    form = head + (" -> scale" if scaled else "") + (" -> + mask" if mask else "")
-    form += " -> softmax -> matmul"
-    parts = {"q": q, "kt": kt, "v": end.args[1], "mask": mask, "scale": scale, "bias": bias,
-             "bias_scale": beta, "steps": tuple(steps)}  # fmt: skip
+    form = " -> ".join([head, *words, "softmax", "matmul"])
+    adds = [step[2] for step in steps if step[0] == "add"]
+    parts = {"q": q, "kt": kt, "v": end.args[1], "scale": scale, "bias": bias, "bias_scale": beta,
+             "steps": tuple(steps), "masks": tuple(adds),
+             # one mask added, nothing else: the kernel takes it as it is
+             "mask": adds[0] if len(steps) == 1 and adds and bias is None else None}  # fmt: skip
     return Found(ChainKind.ATTENTION, form, (mm, *taken, end), parts)
 
 
-def _same_dtype_softmax(softmax: fx.Node, scores: fx.Node) -> bool:
-    """Whether the softmax keeps the scores' dtype (no `dtype=`, or the scores' own)."""
-    return softmax.kwargs.get("dtype") is None or _dtype_is(softmax, scores)
+#: a fill of masked-out scores is taken where it sets them to a value so far below any score
+#: that `score + value` rounds to `value` (|score| < 2^103 in float32 and bfloat16): -inf, or
+#: `torch.finfo(float32 or bfloat16).min` as models write it
+FILL_BELOW = -1e37
+
+
+def _fill(node: fx.Node, scores: fx.Node) -> tuple[fx.Node, float, bool] | None:
+    """`masked_fill(scores, m, value)` as (m, value, True) and `where(keep, scores, value)` as
+    (keep, value, False), for a value at or below `FILL_BELOW`; else None."""
+    args: Any = node.args
+    if node.target in ("masked_fill", torch.masked_fill) and len(args) == 3 and not node.kwargs:
+        where, other, value, fill_where_true = args[1], args[0], args[2], True
+    elif node.target is torch.where and len(args) == 3 and not node.kwargs:
+        where, other, value, fill_where_true = args[0], args[1], args[2], False
+    else:
+        return None
+    number = constant_of(value) if not isinstance(value, fx.Node) else _tensor_constant(value)
+    if other is not scores or not isinstance(where, fx.Node) or number is None:
+        return None
+    if number > FILL_BELOW or not _same_shape(node, scores):
+        return None
+    return where, number, fill_where_true
+
+
+def _tensor_constant(node: fx.Node) -> float | None:
+    """The number of a 0-d `torch.tensor(number, ...)` node (GPT-Neo's mask value), or None."""
+    if node.target is not torch.tensor or len(node.args) != 1:
+        return None
+    return constant_of(node.args[0])
+
+
+def _upcast(node: fx.Node) -> bool:
+    """A cast of the scores to float32 (`.float()`, `.to(torch.float32)`) before a softmax."""
+    out = value_of(node)
+    return (
+        node.target in ("float", "to")
+        and isinstance(out, torch.Tensor)
+        and out.dtype == torch.float32
+        and kind_of(node) is not Kind.IDENTITY
+    )
+
+
+def _same_shape(node: fx.Node, like: fx.Node) -> bool:
+    a, b = value_of(node), value_of(like)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
 
 
 def _dtype_is(node: fx.Node, like: fx.Node) -> bool:

@@ -150,8 +150,9 @@ class Emitter:
             self._operands(q, k, v)
             if found.kind is ChainKind.SDPA and not all(_last_dim_dense(t) for t in (q, k, v)):
                 raise _Refused("q, k or v has a last dimension that is not contiguous")
-            if p["mask"] is not None and _dtype(p["mask"]) not in (torch.bool, _dtype(q)):
-                raise _Refused(f"an attn_mask of dtype {_dtype(p['mask'])}")
+            for mask in p.get("masks", (p["mask"],)):
+                if mask is not None and _dtype(mask) not in (torch.bool, _dtype(q)):
+                    raise _Refused(f"a mask of dtype {_dtype(mask)}")
             if isinstance(p.get("scale"), fx.Node):
                 raise _Refused("a scale computed at run time")
         elif found.kind is ChainKind.CONV:
@@ -281,19 +282,21 @@ class Emitter:
     def _attention(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         p = found.parts
         k = graph.call_method("transpose", (env(p["kt"]), -2, -1))
-        mask = env(p["mask"]) if p["mask"] is not None else None
-        views = [node for step, node in p["steps"] if step == "view"]
-        if p["bias"] is not None or views or _dtype(p["mask"]) not in (None, _dtype(p["q"])):
-            # the terms added to the scores as one tensor in q @ kᵀ's shape, made by Inductor's
-            # code (its one pass writes what the kernel reads as its mask)
-            steps = tuple(
-                None if step == "mask" else _shape_of(node, env) for step, node in p["steps"]
-            )
+        mask = p["mask"]
+        if mask is not None and _dtype(mask) == _dtype(p["q"]):
+            mask = env(mask)  # (one mask added, nothing else: the kernel reads it as it is)
+        elif p["steps"] or p["bias"] is not None:
+            # what the graph adds to the scores, as one tensor in q @ kᵀ's shape written by
+            # Inductor's code (one pass), read by the kernel as its mask
+            steps = tuple(_step(step, env) for step in p["steps"])
             bias = env(p["bias"]) if p["bias"] is not None else None
-            terms = (env(p["q"]), env(p["kt"]), bias, float(p["bias_scale"]), mask, steps)
+            terms = (env(p["q"]), env(p["kt"]), bias, float(p["bias_scale"]), steps)
             mask = graph.call_function(score_terms, terms)
         args = (env(p["q"]), k, env(p["v"]), mask, False, float(p["scale"]), False)
-        return graph.call_function(torch.ops.chainfuse.attention.default, args)
+        out = graph.call_function(torch.ops.chainfuse.attention.default, args)
+        if mask is None:
+            return out
+        return graph.call_function(nan_rows, (out, mask))
 
     def _conv(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         p = found.parts
@@ -328,35 +331,56 @@ class Emitter:
         return w * scale.reshape(-1, 1, 1, 1), (b - mean) * scale + beta
 
 
-def _shape_of(view: fx.Node, env: Callable[[Any], Any]) -> tuple[Any, ...]:
-    """The shape a `view`/`reshape` node asks for (its sizes may be nodes: dynamic shapes)."""
-    sizes: Any = view.args[1:] if view.target != torch.reshape else view.args[1]
-    if view.kwargs.get("shape") is not None:
-        sizes = view.kwargs["shape"]
+def _step(step: tuple[Any, ...], env: Callable[[Any], Any]) -> tuple[Any, ...]:
+    """A finder's step on the scores' additive terms, as `score_terms` takes it."""
+    if step[0] == "add":
+        return ("add", env(step[2]))
+    if step[0] == "fill":
+        return ("fill", env(step[2]), float(step[3]), bool(step[4]))
+    view: fx.Node = step[1]  # ("view", node): the shape it asks for (sizes may be nodes)
+    sizes: Any = view.kwargs.get("shape", view.args[1:] if view.target != torch.reshape
+                                 else view.args[1])  # fmt: skip
     if len(sizes) == 1 and isinstance(sizes[0], tuple | list):
         sizes = sizes[0]
-    return tuple(env(s) for s in sizes)
+    return ("view", tuple(env(s) for s in sizes))
 
 
 def score_terms(
     q: torch.Tensor, kt: torch.Tensor, bias: torch.Tensor | None, bias_scale: float,
-    mask: torch.Tensor | None, steps: tuple[tuple[Any, ...] | None, ...],
+    steps: tuple[tuple[Any, ...], ...],
 ) -> torch.Tensor:  # fmt: skip
-    """What written-out attention adds to `q @ kᵀ` before its softmax, as one tensor of the
-    scores' shape: `bias_scale * bias` (baddbmm's input, broadcast), then `steps` in the graph's
-    order: a shape (the graph reshapes the scores) or None (it adds `mask`)."""
+    """What written-out attention does to `q @ kᵀ` besides scaling it, as one tensor that the
+    kernel adds to the scores (broadcast to their shape): `bias_scale * bias` (baddbmm's input),
+    then `steps` in the graph's order: ("view", shape) reshapes, ("add", mask) adds, ("fill",
+    where, value, fill_where_true) sets value where `where` (or where not). A fill sets the
+    terms, not the sum: its value is at most `finder.FILL_BELOW`, so score + value rounds to
+    value. The terms stay as small as their broadcast allows (a causal mask: one [q, k])."""
     batch: tuple[int, ...] = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])  # type: ignore[no-untyped-call]
-    shape = (*batch, q.shape[-2], kt.shape[-1])
-    if bias is None:
-        terms = torch.zeros(shape, dtype=q.dtype, device=q.device)
-    else:
-        terms = torch.broadcast_to(bias * bias_scale if bias_scale != 1.0 else bias, shape)
+    shape = torch.Size((*batch, q.shape[-2], kt.shape[-1]))
+    full = shape  # the scores' shape at this step (the terms broadcast to it)
+    terms = torch.zeros((), dtype=q.dtype, device=q.device)
+    if bias is not None:
+        terms = bias * bias_scale if bias_scale != 1.0 else bias
     for step in steps:
-        if step is not None:
-            terms = terms.reshape(step)
-        elif mask is not None:
-            terms = terms + mask
-    return terms.reshape(shape).to(q.dtype)
+        if step[0] == "view":
+            terms = terms.expand(full).reshape(step[1])
+            full = terms.shape
+        elif step[0] == "add":
+            terms = terms + step[1]
+        else:
+            where = step[1].bool() if step[3] else ~step[1].bool()
+            terms = torch.where(where, torch.tensor(step[2], dtype=q.dtype), terms)
+    if full != shape:  # (reshaped: back to the scores' own shape)
+        terms = terms.expand(full).reshape(shape)
+    return terms.to(q.dtype)
+
+
+def nan_rows(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`out` with NaN in the rows whose every score the mask sets to -inf: written-out
+    attention's softmax gives NaN there (exp(-inf - -inf)), where the kernel, as SDPA, gives 0."""
+    if mask.dtype == torch.bool:
+        return out
+    return out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), float("nan"))
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("chainfuse.torch")
 
+from chainfuse.torch import backend as backend_mod  # noqa: E402
 from chainfuse.torch import decide as decide_mod  # noqa: E402
 from chainfuse.torch.backend import Backend, Options, Report  # noqa: E402
 from chainfuse.torch.finder import ChainKind, find  # noqa: E402
@@ -242,6 +243,87 @@ def test_written_out_attention_with_alibi(form: str, mode: str) -> None:
     assert float((got.double() - want64).abs().max()) <= (
         4 * float((want.double() - want64).abs().max()) + 1e-6
     )
+
+
+def _filled(q: Any, k: Any, v: Any, m: Any, form: str) -> Any:
+    """Attention written out with its masked scores filled, as models and users write it."""
+    s = q @ k.transpose(-2, -1)
+    if form == "nanoGPT":  # masked_fill(-inf) of a causal buffer's zeros
+        s = (s * (1.0 / math.sqrt(k.size(-1)))).masked_fill(m == 0, float("-inf"))
+    elif form == "GPT-Neo":  # where(keep, s, finfo.min as a 0-d tensor), then a padding mask
+        s = torch.where(m.bool(), s, torch.tensor(torch.finfo(s.dtype).min, dtype=s.dtype))
+        s = s + torch.zeros(s.shape[0], 1, 1, s.shape[-1], dtype=s.dtype).index_fill(
+            -1, torch.tensor([0, 5]), torch.finfo(s.dtype).min)  # fmt: skip
+    elif form == "MPT":  # scale, a bias, masked_fill(finfo.min), an upcast for the softmax
+        alibi = (torch.arange(s.shape[-1]) * -0.1).to(s.dtype)
+        s = (s * 0.25 + alibi).masked_fill(m == 0, torch.finfo(s.dtype).min).float()
+    elif form == "fill -1e4":  # not below every score: not fused (a fill is not an add)
+        s = s.masked_fill(m == 0, -1e4)
+    elif form == "rows masked out":  # rows with no key left: -inf gives NaN, as in eager
+        s = s.masked_fill((m == 0) | (torch.arange(s.shape[-2])[:, None] == 3), float("-inf"))
+    elif form == "rows filled with min":  # ... and finfo.min the mean of v, as in eager
+        s = s.masked_fill((m == 0) | (torch.arange(s.shape[-2])[:, None] == 3),
+                          torch.finfo(s.dtype).min)  # fmt: skip
+    return F.softmax(s, dim=-1).to(q.dtype) @ v
+
+
+FILLED = ["nanoGPT", "GPT-Neo", "MPT", "fill -1e4", "rows masked out", "rows filled with min"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", FILLED)
+def test_written_out_attention_with_filled_scores(form: str, dtype: str) -> None:
+    """Masked-out scores filled with -inf or finfo.min (masked_fill, where) are one fused call
+    with eager's result within the rule, NaN where eager has NaN; a fill with a value a score
+    could be near (-1e4) ends the chain."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, 3, 11, 16, dtype=dt) for _ in range(3))
+    m = torch.ones(11, 11).tril()[None, None]  # a causal buffer, as nanoGPT registers it
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(_filled, backend=Backend(Options(mode="inductor", measure=False), report),
+                           fullgraph=True)  # fmt: skip
+        got, want = fn(q, k, v, m, form), _filled(q, k, v, m, form)
+        want64 = _filled(q.double(), k.double(), v.double(), m, form)
+    if form == "fill -1e4":
+        assert not [c for c in report.chains if c.fused]
+    else:
+        (chain,) = report.chains
+        assert chain.fused, chain.why
+    assert torch.equal(got.isnan(), want64.isnan()) and torch.equal(want.isnan(), want64.isnan())
+    err = (got.double() - want64).nan_to_num().abs().max()
+    assert float(err) <= 4 * float((want.double() - want64).nan_to_num().abs().max()) + 1e-6
+
+
+def test_filled_attention_is_timed_with_its_mask_ops_compiled(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timed against Inductor, a fused chain with ops of its own beside the kernel (the masks
+    made one, NaN rows) runs them as Inductor compiles them, and the model keeps eager's result
+    whichever way the decision goes."""
+    monkeypatch.setenv("CHAINFUSE_CACHE_DIR", str(tmp_path))
+    compiled: list[Any] = []
+    real = backend_mod.compile_graph
+
+    def counted(module: Any, *args: Any, **kwargs: Any) -> Any:
+        compiled.append(module)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(backend_mod, "compile_graph", counted)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    m = torch.ones(40, 40).tril()[None, None]
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(_filled, backend=Backend(Options(mode="inductor"), report))
+        got = fn(q, k, v, m, "nanoGPT")
+    (chain,) = report.chains
+    assert chain.decision is not None and chain.decision.fused_s and chain.decision.baseline_s
+    # the chain's unfused nodes, its fused graph (the mask ops), then the whole graphs
+    assert any("score_terms" in str(mod.graph) for mod in compiled), chain.why
+    torch.testing.assert_close(got, _filled(q, k, v, m, "nanoGPT"), rtol=1e-5, atol=1e-5)
 
 
 def test_decision_keeps_the_faster_and_is_remembered(
