@@ -372,7 +372,7 @@ def _attention(mm: fx.Node) -> Found | str | None:
     node, scaled, words = mm, False, []
     while (nxt := _single_user(node)) is not None:
         if nxt.target in (operator.mul, operator.truediv, torch.mul, "mul", "div") and not (
-            scaled or steps
+            scaled or any(step[0] != "view" for step in steps)  # (a scale before any mask)
         ):
             c = constant_of(nxt.args[1]) if nxt.args[0] is node else constant_of(nxt.args[0])
             if c is None or (nxt.target in (operator.truediv, "div") and nxt.args[0] is not node):
@@ -431,13 +431,20 @@ FILL_BELOW = -1e37
 
 
 def _fill(node: fx.Node, scores: fx.Node) -> tuple[fx.Node, float, bool] | None:
-    """`masked_fill(scores, m, value)` as (m, value, True) and `where(keep, scores, value)` as
-    (keep, value, False), for a value at or below `FILL_BELOW`; else None."""
+    """`masked_fill(scores, m, value)` and `where(m, value, scores)` as (m, value, True),
+    `where(keep, scores, value)` as (keep, value, False), for a value at or below `FILL_BELOW`;
+    else None."""
     args: Any = node.args
     if node.target in ("masked_fill", torch.masked_fill) and len(args) == 3 and not node.kwargs:
         where, other, value, fill_where_true = args[1], args[0], args[2], True
     elif node.target is torch.where and len(args) == 3 and not node.kwargs:
-        where, other, value, fill_where_true = args[0], args[1], args[2], False
+        keep = args[1] is scores  # where(keep, scores, value), else where(fill, value, scores)
+        where, other, value, fill_where_true = (
+            args[0],
+            args[1 if keep else 2],
+            args[2 if keep else 1],
+            not keep,
+        )
     else:
         return None
     number = constant_of(value) if not isinstance(value, fx.Node) else _tensor_constant(value)

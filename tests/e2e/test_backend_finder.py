@@ -257,6 +257,9 @@ def _filled(q: Any, k: Any, v: Any, m: Any, form: str) -> Any:
     elif form == "MPT":  # scale, a bias, masked_fill(finfo.min), an upcast for the softmax
         alibi = (torch.arange(s.shape[-1]) * -0.1).to(s.dtype)
         s = (s * 0.25 + alibi).masked_fill(m == 0, torch.finfo(s.dtype).min).float()
+    elif form == "where, fill first":  # a reshape, a scale, where(masked, -inf, s), reshaped back
+        s = s.view(1, *s.shape) * 0.25
+        s = torch.where((m == 0).view(1, 1, 1, *m.shape[-2:]), float("-inf"), s).view(s.shape[1:])
     elif form == "fill -1e4":  # not below every score: not fused (a fill is not an add)
         s = s.masked_fill(m == 0, -1e4)
     elif form == "rows masked out":  # rows with no key left: -inf gives NaN, as in eager
@@ -267,7 +270,15 @@ def _filled(q: Any, k: Any, v: Any, m: Any, form: str) -> Any:
     return F.softmax(s, dim=-1).to(q.dtype) @ v
 
 
-FILLED = ["nanoGPT", "GPT-Neo", "MPT", "fill -1e4", "rows masked out", "rows filled with min"]
+FILLED = [
+    "nanoGPT",
+    "GPT-Neo",
+    "MPT",
+    "where, fill first",
+    "fill -1e4",
+    "rows masked out",
+    "rows filled with min",
+]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

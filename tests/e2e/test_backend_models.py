@@ -1,7 +1,8 @@
 """`torch.compile(model, backend="chainfuse")` on whole models built from small configs (random
 weights, nothing downloaded): Hugging Face BERT, ViT (also at a larger image: more tokens than
 one tile), GPT-2, a Llama-style model, Phi-3 (gate and up projections in one weight), Falcon
-(linears written `x @ W.T`), Bloom (ALiBi attention written out with `baddbmm`), a Whisper encoder (conv stem, then attention over its
+(linears written `x @ W.T`), Bloom (ALiBi attention written out with `baddbmm`), GPT-Neo and
+MPT (attention written out with masked-out scores filled by `where` / `masked_fill`), a Whisper encoder (conv stem, then attention over its
 frames), PyTorch's TransformerEncoderLayer, a ResNet-style conv net and a plain MLP.
 
 Every chain the installed chainfuse can run is fused (`measure=False`: no timing, so the
@@ -102,6 +103,19 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
     if name == "bloom":  # ALiBi: scores are `baddbmm(alibi, q, kᵀ)`, reshaped around the mask
         cfg = transformers.BloomConfig(vocab_size=100, hidden_size=64, n_layer=2, n_head=4)
         return transformers.BloomForCausalLM(cfg), (ids,), 2 + MLPS
+    if name == "gpt-neo":  # written out: where(causal, s, finfo.min) + mask, local layers too
+        cfg = transformers.GPTNeoConfig(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4,
+                                        intermediate_size=128, window_size=8,
+                                        attention_types=[[["global", "local"], 1]])  # fmt: skip
+        return (
+            transformers.GPTNeoForCausalLM(cfg),
+            (ids,),
+            2 + MLPS * ("gelu_tanh" in CAPS.activations),
+        )
+    if name == "mpt":  # written out: ALiBi added, masked_fill(finfo.min), softmax in float32
+        cfg = transformers.MptConfig(vocab_size=100, d_model=64, n_heads=4, n_layers=2,
+                                     expansion_ratio=2)  # fmt: skip
+        return transformers.MptForCausalLM(cfg), (ids,), 2 + 2 * ("gelu" in CAPS.activations)
     if name == "encoder-layer":
         layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
         return layer, (torch.randn(2, 17, 64),), 1 + CAPS.bias
@@ -158,7 +172,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
          ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
-         ("bloom", "float32"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
+         ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "dtype"), CASES)
