@@ -248,6 +248,29 @@ def test_paired_swaps_the_order_every_round_and_reads_the_rounds_ratios(
     assert first == pytest.approx(3.0) and second == pytest.approx(2.0)
 
 
+def test_compare_times_calls_too_long_to_batch_in_paired_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Calls longer than their batch's share of the budget are timed in paired rounds (the
+    order swapped each round, the median of the rounds' ratios), at least five."""
+    calls: list[str] = []
+    now = [0.0]
+    seconds = {"a": 3.0, "b": 2.0}
+
+    def timed(name: str) -> Any:
+        def run() -> None:
+            calls.append(name)
+            now[0] += seconds[name]
+
+        return run
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    first, second = decide_mod.compare(timed("a"), timed("b"), budget_s=0.3)
+    assert calls[:6] == ["a", "b"] * 3  # a sizing call each, then paired's warm-up
+    assert calls[6:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert first == pytest.approx(3.0) and second == pytest.approx(2.0)
+
+
 def test_a_rewritten_graph_not_measured_slower_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     # (each chain already beat Inductor's code for its nodes; the whole graph only has to not
     # be measured slower by more than a whole call's noise)
