@@ -227,9 +227,12 @@ def test_graphs_that_write_their_inputs_are_not_timed_whole() -> None:
     assert not backend_mod._writes_state(torch.fx.symbolic_trace(pure).graph)
 
 
+@pytest.mark.parametrize("via", ["paired", "compare"])
 def test_paired_swaps_the_order_every_round_and_reads_the_rounds_ratios(
-    monkeypatch: pytest.MonkeyPatch,
+    via: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`paired` (the whole-graph check's timing), and `compare` (a chain's) for calls too long
+    to batch: the order swapped every round, the median of the rounds' ratios, at least five."""
     calls: list[str] = []
     now = [0.0]
     seconds = {"a": 3.0, "b": 2.0}  # each call of a or b takes this; nothing else takes time
@@ -242,32 +245,14 @@ def test_paired_swaps_the_order_every_round_and_reads_the_rounds_ratios(
         return run
 
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    first, second = decide_mod.paired(timed("a"), timed("b"), budget_s=0.0, rounds=5)
+    if via == "paired":
+        first, second = decide_mod.paired(timed("a"), timed("b"), budget_s=0.0, rounds=5)
+    else:  # (a sizing call of each first)
+        first, second = decide_mod.compare(timed("a"), timed("b"), budget_s=0.3)
+        assert calls[:2] == ["a", "b"]
+        del calls[:2]
     assert calls[:4] == ["a", "b", "a", "b"]  # the warm-up
     assert calls[4:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
-    assert first == pytest.approx(3.0) and second == pytest.approx(2.0)
-
-
-def test_compare_times_calls_too_long_to_batch_in_paired_rounds(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Calls longer than their batch's share of the budget are timed in paired rounds (the
-    order swapped each round, the median of the rounds' ratios), at least five."""
-    calls: list[str] = []
-    now = [0.0]
-    seconds = {"a": 3.0, "b": 2.0}
-
-    def timed(name: str) -> Any:
-        def run() -> None:
-            calls.append(name)
-            now[0] += seconds[name]
-
-        return run
-
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    first, second = decide_mod.compare(timed("a"), timed("b"), budget_s=0.3)
-    assert calls[:6] == ["a", "b"] * 3  # a sizing call each, then paired's warm-up
-    assert calls[6:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
     assert first == pytest.approx(3.0) and second == pytest.approx(2.0)
 
 
