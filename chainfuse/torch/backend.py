@@ -246,36 +246,43 @@ class Backend:
             modules.append((module, args))
         eager = runs[1]
 
+        def compiled(i: int) -> Callable[[], Any]:
+            """modules[i] compiled by Inductor as the final graph is, called once (a failure at
+            the first call is Inductor's too)."""
+            module, args = modules[i]
+            graph = compile_graph(module, args, self.options.freeze, isolated=True)
+            call = functools.partial(_no_grad_call, graph, args)
+            call()
+            return call
+
         def inductor() -> tuple[Callable[[], Any], str]:
-            """The unfused nodes compiled by Inductor as the final graph is (else, where it
-            fails, run eagerly, with the reason in the decision)."""
-            module, args = modules[1]
+            """The unfused nodes compiled by Inductor (else, where it fails, run eagerly, with
+            the reason in the decision)."""
             try:
-                compiled = compile_graph(module, args, self.options.freeze, isolated=True)
-                call = functools.partial(_no_grad_call, compiled, args)
-                call()  # (a failure at the first call is Inductor's too)
+                call = compiled(1)
             except Exception as exc:  # (any failure of Inductor's: reported in the decision)
                 reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
                 return eager, (f"the unfused ops run eagerly (Inductor failed on them: "
                                f"{type(exc).__name__}: {reason})")  # fmt: skip
             return call, "Inductor's code for the unfused ops"
 
-        fused_run = runs[0]
-        if self.options.mode == "inductor" and _has_torch_ops(modules[0][0].graph):
-            # (ops of its own beside the kernel, e.g. the masks made one: timed as Inductor
-            # will run them, fused with each other, not one by one)
-            module, args = modules[0]
+        def fused_as_run() -> Callable[[], Any]:
+            """The fused call as the model will run it: with ops of its own beside the kernel
+            (the masks made one), compiled by Inductor, which fuses them with each other (else,
+            where Inductor fails on them, as they run eagerly)."""
+            if not _has_torch_ops(modules[0][0].graph):
+                return runs[0]
             try:
-                compiled = compile_graph(module, args, self.options.freeze, isolated=True)
-                fused_run = functools.partial(_no_grad_call, compiled, args)
-                fused_run()
+                return compiled(0)
             except Exception:  # (Inductor failed on them: timed as they run eagerly)
-                fused_run = runs[0]
-        timed = inductor if self.options.mode == "inductor" else None
+                return runs[0]
+
+        inductor_mode = self.options.mode == "inductor"
+        timed = inductor if inductor_mode else None
         key = [found.kind.value, found.form, torch.get_num_threads(), _constants(found.parts),
                self.options.mode, self.options.freeze, *[describe(values[n]) for n in ext]]  # fmt: skip
-        return decide(key, fused_run, eager, _predicted(found, values), self.options.measure,
-                      timed)  # fmt: skip
+        return decide(key, runs[0], eager, _predicted(found, values), self.options.measure,
+                      timed, fused_as_run if inductor_mode else None)  # fmt: skip
 
 
 def _has_torch_ops(graph: fx.Graph) -> bool:

@@ -200,13 +200,15 @@ def decide(
     predicted_s: float | None,
     measure: bool = True,
     timed: Callable[[], tuple[Callable[[], Any], str]] | None = None,
+    timed_fused: Callable[[], Callable[[], Any]] | None = None,
 ) -> Decision:
     """Time `fused` against the baseline (interleaved), keep the faster, remember the answer.
 
     `baseline` runs the unfused ops: the fused result is checked against its result, and it
     is the call timed unless `timed` is given: a function returning the call to time and its
     name in words, called only where a decision is timed (so that a costly baseline, an
-    Inductor compile, is not built where the decision is recalled). `measure=False` fuses
+    Inductor compile, is not built where the decision is recalled); `timed_fused` likewise
+    gives the fused call to time where it is not `fused` itself. `measure=False` fuses
     without timing (the fused result is still checked)."""
     if measure:
         found = recall(key_parts)
@@ -227,7 +229,7 @@ def decide(
     if not measure:
         return Decision(True, "fused without timing (measure=False)", predicted_s=predicted_s)
     call, against = timed() if timed is not None else (baseline, "the unfused ops")
-    f, b = compare(fused, call)
+    f, b = compare(timed_fused() if timed_fused is not None else fused, call)
     fuse = f <= MARGIN * b
     why = f"fused call {b / f:.2f}x as fast as {against}" + ("" if fuse else ": kept unfused")
     result = Decision(fuse, why, f, b, predicted_s, against=against)

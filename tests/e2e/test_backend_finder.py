@@ -313,28 +313,35 @@ def test_filled_attention_is_timed_with_its_mask_ops_compiled(
 ) -> None:
     """Timed against Inductor, a fused chain with ops of its own beside the kernel (the masks
     made one, NaN rows) runs them as Inductor compiles them, and the model keeps eager's result
-    whichever way the decision goes."""
+    whichever way the decision goes; where the decision is recalled, neither side is compiled
+    for it."""
     monkeypatch.setenv("CHAINFUSE_CACHE_DIR", str(tmp_path))
-    compiled: list[Any] = []
+    compiled: list[Any] = []  # the graphs compiled for a chain's decision (isolated)
     real = backend_mod.compile_graph
 
     def counted(module: Any, *args: Any, **kwargs: Any) -> Any:
-        compiled.append(module)
+        if kwargs.get("isolated"):
+            compiled.append(module)
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(backend_mod, "compile_graph", counted)
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     m = torch.ones(40, 40).tril()[None, None]
-    report = Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        fn = torch.compile(_filled, backend=Backend(Options(mode="inductor"), report))
-        got = fn(q, k, v, m, "nanoGPT")
-    (chain,) = report.chains
-    assert chain.decision is not None and chain.decision.fused_s and chain.decision.baseline_s
-    # the chain's unfused nodes, its fused graph (the mask ops), then the whole graphs
-    assert any("score_terms" in str(mod.graph) for mod in compiled), chain.why
-    torch.testing.assert_close(got, _filled(q, k, v, m, "nanoGPT"), rtol=1e-5, atol=1e-5)
+    for recalled in (False, True):
+        report = Report()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            fn = torch.compile(_filled, backend=Backend(Options(mode="inductor"), report))
+            got = fn(q, k, v, m, "nanoGPT")
+        (chain,) = report.chains
+        assert chain.decision is not None and chain.decision.cached is recalled
+        assert chain.decision.fused_s and chain.decision.baseline_s
+        if recalled:
+            assert not compiled
+        else:  # the chain's unfused nodes and its fused graph (the mask ops)
+            assert any("score_terms" in str(mod.graph) for mod in compiled), chain.why
+            compiled.clear()
+        torch.testing.assert_close(got, _filled(q, k, v, m, "nanoGPT"), rtol=1e-5, atol=1e-5)
 
 
 def test_decision_keeps_the_faster_and_is_remembered(
