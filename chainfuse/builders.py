@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from chainfuse.ir import (
     Access,
@@ -30,6 +32,7 @@ from chainfuse.ir import (
 __all__ = [
     "attention_chain",
     "broadcasts",
+    "check_softcap",
     "conv_chain_spec",
     "conv_out_size",
     "from_einsum",
@@ -318,6 +321,18 @@ def broadcasts(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
     )
 
 
+def check_softcap(softcap: Any) -> float | None:
+    """`softcap` as a float (None stays None), or a clear error: a finite number > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a real number > 0 or None, got {softcap!r}")
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap > 0.0):
+        raise ValueError(f"softcap: expected a finite number > 0 or None, got {softcap!r}")
+    return cap
+
+
 def attention_chain(
     batch: int,
     heads: int,
@@ -330,11 +345,13 @@ def attention_chain(
     scale: float | None = None,
     mask_shape: tuple[int, ...] | None = None,
     dtype: DType | str = "float32",
+    softcap: float | None = None,
 ) -> Chain:
     """`O = softmax(scale * Q Kᵀ + mask) V` over [batch, heads, seq, dim] tensors.
 
     `mask_shape` (default [batch, heads, seq_q, seq_k]) broadcasts like PyTorch: any leading
-    dims may be missing or 1.
+    dims may be missing or 1. `softcap` (Gemma 2's attention): the scaled scores s become
+    `softcap * tanh(s / softcap)` before the mask is added.
     """
     for value, what in ((batch, "batch"), (heads, "heads"), (seq_q, "seq_q"), (seq_k, "seq_k"),
                         (head_dim_qk, "head_dim_qk"), (head_dim_v, "head_dim_v")):  # fmt: skip
@@ -343,6 +360,7 @@ def attention_chain(
     kind = MaskKind.NONE if mask is None else MaskKind(mask)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim_qk)
+    cap = check_softcap(softcap)
     loops = (Loop("b", batch), Loop("h", heads), Loop("m", seq_q), Loop("n", head_dim_v),
              Loop("k", head_dim_qk), Loop("l", seq_k))  # fmt: skip
     full: tuple[int, ...] = (batch, heads, seq_q, seq_k)
@@ -362,8 +380,9 @@ def attention_chain(
         shapes["mask"] = mshape
     soft = Softmax(_plain("S", "b", "h", "m", "l"), _plain("P", "b", "h", "m", "l"), axis="l",
                    scale=float(scale), mask=mask_acc, mask_kind=kind, causal=causal,
-                   row="m" if causal else None)  # fmt: skip
+                   row="m" if causal else None, cap=cap)  # fmt: skip
     tag = "_causal" if causal else ""
+    tag += "" if cap is None else f"_cap{cap:g}"
     tag += "" if kind is MaskKind.NONE else f"_{kind.value}mask"
     name = (f"attention{tag}_{dt.value}_b{batch}h{heads}m{seq_q}l{seq_k}k{head_dim_qk}"
             f"n{head_dim_v}")  # fmt: skip

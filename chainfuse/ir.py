@@ -274,7 +274,9 @@ class Softmax:
     `causal` masks positions whose `axis` index exceeds the `row` index (PyTorch's `is_causal`,
     top-left aligned). A bool mask is added as 0 / -inf (as SDPA converts it: a NaN or +inf score
     stays NaN where masked). `safe`: a row with no position above -inf gives zeros (PyTorch's
-    CPU SDPA); unsafe, NaN (`torch.softmax`, the unfused chain).
+    CPU SDPA); unsafe, NaN (`torch.softmax`, the unfused chain). `cap` (soft-capping, as
+    Gemma 2's attention and FlashAttention's `softcap`): the scaled input becomes
+    `cap * tanh(x / cap)` before the mask is added.
     """
 
     input: Access
@@ -286,6 +288,11 @@ class Softmax:
     causal: bool = False
     row: str | None = None
     safe: bool = True
+    cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.cap is not None and not (math.isfinite(self.cap) and self.cap > 0.0):
+            raise ValueError(f"softmax: cap must be a finite number > 0 or None, got {self.cap!r}")
 
     @property
     def reads(self) -> tuple[Access, ...]:
@@ -301,6 +308,8 @@ class Softmax:
 
     def __str__(self) -> str:
         extra = f", scale={self.scale:g}" if self.scale != 1.0 else ""
+        if self.cap is not None:
+            extra += f", cap={self.cap:g}"
         if self.mask is not None:
             extra += f", {self.mask_kind.value} mask {self.mask}"
         if self.causal:
@@ -548,7 +557,7 @@ def _op_data(op: Op) -> dict[str, Any]:
     return {"op": "softmax", "input": _access_data(op.input), "output": _access_data(op.output),
             "axis": op.axis, "scale": op.scale, "mask": _access_data(op.mask),
             "mask_kind": op.mask_kind.value, "causal": op.causal, "row": op.row,
-            "safe": op.safe}  # fmt: skip
+            "safe": op.safe, **({} if op.cap is None else {"cap": op.cap})}  # fmt: skip
 
 
 def _need(acc: Access | None) -> Access:
@@ -567,7 +576,8 @@ def _op_from(data: dict[str, Any]) -> Op:
     return Softmax(_need(_access_from(data["input"])), _need(_access_from(data["output"])),
                    data["axis"], float(data["scale"]), _access_from(data["mask"]),
                    MaskKind(data["mask_kind"]), bool(data["causal"]), data["row"],
-                   bool(data.get("safe", True)))  # fmt: skip
+                   bool(data.get("safe", True)),
+                   None if data.get("cap") is None else float(data["cap"]))  # fmt: skip
 
 
 def _to_data(chain: Chain) -> dict[str, Any]:

@@ -17,7 +17,8 @@ checked against them:
   gelu (`approximate="tanh"`), quick gelu `x * sigmoid(1.702 x)`, silu `x * sigmoid(x)`,
   `alpha * x` (scale), `x + operand` (bias, broadcast over the loops the operand lacks) and
   `x * operand` (mul: a gated MLP's gate times its up projection).
-- `Softmax` over loop `axis`: `scale * x`, plus an additive mask, or plus -inf where a bool mask
+- `Softmax` over loop `axis`: `scale * x` (soft-capped to `cap * tanh(x / cap)` when it has a
+  cap), plus an additive mask, or plus -inf where a bool mask
   is False (PyTorch SDPA's convention: a NaN or +inf score stays NaN there), and keep only
   `axis <= row` when causal (PyTorch's `is_causal`, top-left aligned:
   `torch.ones(L, S).tril(0)`; keys after the query are not read). Stable (the row max is
@@ -369,6 +370,8 @@ def _softmax(
     # array the oracle makes, and fresh allocations of that size cost more than the arithmetic.
     x: F64 = np.empty([extents[loop] for loop in out])
     np.multiply(_aligned(op.input, _real(env, op.input), extents, out), op.scale, out=x)
+    if op.cap is not None:  # soft-capping: cap tanh(x / cap), before the mask
+        np.multiply(np.tanh(np.divide(x, op.cap, out=x), out=x), op.cap, out=x)
     if op.mask is not None and op.mask_kind is MaskKind.ADDITIVE:
         np.add(x, _aligned(op.mask, _real(env, op.mask), extents, out), out=x)
     elif op.mask is not None and op.mask_kind is MaskKind.BOOL:
@@ -636,6 +639,11 @@ def softmax_error(
     tau = _SAFETY * math.sqrt(n_red * u_acc**2 + u**2)
     size = _aligned(sm.input, _real(absolute, sm.input), extents, out)
     scores = np.abs(_aligned(sm.input, _real(env, sm.input), extents, out) * sm.scale)
+    if sm.cap is not None:
+        # cap tanh(s / cap) moves by at most what s moves (its slope is at most 1), is rounded
+        # at |cap tanh| <= |s|, and its tanh is evaluated to an absolute error of a few units
+        # of roundoff of 1, times cap
+        scores = sm.cap * np.tanh(scores / sm.cap) + 4.0 * sm.cap * (u_acc / u)
     delta = tau * abs(sm.scale) * size + _SAFETY * u * scores
     if sm.mask is not None and sm.mask_kind is MaskKind.ADDITIVE:  # s + mask, rounded once
         mask = np.abs(_aligned(sm.mask, _real(env, sm.mask), extents, out))

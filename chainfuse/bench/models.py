@@ -40,7 +40,7 @@ from typing import Any
 __all__ = ["Spread", "main", "speedup"]
 
 VARIANTS = ("eager", "inductor", "inductor-freezing", "chainfuse")
-MODELS = ("bert", "vit", "vit384", "vit512", "gpt2", "llama", "whisper", "bloom")
+MODELS = ("bert", "vit", "vit384", "vit512", "gpt2", "llama", "whisper", "bloom", "gemma2")
 # a model, its positional inputs and its keyword inputs
 Built = tuple[Any, tuple[Any, ...], dict[str, Any]]
 
@@ -110,7 +110,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
     # (hidden, layers, heads, intermediate, tokens / pixels / positions) per model;
     # Llama-style: GQA 4:1; Whisper: 2 mel frames per position (the conv stem's stride 2)
     if quick:
-        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom = (
+        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom, gemma2 = (
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 128),
@@ -119,11 +119,14 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             (128, 2, 4, 384, 64),
             (128, 2, 4, 512, 250),
             (128, 2, 4, 512, 128),
+            (128, 2, 4, 512, 128),
         )
     else:  # BERT-base, ViT-base at 224, 384 and 512 px, GPT-2 (124M) with a 1024-token
         # prompt, a 1024-wide Llama, a Whisper-base-sized encoder (1500 positions), a
-        # Bloom-560m-wide model (ALiBi attention) with 8 of its 24 layers and a 512-token prompt
-        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom = (
+        # Bloom-560m-wide model (ALiBi attention) with 8 of its 24 layers and a 512-token prompt,
+        # a Gemma-2-2B-wide model (soft-capped attention, head dim 256, GQA 2:1, sliding-window
+        # layers) with 4 of its 26 layers and a 512-token prompt
+        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom, gemma2 = (
             (768, 12, 12, 3072, 128),
             (768, 12, 12, 3072, 224),
             (768, 12, 12, 3072, 384),
@@ -132,6 +135,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             (1024, 8, 16, 2816, 256),
             (512, 6, 8, 2048, 1500),
             (1024, 8, 16, 4096, 512),
+            (2304, 4, 8, 9216, 512),
         )
     patch = 16 if not quick else 8
     prefill = {"logits_to_keep": 1}  # (as `generate` calls the model on the prompt)
@@ -172,9 +176,16 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
                                 vocab_size=32000)  # fmt: skip
         return tf.BloomForCausalLM(config), (ids(bloom[4]),), prefill
 
+    def make_gemma2() -> Built:  # (eager attention: SDPA has no soft-capping)
+        head = 256 if not quick else 32
+        config = tf.Gemma2Config(num_key_value_heads=gemma2[2] // 2, head_dim=head,
+                                 query_pre_attn_scalar=head, sliding_window=4096,
+                                 vocab_size=32000, **sizes(gemma2))  # fmt: skip
+        return tf.Gemma2ForCausalLM(config), (ids(gemma2[4]),), prefill
+
     return {"bert": make_bert, "vit": lambda: make_vit(vit), "vit384": lambda: make_vit(vit384),
             "vit512": lambda: make_vit(vit512), "gpt2": make_gpt2, "llama": make_llama,
-            "whisper": make_whisper, "bloom": make_bloom}  # fmt: skip
+            "whisper": make_whisper, "bloom": make_bloom, "gemma2": make_gemma2}  # fmt: skip
 
 
 def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:

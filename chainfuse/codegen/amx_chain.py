@@ -566,7 +566,11 @@ def _emit_online_softmax(w: Writer, spec: GemmChainSpec) -> None:
         w.line("/* (vector lanes each skip NaN: the max of their maxima never holds one) */")
         w.line("#pragma omp simd reduction(max : mx)")
         with w.block("for (long j = 0; j < lr; ++j)"):
-            w.line("float v = scale * s[j];")
+            if spec.softcap is not None:  # (before any mask: cap tanh(scale s / cap))
+                cap = f"{spec.softcap!r}f"
+                w.line(f"float v = cf_softcap(s[j] * (scale / {cap}), {cap});")
+            else:
+                w.line("float v = scale * s[j];")
             if spec.mask is MaskKind.ADDITIVE:
                 w.line("v += cf_from_bf16(mask_b[mk + j * sMl]);")
             elif spec.mask is MaskKind.BOOL:

@@ -115,6 +115,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         pc = ker.part_cols
         w.line(f"#define CF_NW(n) ((n) >= NR ? NR : ((n) + {pc - 1}) / {pc} * {pc})")
     w.line(f"#define ROWS_LB {ROWS_LB} /* ... l (keys) at a time */")
+    if spec.softcap is not None:
+        w.line(f"#define CF_CAP {spec.softcap!r}f /* soft-capping: cap tanh(s / cap) */")
+        w.line("#define CF_CAP2 (CF_CAP * CF_LOG2E) /* ... in base 2 */")
     w.line(f"#define LAZY_SHIFT {LAZY_SHIFT}.0f /* a shift kept while maxima stay this close */")
     w.line(f"#define SUM_BIG {2**SUM_CAP}.0f /* 2^SUM_CAP: a strip's sum rescaled from it */")
     w.line(ALIGN16)
@@ -235,7 +238,11 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             "const long LQ = (L + (long)split * MR - 1) / ((long)split * MR) * MR; /* l per share */"
         )
-        if spec.epilogue is Epilogue.SOFTMAX:
+        if spec.epilogue is Epilogue.SOFTMAX and spec.softcap is not None:
+            w.line("/* soft-capped scores: A packed times scale / cap, cf_softcap's argument;")
+            w.line("   the strips' softmax makes them cap tanh(scale s / cap) in base 2 */")
+            w.line("const float scale2 = scale / CF_CAP;")
+        elif spec.epilogue is Epilogue.SOFTMAX:
             w.line("/* the scores in base 2: exp(x) = 2^(x log2(e)) */")
             w.line("const float scale2 = scale * CF_LOG2E;")
         w.line("(void)scale; (void)bias1; (void)bias2; (void)B3; /* (null where absent) */")

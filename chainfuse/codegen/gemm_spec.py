@@ -81,6 +81,7 @@ class GemmChainSpec:
     bias1: bool = False  # a vector over l added to op1's result before f (softmax: the mask's)
     bias2: bool = False  # a vector over n added to E
     gated: bool = False  # f(A . B) * (A . B3): a gated MLP's second weight of op1 (B3)
+    softcap: float | None = None  # softmax: scores soft-capped, cap tanh(s / cap), a constant
 
     @property
     def name(self) -> str:
@@ -100,6 +101,7 @@ class GemmChainSpec:
         key += "|b1" if self.bias1 else ""
         key += "|b2" if self.bias2 else ""
         key += "|gated" if self.gated else ""
+        key += "" if self.softcap is None else f"|cap{self.softcap!r}"
         short = {DType.FLOAT32: "f32", **HALF}[self.dtype]
         return f"{word}_gemm_{short}_{name_hash(key)}"
 
@@ -120,6 +122,7 @@ class GemmChainShape:
     bias1: str | None = None  # the bias tensors' names (a softmax's bias1 is its mask)
     bias2: str | None = None
     gate: str | None = None  # a gated MLP's second weight of op1 (B3), read as B is
+    softcap: float | None = None
 
 
 def match_gemm_chain(chain: Chain) -> GemmChainShape:
@@ -214,6 +217,7 @@ def match_gemm_chain(chain: Chain) -> GemmChainShape:
         mask_tensor=None if soft.mask is None else soft.mask.tensor,
         causal=soft.causal,
         safe=soft.safe,
+        softcap=soft.cap,
     )
 
 

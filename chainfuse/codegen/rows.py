@@ -193,6 +193,10 @@ def emit_rows(w: Writer, spec: GemmChainSpec) -> None:
 def _rows_softmax(w: Writer, spec: GemmChainSpec) -> None:
     """`_rows`' online softmax of row i's `lb` scores `si` (masks first), its accumulator
     rescaled by exp(old max - new max)."""
+    if spec.softcap is not None:
+        w.line("/* soft-capping first, before any mask: cap tanh(s / cap), in base 2 */")
+        w.line("#pragma omp simd")
+        w.line("for (int l = 0; l < lb; ++l) si[l] = cf_softcap(si[l], CF_CAP2);")
     if spec.mask is MaskKind.ADDITIVE:
         w.line("const cf_elem* restrict mk = (const cf_elem*)mask_b + (m0 + i) * sMm;")
         w.line("for (int l = 0; l < lb; ++l) si[l] += cf_mask2(CF_LOAD(mk[(l0 + l) * sMl]));")

@@ -244,6 +244,7 @@ def schedule_gemm_chain(
         mask=shape.mask,
         causal=shape.causal,
         safe=shape.safe,
+        softcap=shape.softcap,
         T_M=code[m],
         T_L=code[l_],
         T_K=code[k],

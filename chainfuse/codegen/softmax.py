@@ -50,6 +50,7 @@ def exponentiates_beside_op1(spec: GemmChainSpec) -> bool:
         and spec.b_transposed
         and spec.kernel.scores_exp is not None
         and bool(spec.kernel.part_cols)
+        and spec.softcap is None
     )
 
 
@@ -246,6 +247,12 @@ def _softmax_strip(w: Writer, spec: GemmChainSpec, width: str) -> None:
     strip's nw)."""
     w.line("float mx[NR], shift[NR], alpha[NR], sum[NR];")
     w.line(f"for (int c = 0; c < {width}; ++c) mx[c] = -INFINITY;")
+    if spec.softcap is not None:
+        w.line("/* soft-capping first, before any mask: cap tanh(s / cap), in base 2 */")
+        with w.block("for (int r = 0; r < lc; ++r)"):
+            w.line("#pragma omp simd")
+            with w.block(f"for (int c = 0; c < {width}; ++c)"):
+                w.line("p[r * NR + c] = cf_softcap(p[r * NR + c], CF_CAP2);")
     masked = spec.mask is not MaskKind.NONE or spec.causal
     if masked:
         w.line("/* the query (m) of each column; padding columns reuse the last valid one */")

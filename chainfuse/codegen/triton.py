@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from dataclasses import dataclass
 
 from chainfuse.ir import DType
@@ -56,6 +57,7 @@ class TritonSpec:
     gated: bool = False  # f(A·B) * (A·G): SwiGLU / GeGLU, `between` silu or gelu
     tf32: bool = False  # fp32 chains: tl.dot in tf32 (opt-in) instead of IEEE fp32
     interpret: bool = False  # widen bf16 before tl.dot (the interpreter's bf16 dot is wrong)
+    softcap: float | None = None  # softmax: scores soft-capped, cap tanh(s / cap)
 
     def __post_init__(self) -> None:
         if self.dtype not in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16):
@@ -64,6 +66,8 @@ class TritonSpec:
             )
         if (self.mask is not Mask.NONE or self.causal) and self.between is not Between.SOFTMAX:
             raise ValueError("masks and causal need the softmax between")
+        if self.softcap is not None and self.between is not Between.SOFTMAX:
+            raise ValueError("softcap needs the softmax between")
         if self.gated and self.between not in (Between.SILU, Between.GELU):
             raise ValueError("a gated MLP needs silu or gelu between")
 
@@ -75,6 +79,7 @@ class TritonSpec:
     def words(self) -> str:
         parts = [self.between.value]
         parts += ["causal"] if self.causal else []
+        parts += ["softcap"] if self.softcap is not None else []
         parts += [f"{self.mask.value}mask"] if self.mask is not Mask.NONE else []
         parts += ["gated"] if self.gated else []
         parts += ["bias1"] if self.bias1 else []
@@ -95,7 +100,9 @@ def _header(spec: TritonSpec, name: str) -> list[str]:
         Between.RELU: "relu(C)",
         Between.GELU: "gelu(C)",
         Between.SILU: "silu(C)",
-        Between.SOFTMAX: "softmax_l(scale * C + mask)",
+        Between.SOFTMAX: "softmax_l(scale * C + mask)"
+        if spec.softcap is None
+        else f"softmax_l({spec.softcap!r} tanh(scale * C / {spec.softcap!r}) + mask)",
     }[spec.between]
     if spec.gated:
         f = f"{f} * (A·G)"
@@ -227,6 +234,12 @@ def _between(spec: TritonSpec) -> list[str]:
     if spec.causal:
         valid += " & (rl[None, :] <= rm[:, None])"
     lines = ["# scores in base 2: scale already holds log2(e)", "s = c * scale"]
+    if spec.softcap is not None:  # cap tanh(u) = 2 cap sigmoid(2u) - cap, before the mask
+        cap2 = spec.softcap * math.log2(math.e)
+        lines = [
+            "# soft-capped scores in base 2: scale holds 2 / cap, tanh(u) = 2 sigmoid(2u) - 1",
+            f"s = {2.0 * cap2!r} * tl.sigmoid(c * scale) - {cap2!r}",
+        ]
     if spec.mask is Mask.BOOL:
         lines.append(
             "keep = tl.load(mask_row + rl[None, :] * sm_l, mask=(rm[:, None] < M) & (rl[None, :] < L), other=0)"

@@ -51,6 +51,7 @@ def known_attention(
     scale: Any,
     enable_gqa: Any,
     threads: int,
+    softcap: Any = None,
 ) -> tuple[Any, tuple[Any, ...] | None, tuple[Any, ...] | None]:
     """(the result, None, None) of an `attention` call (no dropout) like one run before
     (`replay`, or `replay_keys` for another key length in a known bucket); else (None, its
@@ -61,10 +62,13 @@ def known_attention(
         (is_causal is False or is_causal is True)
         and (enable_gqa is False or enable_gqa is True)
         and (scale is None or scale.__class__ is float)
+        and (softcap is None or softcap.__class__ is float)
     ):
         sig = signature((q, k, v, attn_mask))
         if sig is not None:
-            key = ("attention", is_causal, enable_gqa, scale, threads, amx_setting(), sig)
+            # (the signature last: `bucket_key` reads it there)
+            cap = () if softcap is None else (softcap,)
+            key = ("attention", is_causal, enable_gqa, scale, threads, amx_setting(), *cap, sig)
             replays = calls.replays
             hit = replays.get(key)
             if hit is not None:
@@ -98,6 +102,7 @@ def attention(
     *,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    softcap: float | None = None,
 ) -> Any:
     """`softmax(q kᵀ * scale + mask) v`, fused, for numpy arrays or torch CPU tensors, float32,
     bfloat16 or float16 (an additive mask then has q's dtype too, as in PyTorch).
@@ -110,7 +115,9 @@ def attention(
     float, and broadcasts to [batch, heads, seq_q, seq_k] as in PyTorch; `is_causal` masks keys after each
     query (top-left aligned, PyTorch's rule); both may be given. A query whose keys are all
     masked gets zeros, and so does every query when there are no keys (seq_k = 0); an empty q
-    gives an empty result. `scale` defaults to 1/sqrt(d_qk).
+    gives an empty result. `scale` defaults to 1/sqrt(d_qk). `softcap` (soft-capping: Gemma 2's
+    attention, FlashAttention's `softcap`), a number > 0: the scaled scores s become
+    `softcap * tanh(s / softcap)` before the mask is added.
 
     `enable_gqa` (grouped-query attention, PyTorch's rule): k and v may have fewer heads than
     q, a divisor of them; key head j serves query heads j*g .. j*g + g-1 (g = q's heads / k's),
@@ -123,17 +130,17 @@ def attention(
     """
     if q.__class__ is not np.ndarray and gpu.routed(q, k, v, attn_mask):  # CUDA, or triton
         return gpu.attention(q, k, v, attn_mask, is_causal, scale, dropout_p=dropout_p,
-                             enable_gqa=enable_gqa)  # fmt: skip
+                             enable_gqa=enable_gqa, softcap=softcap)  # fmt: skip
     threads = get_num_threads()
     key = by_keys = None
     if dropout_p.__class__ is float and dropout_p == 0.0:
         done, key, by_keys = known_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa,
-                                             threads)  # fmt: skip
+                                             threads, softcap)  # fmt: skip
         if done is not None:
             return done
     if subclassed(q, k, v, attn_mask):  # (np.memmap and such: plain arrays over their memory)
         return attention(plain(q), plain(k), plain(v), plain(attn_mask), is_causal, scale,
-                         dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
+                         dropout_p=dropout_p, enable_gqa=enable_gqa, softcap=softcap)  # fmt: skip
     # (identity tests first: each check costs a measurable share of a short call)
     if (
         (is_causal is not False and is_causal is not True)
@@ -142,6 +149,8 @@ def attention(
         or dropout_p != 0.0
     ):
         check_flags(is_causal, enable_gqa, dropout_p)
+    if softcap is not None:
+        softcap = builders.check_softcap(softcap)
     dtype, (sq, sk, sv) = operands_of("q, k, v", q, k, v)
     if min(len(sq), len(sk), len(sv)) < 2:
         raise ValueError(f"q, k, v: expected [..., seq, dim] each, got shapes {sq}, {sk}, {sv}")
@@ -149,9 +158,9 @@ def attention(
     on_cpu("q, k, v, attn_mask", q, k, v, attn_mask)
     inner_contiguous("q, k, v", q, k, v)
     if not len(sq) == len(sk) == len(sv) or len(sq) == 2:
-        return _attention_ranks(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+        return _attention_ranks(q, k, v, attn_mask, is_causal, scale, enable_gqa, softcap)
     if len(sq) > 4:
-        return _attention_nd(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+        return _attention_nd(q, k, v, attn_mask, is_causal, scale, enable_gqa, softcap)
     flat = len(sq) == 3
     # 3-D inputs: [batch, seq, dim] as one head per batch, or, with enable_gqa, their first
     # dim as the heads (PyTorch groups dim -3, whatever it is)
@@ -221,32 +230,35 @@ def attention(
     result, like = new_result(first, shape or (batch, heads, seq_q, sv[3]))
     out = result[None] if lifted else result[:, None] if flat else result
     if kv_heads != heads:
-        _grouped(q, k, v, attn_mask, causal, scale, mask_kind, mask_shape, dtype, out,
+        _grouped(q, k, v, attn_mask, causal, (scale, softcap), mask_kind, mask_shape, dtype, out,
                  (threads, key, result, like, by_keys))  # fmt: skip
     else:
         kernel, keys = bucketed((batch, heads, seq_q, seq_k, d_qk, sv[3]), causal, mask_kind,
-                                 scale, mask_shape, dtype, threads)  # fmt: skip
+                                 (scale, softcap), mask_shape, dtype, threads)  # fmt: skip
         inputs = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
         run(kernel, inputs, out, threads, key, result, like, keys, by_keys)
     return result
 
 
 def _attention_ranks(
-    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool
-) -> Any:
+    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool,
+    cap: float | None,
+) -> Any:  # fmt: skip
     """`attention` on q, k, v of different ranks, or 2-D ([seq, dim]): each seen with leading
     dims of 1 up to the highest rank (3 at least), as PyTorch's broadcasting aligns them (a
     3-D q beside 4-D k and v is [heads, seq, dim]); the result has the highest rank."""
     rank = max(len(q.shape), len(k.shape), len(v.shape))
     padded = max(rank, 3)
     q, k, v = (x.reshape((1,) * (padded - len(x.shape)) + tuple(x.shape)) for x in (q, k, v))
-    out = attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    out = attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa,
+                    softcap=cap)  # fmt: skip
     return out.reshape(out.shape[padded - rank :]) if padded > rank else out
 
 
 def _attention_nd(
-    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool
-) -> Any:
+    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool,
+    cap: float | None,
+) -> Any:  # fmt: skip
     """`attention` on q, k, v of 5 or more dims, [*batch, heads, seq, dim] (SDPA's
     (N, ..., H, L, E)): the batch dims broadcast, then merge into one where every operand's
     memory allows it (a contiguous one does: one 4-D call, the result a view of its result),
@@ -267,13 +279,13 @@ def _attention_nd(
     if all(x is not None for x in merged):
         four = attention(merged[0], merged[1], merged[2],
                          attn_mask=merged[3] if mask is not None else None,
-                         is_causal=causal, scale=scale, enable_gqa=gqa)  # fmt: skip
+                         is_causal=causal, scale=scale, enable_gqa=gqa, softcap=cap)  # fmt: skip
         return four.reshape(*lead, *four.shape[1:])
     result: Any = None
     for at in np.ndindex(*lead[:-1]):
         qa, ka, va = (x[at] for x in operands[:3])
         part = attention(qa, ka, va, attn_mask=operands[3][at] if mask is not None else None,
-                         is_causal=causal, scale=scale, enable_gqa=gqa)  # fmt: skip
+                         is_causal=causal, scale=scale, enable_gqa=gqa, softcap=cap)  # fmt: skip
         if result is None:
             result, _ = new_result(part, (*lead, *part.shape[1:]))
         result[at] = part
@@ -305,13 +317,14 @@ def _broadcast_heads(x: Any, group: int) -> Any:
 
 
 def _grouped(
-    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, mask_kind: str | None,
+    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: tuple[float | None, float | None],
+    mask_kind: str | None,
     mask_shape: tuple[int, ...] | None, dtype: str, out: Any,
     call: tuple[int, tuple[Any, ...] | None, Any, bool, tuple[Any, ...] | None],
 ) -> None:  # fmt: skip
     """Grouped-query attention (4-D operands, k and v with heads/g heads) with k and v in place,
-    into `out` [batch, heads, seq_q, d_v] (a contiguous result, or a view of one); `call` is
-    `run`'s (threads, key, result, like, by_keys).
+    into `out` [batch, heads, seq_q, d_v] (a contiguous result, or a view of one); `scale` is
+    (scale, softcap), `call` is `run`'s (threads, key, result, like, by_keys).
 
     Without causality, and either with one query and a mask (if any) that does not vary over
     the heads, or without a mask and with q's heads g at a time one after the other in memory

@@ -280,9 +280,11 @@ def attention(
     *,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    softcap: float | None = None,
 ) -> Any:
     """SDPA semantics as one Triton kernel (the arguments as `ops.attention`'s)."""
     check_flags(is_causal, enable_gqa, dropout_p)
+    cap = builders.check_softcap(softcap)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale: expected a real number or None, got {scale!r}")
     dtype, interpret = _checked(
@@ -347,7 +349,8 @@ def attention(
     if L == 0:
         return result.zero_().reshape(_result_shape(q, k, v, M, N))
     s = 1.0 / math.sqrt(K) if scale is None else float(scale)
-    spec = TritonSpec(dtype, Between.SOFTMAX, mask_kind, bool(is_causal), interpret=interpret)
+    spec = TritonSpec(dtype, Between.SOFTMAX, mask_kind, bool(is_causal), interpret=interpret,
+                      softcap=cap)  # fmt: skip
     plan = _plan(
         (
             batch,
@@ -361,6 +364,7 @@ def attention(
             None,
             None,
             dtype.value,
+            cap,
         ),
         "attention",
         _hardware(q),
@@ -369,7 +373,9 @@ def attention(
     strides = [_four(q4), _four(k4.transpose(-1, -2)), _four(v4), _four(result)]
     if m4 is not None:
         strides.append(_four(m4))
-    _launch(spec, plan, tensors, (batch, heads, heads // kv_heads, M, N, K, L), strides, s * LOG2E)
+    # (the kernel's scores: base 2, or soft-capping's argument 2 s / cap)
+    factor = LOG2E if cap is None else 2.0 / cap
+    _launch(spec, plan, tensors, (batch, heads, heads // kv_heads, M, N, K, L), strides, s * factor)
     return result.reshape(_result_shape(q, k, v, M, N))
 
 

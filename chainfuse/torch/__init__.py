@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from chainfuse import ops
+from chainfuse.builders import check_softcap
 from chainfuse.ops.arguments import grad_refused
 from chainfuse.ops.attention import known_attention
 from chainfuse.runtime.threads import call_threads, reset_call_threads, threads_for
@@ -65,17 +66,19 @@ def _attention_op(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The operator's CPU and CUDA kernel: `ops.attention` (CUDA: Triton), which checks every
-    argument (or PyTorch's SDPA, where `attention_reason` says so)."""
-    handed: torch.Tensor | None = _handed_attention(
-        q, k, v, attn_mask, is_causal, scale, enable_gqa
-    )
-    if handed is not None:
-        return handed
+    argument (or PyTorch's SDPA, where `attention_reason` says so and there is no softcap)."""
+    if softcap is None:
+        handed: torch.Tensor | None = _handed_attention(
+            q, k, v, attn_mask, is_causal, scale, enable_gqa
+        )
+        if handed is not None:
+            return handed
     out: torch.Tensor = _on_torch_threads(
         ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa,
+        enable_gqa=enable_gqa, softcap=softcap,
     )  # fmt: skip
     return out
 
@@ -89,6 +92,7 @@ def _attention_shape(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The result a compiler plans with: q's shape with v's head dim, batch and heads broadcast
     with k's and v's, q's dtype, contiguous (as the kernel returns it). The shapes are checked
@@ -107,6 +111,7 @@ def attention(
     *,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    softcap: float | None = None,
 ) -> Any:
     """`torch.nn.functional.scaled_dot_product_attention` semantics (inference, no dropout).
 
@@ -115,18 +120,21 @@ def attention(
     its fused kernel does; its math path, taken where v's head dim differs from q's, refuses
     the pair);
     `enable_gqa=True` lets k and v have fewer heads (a divisor of q's), each serving a group of
-    q's heads. `dropout_p` (keyword-only here) must be 0. Inputs that require grad are refused
+    q's heads. `softcap` (keyword-only; Gemma 2's attention): the scaled scores s become
+    `softcap * tanh(s / softcap)` before the mask is added; SDPA has no such argument.
+    `dropout_p` (keyword-only here) must be 0. Inputs that require grad are refused
     while grad mode is on (no backward): use `torch.no_grad()` or `torch.inference_mode()`.
     Inside `torch.compile` it is the operator `torch.ops.chainfuse.attention` (see the module).
     A 16-bit call no AMX kernel runs goes to PyTorch's SDPA where the model predicts it faster
     (`handoff`), counted in `fallbacks`.
     """
-    return _attend(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, decide=True)
+    return _attend(q, k, v, attn_mask, is_causal, scale, dropout_p, enable_gqa, decide=True,
+                   softcap=softcap)  # fmt: skip
 
 
 def _attend(
     q: Any, k: Any, v: Any, attn_mask: Any, is_causal: bool, scale: float | None,
-    dropout_p: float, enable_gqa: bool, decide: bool,
+    dropout_p: float, enable_gqa: bool, decide: bool, softcap: float | None = None,
 ) -> Any:  # fmt: skip
     """`attention`; `decide=False`: chainfuse's kernel without asking whether PyTorch's is
     faster (`patch_sdpa` has asked)."""
@@ -144,9 +152,12 @@ def _attend(
                 "inference (no dropout, no backward)"
             )
         _refuse_grad("q, k, v, attn_mask", q, k, v, attn_mask)
-        return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
+        if softcap is not None:  # (the operator's schema: a float)
+            softcap = check_softcap(softcap)
+        return _attention_op(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa),
+                             softcap)  # fmt: skip
     # (no autograd context needed: the kernel writes a fresh tensor outside the graph)
-    if decide and q.dtype in _HALF and dropout_p == 0:
+    if decide and q.dtype in _HALF and dropout_p == 0 and softcap is None:
         handed = _handed_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa)
         if handed is not None:
             return handed
@@ -154,11 +165,12 @@ def _attend(
         # a call like one made before (a decoding step) without the context below, a
         # measurable share of a short call
         done = known_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa,
-                               threads_for(torch.get_num_threads()))[0]  # fmt: skip
+                               threads_for(torch.get_num_threads()), softcap)[0]  # fmt: skip
         if done is not None:
             return done
     return _on_torch_threads(ops.attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                             scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)  # fmt: skip
+                             scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                             softcap=softcap)  # fmt: skip
 
 
 _HALF = (torch.bfloat16, torch.float16)

@@ -369,15 +369,19 @@ def _attention(mm: fx.Node) -> Found | str | None:
     # ("view", node) re-labels them, ("add", node, mask) adds a mask, ("fill", node, where,
     # value) sets them to value where `where` is true
     steps: list[tuple[Any, ...]] = []
-    node, scaled, words = mm, False, []
+    node, scaled, words, softcap = mm, False, [], None
     while (nxt := _single_user(node)) is not None:
-        if nxt.target in (operator.mul, operator.truediv, torch.mul, "mul", "div") and not (
-            scaled or any(step[0] != "view" for step in steps)  # (a scale before any mask)
-        ):
-            c = constant_of(nxt.args[1]) if nxt.args[0] is node else constant_of(nxt.args[0])
-            if c is None or (nxt.target in (operator.truediv, "div") and nxt.args[0] is not node):
-                break
-            c = 1.0 / c if nxt.target in (operator.truediv, "div") else c
+        masked = any(step[0] != "view" for step in steps)
+        if softcap is None and not masked and bias is None and (capped := _softcap(nxt, node)):
+            # c tanh(k s) as soft-capping: cap |c|, the scale times k c (no scale after it; a
+            # baddbmm's bias is inside the tanh: not taken)
+            k, outer, nodes = capped
+            scale, softcap, scaled = scale * k * outer, abs(outer), True
+            words.append("softcap")
+            taken.extend(nodes[:-1])
+            nxt = nodes[-1]
+        elif (c := _factor(nxt, node)) is not None and not (scaled or masked):
+            # (a scale before any mask)
             scale, beta, scaled = scale * c, beta * c, True
             words.append("scale")
         elif _passes(nxt):
@@ -418,10 +422,50 @@ def _attention(mm: fx.Node) -> Found | str | None:
     form = " -> ".join([head, *words, "softmax", "matmul"])
     adds = [step[2] for step in steps if step[0] == "add"]
     parts = {"q": q, "kt": kt, "v": end.args[1], "scale": scale, "bias": bias, "bias_scale": beta,
-             "steps": tuple(steps), "masks": tuple(adds),
+             "softcap": softcap, "steps": tuple(steps), "masks": tuple(adds),
              # one mask added, nothing else: the kernel takes it as it is
              "mask": adds[0] if len(steps) == 1 and adds and bias is None else None}  # fmt: skip
     return Found(ChainKind.ATTENTION, form, (mm, *taken, end), parts)
+
+
+def _factor(node: fx.Node, x: fx.Node) -> float | None:
+    """c where `node` is `x * c`, `c * x` or `x / c` for a constant number c, else None."""
+    if node.target not in (operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div"):
+        return None
+    if node.kwargs or len(node.args) != 2 or x not in node.args:
+        return None
+    divides = node.target in (operator.truediv, torch.div, "div")
+    if divides and node.args[0] is not x:
+        return None
+    c = constant_of(node.args[1] if node.args[0] is x else node.args[0])
+    if c is None or (divides and c == 0.0):
+        return None
+    return 1.0 / c if divides else c
+
+
+_TANH = (torch.tanh, torch.nn.functional.tanh, "tanh")
+
+
+def _softcap(node: fx.Node, scores: fx.Node) -> tuple[float, float, list[fx.Node]] | None:
+    """Soft-capping of the scores, `c * tanh(k * scores)` (Gemma 2: `tanh(s / cap) * cap`), as
+    (k, c, its nodes from `node`); k is 1 without a factor before the tanh. None otherwise."""
+    nodes: list[fx.Node] = []
+    k = _factor(node, scores)
+    inner: fx.Node | None = node
+    if k is not None:
+        nodes.append(node)
+        inner = _single_user(node)
+    else:
+        k = 1.0
+    if inner is None or inner.target not in _TANH or inner.kwargs:
+        return None
+    if len(inner.args) != 1 or inner.args[0] is not (nodes[-1] if nodes else scores):
+        return None
+    out = _single_user(inner)
+    c = _factor(out, inner) if out is not None else None
+    if out is None or c is None or c == 0.0:
+        return None
+    return k, c, [*nodes, inner, out]
 
 
 #: a fill of masked-out scores is taken where it sets them to a value so far below any score

@@ -292,7 +292,9 @@ class Emitter:
             bias = env(p["bias"]) if p["bias"] is not None else None
             terms = (env(p["q"]), env(p["kt"]), bias, float(p["bias_scale"]), steps)
             mask = graph.call_function(score_terms, terms)
-        args = (env(p["q"]), k, env(p["v"]), mask, False, float(p["scale"]), False)
+        args: tuple[Any, ...] = (env(p["q"]), k, env(p["v"]), mask, False, float(p["scale"]), False)
+        if p["softcap"] is not None:
+            args += (float(p["softcap"]),)
         out = graph.call_function(torch.ops.chainfuse.attention.default, args)
         if mask is None:
             return out

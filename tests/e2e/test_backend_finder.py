@@ -308,6 +308,59 @@ def test_written_out_attention_with_filled_scores(form: str, dtype: str) -> None
     assert float(err) <= 4 * float((want.double() - want64).nan_to_num().abs().max()) + 1e-6
 
 
+def _capped(q: Any, k: Any, v: Any, m: Any, form: str) -> Any:
+    """Attention with soft-capped scores, as Gemma 2 writes it, and variants of it."""
+    s = q @ k.transpose(-2, -1)
+    if form == "Gemma 2":  # scale, / cap, tanh, * cap, + mask, float32 softmax cast back
+        s = torch.tanh(s * 0.25 / 30.0) * 30.0 + m
+        return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if form == "cap times tanh":  # c tanh(k s): cap c, scale k c
+        s = 5.0 * torch.tanh(s * 0.05)
+    elif form == "no factor inside":  # cap tanh(s): scale = cap
+        s = torch.tanh(s).mul(2.0)
+    elif form == "negative cap":  # (-c) tanh(-s / c) = c tanh(s / c)
+        s = -3.0 * (s / -3.0).tanh()
+    elif form == "then filled":  # a causal fill after the cap
+        s = (s.tanh() * 4.0).masked_fill(m < -1.0, float("-inf"))
+    elif form == "mask inside":  # the mask added before the cap: not soft-capping the scores
+        s = torch.tanh((s + m) / 10.0) * 10.0
+    elif form == "another cap outside":  # a factor other than the inner one's inverse kept
+        s = torch.tanh(s / 10.0) * 10.0 * 0.5
+    return F.softmax(s, dim=-1).to(q.dtype) @ v
+
+
+CAPPED = ["Gemma 2", "cap times tanh", "no factor inside", "negative cap", "then filled",
+          "mask inside", "another cap outside"]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", CAPPED)
+def test_written_out_attention_with_capped_scores(form: str, dtype: str) -> None:
+    """Soft-capped scores (`c * tanh(k * s)`, Gemma 2's form among them) are one fused call with
+    eager's result within the rule; a mask inside the tanh, or a scale after it, ends the chain
+    (the kernel caps the scores alone, then adds the mask)."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    q, k, v = (2.0 * torch.randn(2, 3, 11, 16, dtype=dt) for _ in range(3))
+    causal = torch.ones(11, 11).tril().bool()
+    m = torch.zeros(1, 1, 11, 11).masked_fill(~causal, torch.finfo(torch.float32).min).to(dt)
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(_capped, backend=Backend(Options(mode="inductor", measure=False), report),
+                           fullgraph=True)  # fmt: skip
+        got, want = fn(q, k, v, m, form), _capped(q, k, v, m, form)
+        want64 = _capped(q.double(), k.double(), v.double(), m.double(), form)
+    fused = [c for c in report.chains if c.fused]
+    if form in ("mask inside", "another cap outside"):
+        assert not fused
+    else:
+        (chain,) = fused
+        assert "softcap" in chain.form, chain.form
+    err = (got.double() - want64).abs().max()
+    assert float(err) <= 4 * float((want.double() - want64).abs().max()) + 1e-6
+
+
 def test_filled_attention_is_timed_with_its_mask_ops_compiled(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -116,6 +116,12 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         cfg = transformers.MptConfig(vocab_size=100, d_model=64, n_heads=4, n_layers=2,
                                      expansion_ratio=2)  # fmt: skip
         return transformers.MptForCausalLM(cfg), (ids,), 2 + 2 * ("gelu" in CAPS.activations)
+    if name == "gemma2":  # soft-capped scores (tanh), sliding-window layers, gated tanh-GELU MLP
+        cfg = transformers.Gemma2Config(vocab_size=100, num_key_value_heads=2, head_dim=16,
+                                        sliding_window=8, attn_logit_softcapping=50.0,
+                                        query_pre_attn_scalar=16, **small)  # fmt: skip
+        gated = 2 * (CAPS.gated_mlp and "gelu_tanh" in CAPS.activations)
+        return transformers.Gemma2ForCausalLM(cfg), (ids,), 2 + gated
     if name == "encoder-layer":
         layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
         return layer, (torch.randn(2, 17, 64),), 1 + CAPS.bias
@@ -172,7 +178,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
          ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("resnet", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
-         ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
+         ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "dtype"), CASES)

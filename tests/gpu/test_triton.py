@@ -135,6 +135,23 @@ def test_attention(shape: tuple[int, ...], causal: bool, mask: str | None, dtype
     check_against_reference(kernel, chain, convert=_convert(dtype), softmax_term=True)
 
 
+@pytest.mark.parametrize(("shape", "causal", "mask", "dtype"),
+                         [((2, 3, 17, 29, 40, 24), True, None, "float32"),
+                          ((1, 2, 31, 67, 64, 64), False, "additive", "bfloat16")])  # fmt: skip
+def test_attention_softcap(
+    shape: tuple[int, ...], causal: bool, mask: str | None, dtype: str
+) -> None:
+    """Soft-capped scores (Gemma 2's), the cap small enough to bend most of them."""
+    b, sk = shape[0], shape[3]
+    chain = builders.attention_chain(*shape, causal=causal, mask=mask, dtype=dtype, softcap=0.5,
+                                     mask_shape=None if mask is None else (b, 1, 1, sk))  # fmt: skip
+
+    def kernel(q: Any, k: Any, v: Any, m: Any = None) -> Any:
+        return ops.attention(q, k, v, attn_mask=m, is_causal=causal, softcap=0.5).cpu()
+
+    check_against_reference(kernel, chain, convert=_convert(dtype), softmax_term=True, scale=3.0)
+
+
 def _sdpa64(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
     """PyTorch's SDPA in float64 (math backend) on the values the kernel reads."""
     return torch.nn.functional.scaled_dot_product_attention(

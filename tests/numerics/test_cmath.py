@@ -1,5 +1,6 @@
 """The C math helpers every generated GEMM-chain kernel includes (`codegen/csrc/math.c`): the
-exponentials (the softmax's base-2 one, the one under GELU's erf) and the erf, against float64 numpy/math over their whole domain, built with
+exponentials (the softmax's base-2 one, the one under GELU's erf), the erf and the tanh
+(soft-capping's), against float64 numpy/math over their whole domain, built with
 the flags of every kernel build (so the vectorised, if-converted code is what is tested); the AVX2
 kernels' softmax strip exponentials (`kernels.avx2.avx2_exp2_strip`) and the 16-bit conversions likewise."""
 
@@ -35,6 +36,11 @@ void run_exp2(const float* x, float* y, long n)
 void run_erf(const float* x, float* y, long n)
 {
     for (long i = 0; i < n; ++i) y[i] = cf_erf(x[i]);
+}
+
+void run_tanh(const float* x, float* y, long n)
+{
+    for (long i = 0; i < n; ++i) y[i] = cf_tanh(x[i]);
 }
 """
 )
@@ -121,6 +127,22 @@ def test_erf(lib: ctypes.CDLL) -> None:
     want = np.array([math.erf(v) for v in x.astype(np.float64)])
     assert np.abs(got - want).max() < 5e-7
     special = _apply(lib, "run_erf", np.array([np.inf, -np.inf, np.nan], np.float32))
+    assert special[0] == 1.0 and special[1] == -1.0 and np.isnan(special[2])
+
+
+def test_tanh(lib: ctypes.CDLL) -> None:
+    """Relative error below 2.5e-7 over the whole range (soft-capping's scores: cap tanh(s/cap)
+    is then as exact as the scores), odd, and exact at the branches' seam and the ends."""
+    x = np.concatenate([np.linspace(-12, 12, 240_001), np.geomspace(1e-30, 0.7, 20_001),
+                        [0.0, 0.625, np.nextafter(np.float32(0.625), np.float32(0)), 9.0, 50.0,
+                         1e30]]).astype(np.float32)  # fmt: skip
+    got = _apply(lib, "run_tanh", x).astype(np.float64)
+    want = np.tanh(x.astype(np.float64))
+    nonzero = want != 0.0
+    assert (np.abs(got - want)[nonzero] / np.abs(want[nonzero])).max() < 2.5e-7
+    assert got[x == 0.0].tolist() == [0.0] * int((x == 0.0).sum())
+    assert np.array_equal(_apply(lib, "run_tanh", -x), -got.astype(np.float32))
+    special = _apply(lib, "run_tanh", np.array([np.inf, -np.inf, np.nan], np.float32))
     assert special[0] == 1.0 and special[1] == -1.0 and np.isnan(special[2])
 
 
