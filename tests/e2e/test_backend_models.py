@@ -215,7 +215,7 @@ def test_encoder_layer_fast_path_is_reported() -> None:
     assert any("fast path" in why for _, why in report.skipped)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "phi3", "bloom"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "phi3", "bloom", "gemma2"])
 def test_greedy_generation_gives_eager_tokens_without_recompiling(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
