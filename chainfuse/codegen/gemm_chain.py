@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from chainfuse.codegen.common import ALIGN16, c_source, define_lines, header_comment, per_thread
 from chainfuse.codegen.gemm_spec import HALF, Epilogue, GemmChainSpec, wide_heads, writes_e
-from chainfuse.codegen.row_block import emit_block, emit_store_e
+from chainfuse.codegen.row_block import emit_block, emit_narrow_keys, emit_store_e, narrows_keys
 from chainfuse.codegen.rows import (
     ROWS_LB,
     ROWS_MAX,
@@ -204,6 +204,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         emit_scores_strip(w, spec)
         w.line("")
     emit_store_e(w, spec)
+    if narrows_keys(spec):
+        w.line("")
+        emit_narrow_keys(w, spec)
     w.line("")
     emit_rows(w, spec)
     w.line("")

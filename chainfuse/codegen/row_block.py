@@ -25,7 +25,92 @@ from chainfuse.codegen.writer import Writer
 from chainfuse.ir import DType, MaskKind
 from chainfuse.kernels import MicroKernel
 
-__all__ = ["emit_block", "emit_store_e"]
+__all__ = ["emit_block", "emit_narrow_keys", "emit_store_e", "narrows_keys"]
+
+#: an additive mask value at or below this excludes its key where the row keeps another: score +
+#: value rounds to value (|score| < 2^103), and its exponential against the row's maximum is 0
+#: (-inf, or `torch.finfo(float32 or bfloat16).min` as models fill with; fp16's -65504 is not)
+EXCLUDED_BELOW = -1e37
+
+
+def narrows_keys(spec: GemmChainSpec) -> bool:
+    """Whether a row block's keys are narrowed to those its mask keeps (`cf_narrow_keys`)."""
+    return spec.epilogue is Epilogue.SOFTMAX and spec.mask is not MaskKind.NONE
+
+
+def emit_narrow_keys(w: Writer, spec: GemmChainSpec) -> None:
+    """`cf_narrow_keys`: a row block's range of keys without the keys at its start and end that
+    the mask excludes for every row (-inf or below EXCLUDED_BELOW, or False), where that is
+    exact: q's rows and the left-out keys' k and v rows finite (their scores are then finite
+    and weigh 0; a NaN or inf there reaches every row, as in SDPA, so nothing is left out), and
+    no row that keeps no key unless its mask is -inf throughout (such a row weighs every key
+    alike in eager's softmax of finfo.min fills). A causal mask, a sliding window and padding
+    leave out their blocks as `is_causal` does."""
+    bool_mask = spec.mask is MaskKind.BOOL
+    elem = "unsigned char" if bool_mask else "cf_elem"
+    out = "(x) == 0" if bool_mask else f"CF_LOAD(x) <= {EXCLUDED_BELOW:g}f"
+    inf = "1" if bool_mask else "CF_LOAD(x) == -INFINITY"
+    kat = "kt[l * sBr + x]" if spec.b_transposed else "kt[x * sBr + l]"
+    vat = "v[x * sDl + l]" if spec.d_transposed else "v[l * sDl + x]"
+    w.line(f"#define CF_OUT(x) ({out})")
+    w.line(f"#define CF_ALL_INF(x) ({inf})")
+    w.line(
+        "/* the row block's keys [*lo, *end) narrowed to those its mask keeps for some row: returns"
+    )
+    w.line("   whether they narrowed (see emit_narrow_keys in codegen/row_block.py) */")
+    with w.block(
+        f"static int cf_narrow_keys(const {elem}* restrict mk, long sMm, long sMl, long m0, int mc,"
+        "\n    long* lo, long* end, const cf_elem* restrict q, long sAm, long K,"
+        "\n    const cf_elem* restrict kt, long sBr, const cf_elem* restrict v, long sDl, long N)"
+    ):
+        w.line("const long l0 = *lo, l1 = *end;")
+        w.line("long first = l1, last = l0; /* the first key kept, one past the last */")
+        w.line("const int rows = sMm == 0 ? 1 : mc; /* (a mask the same for every row) */")
+        with w.block("for (int r = 0; r < rows; ++r)"):
+            w.line(f"const {elem}* restrict row = mk + (m0 + r) * sMm;")
+            w.line("/* the row's first and one past its last key kept; whether it is -inf where it")
+            w.line("   keeps none (contiguous keys: one vectorised pass over the row) */")
+            w.line("long f = l1, e = l0;")
+            w.line("int all_inf = 1;")
+            with w.block("if (sMl == 1)"):
+                w.line("int fi = (int)(l1 - l0), ei = 0, ai = 1;")
+                w.line(f"const {elem}* restrict at = row + l0;")
+                w.line("#pragma omp simd reduction(min : fi) reduction(max : ei) reduction(& : ai)")
+                with w.block("for (int l = 0; l < (int)(l1 - l0); ++l)"):
+                    w.line("const int kept = !(CF_OUT(at[l]));")
+                    w.line("fi = kept && l < fi ? l : fi;")
+                    w.line("ei = kept && l + 1 > ei ? l + 1 : ei;")
+                    w.line("ai &= kept | (CF_ALL_INF(at[l]));")
+                w.line("f = l0 + fi;")
+                w.line("e = l0 + ei;")
+                w.line("all_inf = ai;")
+            with w.block("else"):
+                w.line("for (f = l0; f < l1 && CF_OUT(row[f * sMl]); ++f)")
+                w.line("    all_inf &= CF_ALL_INF(row[f * sMl]);")
+                w.line("for (e = l1; e > f && CF_OUT(row[(e - 1) * sMl]); --e) {}")
+            with w.block("if (f >= l1)"):
+                w.line("if (!all_inf) return 0; /* finfo.min throughout: every key weighs alike */")
+                w.line("continue; /* -inf throughout: no key weighs anything */")
+            w.line("first = f < first ? f : first;")
+            w.line("last = e > last ? e : last;")
+        w.line("if (first >= last || (first == l0 && last == l1)) return 0;")
+        w.line("/* q, and k and v of the keys left out, finite: x * 0 is 0 only for finite x */")
+        w.line("float z = 0.0f;")
+        with w.block("for (int r = 0; r < mc; ++r)"):
+            w.line("for (long x = 0; x < K; ++x) z += CF_LOAD(q[r * sAm + x]) * 0.0f;")
+        w.line("const long from[2] = {l0, last}, to[2] = {first, l1};")
+        with (
+            w.block("for (int g = 0; g < 2; ++g)"),
+            w.block("for (long l = from[g]; l < to[g]; ++l)"),
+        ):
+            w.line(f"for (long x = 0; x < K; ++x) z += CF_LOAD({kat}) * 0.0f;")
+            w.line(f"for (long x = 0; x < N; ++x) z += CF_LOAD({vat}) * 0.0f;")
+        w.line("if (z != 0.0f) return 0; /* (NaN) */")
+        w.line("*lo = first;")
+        w.line("*end = last;")
+        w.line("return 1;")
+    w.line("#undef CF_OUT")
+    w.line("#undef CF_ALL_INF")
 
 
 def emit_block(w: Writer, spec: GemmChainSpec) -> None:
@@ -46,9 +131,26 @@ def emit_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line(f"const long tail_end = {bound.format('rows')};")
             emit_rows_invoke(w, spec, "tail", "m0 + rows - tail", "tail_end")
         w.line("const int mc = rows - tail;")
-        w.line(f"const long l_end = {bound.format('mc')};")
-        emit_rows_call(w, spec)
-        _row_block(w, spec)
+        if not narrows_keys(spec):
+            w.line(f"const long l_end = {bound.format('mc')};")
+            emit_rows_call(w, spec)
+            _row_block(w, spec)
+            return
+        w.line(
+            "/* keys the mask leaves out for every row, at the start and the end: not computed */"
+        )
+        w.line(f"long n_lo = l_lo, n_end = {bound.format('mc')};")
+        elem = "unsigned char" if spec.mask is MaskKind.BOOL else "cf_elem"
+        w.line(
+            f"const int narrowed = split == 1 && mc > 0 && cf_narrow_keys((const {elem}*)mask_data"
+            " + b0 * sM0 + b1 * sM1, sMm, sMl, m0, mc, &n_lo, &n_end, A + b0 * sA0 + b1 * sA1"
+            " + m0 * sAm, sAm, K, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl, N);"
+        )
+        w.line("(void)narrowed;")
+        with w.block("/* the row block over the narrowed keys */"):
+            w.line("const long l_lo = n_lo, l_end = n_end;")
+            emit_rows_call(w, spec)
+            _row_block(w, spec)
 
 
 def _row_block(w: Writer, spec: GemmChainSpec) -> None:
@@ -422,6 +524,7 @@ def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
         w.line("const int reuse_d = 0, fresh_d = 1; /* (causal: l_end moves with m0) */")
         return
     to_e = "!to_e && " if softmax_writes_e(spec) else ""
+    to_e += "!narrowed && " if narrows_keys(spec) else ""
     w.line(
         "/* all of D packed once for the row blocks of this batch (see reuse_d in codegen/row_block.py) */"
     )
@@ -429,7 +532,8 @@ def _reuse_d(w: Writer, spec: GemmChainSpec) -> None:
         f"const int reuse_d = {to_e}l_end > l_lo && l_end - l_lo <= T_L && DTN * T_N >= N"
         " && (M > T_M || (sD0 == 0 && sD1 == 0));"
     )
-    w.line("/* (l_lo and l_end are the call's own here: the same for every row block) */")
+    w.line("/* (l_lo and l_end are the call's own here, unless narrowed: the same for every row")
+    w.line("   block) */")
     at = "D_b + l_lo" if spec.d_transposed else "D_b + l_lo * sDl"
     w.line(f"const int fresh_d = !reuse_d || dt_from != {at};")
     w.line(f"dt_from = reuse_d ? {at} : 0;")

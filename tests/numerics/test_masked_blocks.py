@@ -1,0 +1,121 @@
+"""Masks with structure (causal, sliding windows, left and right padding, given as tensors): the
+keys a row block's mask leaves out at its start and end are not computed, which must not change
+any result. Checked against PyTorch's SDPA in float64 over sizes and tiles that put the mask's
+edges inside and between blocks, with -inf and `finfo.min` fills, boolean masks, rows that keep
+no key, and NaN or inf at left-out keys (which must still reach every row, as in SDPA)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import chainfuse
+from chainfuse import reference
+from chainfuse.codegen.row_block import EXCLUDED_BELOW
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+MIN32 = torch.finfo(torch.float32).min
+
+
+def _keep(kind: str, sq: int, sk: int, b: int, width: int) -> Any:
+    """[b, 1, sq, sk] booleans: which keys each query keeps."""
+    q = torch.arange(sq)[:, None] + (sk - sq)  # (bottom-right aligned, as a KV cache's)
+    k = torch.arange(sk)[None, :]
+    causal = k <= q
+    if kind == "causal":
+        keep = causal
+    elif kind == "window":
+        keep = causal & (k > q - width)
+    elif kind == "left-pad":
+        keep = causal[None] & (k[None] >= torch.arange(b)[:, None, None] * width)
+        return keep[:, None]
+    elif kind == "right-pad":
+        keep = k < sk - width
+    elif kind == "no-key-rows":  # rows 0..width-1 keep nothing
+        keep = causal & (q >= width + (sk - sq))
+    else:
+        raise AssertionError(kind)
+    return keep.expand(b, sq, sk)[:, None]
+
+
+def _as(keep: Any, fill: str) -> Any:
+    if fill == "bool":
+        return keep
+    return torch.zeros(keep.shape).masked_fill(~keep, float("-inf") if fill == "-inf" else MIN32)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["causal", "window", "left-pad", "right-pad", "no-key-rows"]),
+    fill=st.sampled_from(["-inf", "min", "bool"]),
+    sq=st.sampled_from([1, 7, 17, 64, 65, 129, 200]),
+    extra=st.sampled_from([0, 0, 3, 64]),
+    width=st.integers(1, 70),
+    b=st.integers(1, 2),
+    d=st.sampled_from([8, 17, 64]),
+)
+def test_structured_masks_match_sdpa(
+    kind: str, fill: str, sq: int, extra: int, width: int, b: int, d: int
+) -> None:
+    sk = sq + extra
+    g = torch.Generator().manual_seed(sq * 131 + width)
+    q, k, v = (torch.randn(b, 3, s, d, generator=g) for s in (sq, sk, sk))
+    mask = _as(_keep(kind, sq, sk, b, width), fill)
+    chain = chainfuse.attention_chain(b, 3, sq, sk, d, d)
+    want = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask if fill == "bool" else mask.double()
+    )
+    # (PyTorch's CPU SDPA gives zeros for rows with no key; its math path NaN: as the kernel, 0)
+    want = want.nan_to_num(0.0)
+    got = chainfuse.ops.attention(q, k, v, attn_mask=mask)
+    reference.assert_close(got.numpy(), want.numpy(), chain)
+
+
+@pytest.mark.parametrize("where", ["k", "v", "q"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("fill", ["-inf", "min", "bool"])
+def test_a_special_at_a_left_out_key_still_reaches_every_row(
+    where: str, value: float, fill: str
+) -> None:
+    """A causal mask leaves out the keys after each row block's last query; a NaN or inf at one
+    of them (or in q) makes SDPA's rows NaN, and so the kernel computes them all then."""
+    sq = sk = 600  # (several row blocks: the first ones leave out the last keys)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 600, 32, generator=g) for _ in range(3))
+    {"q": q, "k": k, "v": v}[where][0, 1, 590 if where != "q" else 3, 5] = value
+    mask = _as(_keep("causal", sq, sk, 1, 0), fill)
+    want = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask if fill == "bool" else mask.double()
+    )
+    got = chainfuse.ops.attention(q, k, v, attn_mask=mask)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got.isnan().any()
+    finite = ~want.isnan()
+    reference.assert_close(
+        got[finite].numpy(), want[finite].numpy(), chainfuse.attention_chain(1, 2, sq, sk, 32, 32)
+    )
+
+
+def test_rows_that_keep_no_key_weigh_every_key_alike_with_finfo_min() -> None:
+    """A row whose every key is filled with finfo.min (not -inf): eager's softmax weighs every key
+    alike, so the keys other rows leave out are computed for it too."""
+    sq = sk = 130
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 130, 16, generator=g) for _ in range(3))
+    keep = _keep("causal", sq, sk, 1, 0).clone()
+    keep[..., 2, :] = False
+    mask = _as(keep, "min")
+    s = (q.double() @ k.double().transpose(-1, -2)) / 4.0 + mask.double()
+    want = torch.softmax(s, -1) @ v.double()
+    got = chainfuse.ops.attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(got[0, 0, 2].double(), v[0, 0].double().mean(0), atol=1e-5)
+    reference.assert_close(got.numpy(), want.numpy(), chainfuse.attention_chain(1, 1, 130, 130, 16, 16))
+
+
+def test_the_threshold_is_below_every_score() -> None:
+    assert EXCLUDED_BELOW <= -1e37 and np.float32(EXCLUDED_BELOW) + np.float32(2.0**100) < 0
