@@ -270,6 +270,19 @@ def _filled(q: Any, k: Any, v: Any, m: Any, form: str) -> Any:
     return F.softmax(s, dim=-1).to(q.dtype) @ v
 
 
+def _compiled_eager_64(fn: Any, q: Any, k: Any, v: Any, m: Any, m64: Any, form: str) -> Any:
+    """`fn(q, k, v, m, form)` compiled by the backend (Inductor, every chain fused), run eagerly,
+    and run eagerly in float64 with the mask `m64`: (the report, the three results)."""
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(fn, backend=Backend(Options(mode="inductor", measure=False), report),
+                                 fullgraph=True)  # fmt: skip
+        got, want = compiled(q, k, v, m, form), fn(q, k, v, m, form)
+        want64 = fn(q.double(), k.double(), v.double(), m64, form)
+    return report, got, want, want64
+
+
 FILLED = [
     "nanoGPT",
     "GPT-Neo",
@@ -291,13 +304,7 @@ def test_written_out_attention_with_filled_scores(form: str, dtype: str) -> None
     dt = getattr(torch, dtype)
     q, k, v = (torch.randn(2, 3, 11, 16, dtype=dt) for _ in range(3))
     m = torch.ones(11, 11).tril()[None, None]  # a causal buffer, as nanoGPT registers it
-    report = Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        fn = torch.compile(_filled, backend=Backend(Options(mode="inductor", measure=False), report),
-                           fullgraph=True)  # fmt: skip
-        got, want = fn(q, k, v, m, form), _filled(q, k, v, m, form)
-        want64 = _filled(q.double(), k.double(), v.double(), m, form)
+    report, got, want, want64 = _compiled_eager_64(_filled, q, k, v, m, m, form)
     if form == "fill -1e4":
         assert not [c for c in report.chains if c.fused]
     else:
@@ -344,13 +351,7 @@ def test_written_out_attention_with_capped_scores(form: str, dtype: str) -> None
     q, k, v = (2.0 * torch.randn(2, 3, 11, 16, dtype=dt) for _ in range(3))
     causal = torch.ones(11, 11).tril().bool()
     m = torch.zeros(1, 1, 11, 11).masked_fill(~causal, torch.finfo(torch.float32).min).to(dt)
-    report = Report()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        fn = torch.compile(_capped, backend=Backend(Options(mode="inductor", measure=False), report),
-                           fullgraph=True)  # fmt: skip
-        got, want = fn(q, k, v, m, form), _capped(q, k, v, m, form)
-        want64 = _capped(q.double(), k.double(), v.double(), m.double(), form)
+    report, got, want, want64 = _compiled_eager_64(_capped, q, k, v, m, m.double(), form)
     fused = [c for c in report.chains if c.fused]
     if form in ("mask inside", "another cap outside"):
         assert not fused

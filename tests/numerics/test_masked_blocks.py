@@ -114,7 +114,9 @@ def test_rows_that_keep_no_key_weigh_every_key_alike_with_finfo_min() -> None:
     want = torch.softmax(s, -1) @ v.double()
     got = chainfuse.ops.attention(q, k, v, attn_mask=mask)
     assert torch.allclose(got[0, 0, 2].double(), v[0, 0].double().mean(0), atol=1e-5)
-    reference.assert_close(got.numpy(), want.numpy(), chainfuse.attention_chain(1, 1, 130, 130, 16, 16))
+    reference.assert_close(
+        got.numpy(), want.numpy(), chainfuse.attention_chain(1, 1, 130, 130, 16, 16)
+    )
 
 
 def test_the_threshold_is_below_every_score() -> None:
