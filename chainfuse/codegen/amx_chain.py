@@ -47,6 +47,7 @@ from chainfuse.codegen.common import (
     per_thread,
 )
 from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
+from chainfuse.codegen.row_block import emit_narrow_keys, narrows_keys
 from chainfuse.codegen.schedule import CodeSchedule, TileChange
 from chainfuse.codegen.softmax import activation_c
 from chainfuse.codegen.writer import Writer
@@ -212,6 +213,9 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
     w.line("")
     _emit_pack_vnni(w)
     w.line("")
+    if narrows_keys(spec):
+        emit_narrow_keys(w, spec, "uint16_t")
+        w.line("")
     w.line(f"#define CF_GATED {int(spec.gated)} /* a gated MLP: the up projection's B3 too */")
     _emit_regions(w)
     with w.block(
@@ -428,12 +432,21 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line(
             "const uint16_t* restrict mask_b = (const uint16_t*)mask_data + b0 * sM0 + b1 * sM1;"
         )
+    bound = "m0 + mc < L ? m0 + mc : L" if spec.causal else "L"
     if spec.causal:
         w.line("/* causal: keys past the block's last query are masked for all its rows */")
-        w.line("const long l_end = m0 + mc < L ? m0 + mc : L;")
+    if narrows_keys(spec):
+        w.line(
+            "/* keys the mask leaves out for every row, at the start and the end: not computed */"
+        )
+        w.line(f"long l_lo = 0, l_end = {bound};")
+        w.line(
+            "cf_narrow_keys(mask_b, sMm, sMl, m0, (int)mc, &l_lo, &l_end, A_b, sAm, K, B_b, sBr,"
+            " D_b, sDl, N);"
+        )
     else:
-        w.line("const long l_end = L;")
-    with w.block("for (long l0 = 0; l0 < l_end; l0 += TLP)"):
+        w.line(f"const long l_lo = 0, l_end = {bound};")
+    with w.block("for (long l0 = l_lo; l0 < l_end; l0 += TLP)"):
         w.line("const long lc = l_end - l0 < TLP ? l_end - l0 : TLP;")
         w.line("const long LB = CF_R32(lc) / 32, LT = 2 * LB; /* blocks of 32 keys, tiles of 16 */")
         w.line("/* this l block of B (k x l) and of D (l x n) as VNNI tiles: slices of the")
@@ -487,7 +500,7 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
             with w.block("for (long c0 = 0; c0 < NT; c0 += 2)"):
                 w.line("const uint16_t* restrict d = Dl + c0 * dstride * 512;")
                 w.line("float* restrict e = Eacc + r0 * LDE + c0 * 16;")
-                w.line("const int acc = l0 > 0;")
+                w.line("const int acc = l0 > l_lo;")
                 for rt in (2, 1):
                     head = "if (rows > 16)" if rt == 2 else "else"
                     with w.block(head):
@@ -579,7 +592,7 @@ def _emit_online_softmax(w: Writer, spec: GemmChainSpec) -> None:
                 w.line("v = l0 + j > m0 + r ? -INFINITY : v;")
             w.line("s[j] = v;")
             w.line("mx = v > mx ? v : mx;")
-        with w.block("if (mx > row_max[r] && l0 > 0)"):
+        with w.block("if (mx > row_max[r] && l0 > l_lo)"):
             w.line("/* (a row with no mass so far: its E and sum are zeros, or NaN from V) */")
             w.line(
                 "const float alpha = row_max[r] == -INFINITY ? 0.0f : cf_exp_neg(row_max[r] - mx);"

@@ -38,16 +38,17 @@ def narrows_keys(spec: GemmChainSpec) -> bool:
     return spec.epilogue is Epilogue.SOFTMAX and spec.mask is not MaskKind.NONE
 
 
-def emit_narrow_keys(w: Writer, spec: GemmChainSpec) -> None:
+def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem") -> None:
     """`cf_narrow_keys`: a row block's range of keys without the keys at its start and end that
     the mask excludes for every row (-inf or below EXCLUDED_BELOW, or False), where that is
     exact: q's rows and the left-out keys' k and v rows finite (their scores are then finite
     and weigh 0; a NaN or inf there reaches every row, as in SDPA, so nothing is left out), and
     no row that keeps no key unless its mask is -inf throughout (such a row weighs every key
     alike in eager's softmax of finfo.min fills). A causal mask, a sliding window and padding
-    leave out their blocks as `is_causal` does."""
+    leave out their blocks as `is_causal` does. `elem_type`: the operands' C type (CF_LOAD
+    widens it)."""
     bool_mask = spec.mask is MaskKind.BOOL
-    elem = "unsigned char" if bool_mask else "cf_elem"
+    elem = "unsigned char" if bool_mask else elem_type
     out = "(x) == 0" if bool_mask else f"CF_LOAD(x) <= {EXCLUDED_BELOW:g}f"
     inf = "1" if bool_mask else "CF_LOAD(x) == -INFINITY"
     kat = "kt[l * sBr + x]" if spec.b_transposed else "kt[x * sBr + l]"
@@ -60,8 +61,9 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec) -> None:
     w.line("   whether they narrowed (see emit_narrow_keys in codegen/row_block.py) */")
     with w.block(
         f"static int cf_narrow_keys(const {elem}* restrict mk, long sMm, long sMl, long m0, int mc,"
-        "\n    long* lo, long* end, const cf_elem* restrict q, long sAm, long K,"
-        "\n    const cf_elem* restrict kt, long sBr, const cf_elem* restrict v, long sDl, long N)"
+        f"\n    long* lo, long* end, const {elem_type}* restrict q, long sAm, long K,"
+        f"\n    const {elem_type}* restrict kt, long sBr, const {elem_type}* restrict v, long sDl,"
+        " long N)"
     ):
         w.line("const long l0 = *lo, l1 = *end;")
         w.line("long first = l1, last = l0; /* the first key kept, one past the last */")

@@ -121,3 +121,29 @@ def test_rows_that_keep_no_key_weigh_every_key_alike_with_finfo_min() -> None:
 
 def test_the_threshold_is_below_every_score() -> None:
     assert EXCLUDED_BELOW <= -1e37 and np.float32(EXCLUDED_BELOW) + np.float32(2.0**100) < 0
+
+
+@pytest.mark.parametrize("fill", ["-inf", "min", "bool"])
+@pytest.mark.parametrize("kind", ["causal", "window", "left-pad", "no-key-rows"])
+def test_structured_masks_on_emulated_amx(
+    monkeypatch: pytest.MonkeyPatch, kind: str, fill: str
+) -> None:
+    """The same on the bf16 AMX kernels, through their bit-exact emulation."""
+    from chainfuse.kernels.amx import ENV_AMX
+
+    monkeypatch.setenv(ENV_AMX, "emulate")
+    chainfuse.ops.calls.clear()  # (kernels are kept by sizes, not by the AMX path)
+    try:
+        b, sq, sk, d = 2, 200, 203, 32
+        g = torch.Generator().manual_seed(len(kind) + len(fill))
+        q, k, v = (torch.randn(b, 2, s, d, generator=g).bfloat16() for s in (sq, sk, sk))
+        mask = _as(_keep(kind, sq, sk, b, 37), fill)
+        mask = mask if fill == "bool" else mask.bfloat16()
+        want = F.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask=mask if fill == "bool" else mask.double()
+        ).nan_to_num(0.0)
+        got = chainfuse.ops.attention(q, k, v, attn_mask=mask)
+        chain = chainfuse.attention_chain(b, 2, sq, sk, d, d, dtype="bfloat16")
+        reference.assert_close(got.float().numpy(), want.numpy(), chain)
+    finally:
+        chainfuse.ops.calls.clear()
