@@ -14,7 +14,10 @@ Masked cases follow (`MASKED`): a causal prompt (GPT-2's 12 heads of 64, 1024 to
 with a padding mask over the keys ([1, 1, 1, 512], float) and with a boolean mask that differs
 from query to query ([1, 1, 512, 512], shared by the heads). The same mask goes to all three;
 the unfused baseline adds it (or fills -inf where a boolean or causal mask is False, the causal
-one built once, as models keep it). A causal case's GFLOP/s count the scores it keeps.
+one built once, as models keep it). A causal case's GFLOP/s count the scores it keeps. Two
+masks with structure, as models without `is_causal` pass them (`STRUCTURED`): a causal mask
+over GPT-2's prompt and a sliding window of 512 keys over 2048 (Mistral's and Gemma 2's local
+layers), additive, filled with `finfo(float32).min`; their GFLOP/s count every score.
 """
 
 from __future__ import annotations
@@ -56,7 +59,25 @@ MASKED: dict[str, tuple[int, int, int, bool, str | None, tuple[int, ...] | None]
     "padded-512": (12, 512, 64, False, "additive", (1, 1, 1, 512)),
     "bool-512": (12, 512, 64, False, "bool", (1, 1, 512, 512)),
     "causal-1024": (12, 1024, 64, True, None, None),
+    "causal-mask-1024": (12, 1024, 64, False, "additive", (1, 1, 1024, 1024)),
+    "window-2048": (8, 2048, 128, False, "additive", (1, 1, 2048, 2048)),
 }
+#: masked cases whose mask has structure (keys each query keeps: those at or before it, and
+#: at most this many of them; None: no limit), not random values
+STRUCTURED: dict[str, int | None] = {"causal-mask-1024": None, "window-2048": 512}
+
+
+def structured_mask(seq: int, window: int | None) -> np.ndarray:
+    """[1, 1, seq, seq] float32: 0 where query i keeps key j (j <= i, and i - j < window),
+    `finfo(float32).min` elsewhere, as models fill their masks."""
+    i = np.arange(seq)
+    keep = i[None, :] <= i[:, None]
+    if window is not None:
+        keep &= i[:, None] - i[None, :] < window
+    low = np.finfo(np.float32).min
+    return np.where(keep, np.float32(0.0), low).astype(np.float32)[None, None]
+
+
 BASELINES = ("sdpa", "unfused")
 
 
@@ -73,7 +94,7 @@ def cases(quick: bool = False) -> list[tuple[str, int, int, int, int, int]]:
     out += [(name, heads, 1, keys, d, d) for name, heads, keys, d in decode]
     if not quick:
         out += [(name, heads, seq, seq, d, d) for name, heads, seq, d in LONG]
-    masked = list(MASKED.items())[-1:] if quick else MASKED.items()
+    masked = [(n, c) for n, c in MASKED.items() if n == "causal-1024" or not quick]
     return out + [(name, heads, seq, seq, d, d) for name, (heads, seq, d, *_) in masked]
 
 
@@ -164,6 +185,8 @@ def run(
         chain = chain_of(name, dtype)
         causal = causal_softmax(chain) is not None
         inputs = reference.random_inputs(chain, seed=5)
+        if name in STRUCTURED:
+            inputs["mask"] = structured_mask(chain.extents["m"], STRUCTURED[name])
         qkv: list[Any] = [inputs[n] for n in ("Q", "K", "V", "mask") if n in inputs]
         if half:
             import torch

@@ -304,7 +304,8 @@ def test_fidelity_candidates_start_with_the_planners_choice() -> None:
     assert keys == sorted(keys)  # the others in the model's order
 
 
-@pytest.mark.parametrize("name", ["padded-512", "bool-512", "causal-1024"])
+@pytest.mark.parametrize("name", ["padded-512", "bool-512", "causal-1024", "causal-mask-1024",
+                                  "window-2048"])  # fmt: skip
 def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) -> None:
     # the masked cases' SDPA, unfused PyTorch and chainfuse calls all compute the case's chain
     # (a baseline that dropped the mask would make its speedup meaningless), on small sizes of
@@ -320,6 +321,12 @@ def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) 
     small = None if shape is None else tuple(9 if s > 1 else 1 for s in shape)
     chain = attention_chain(1, 2, 9, 9, 8, 8, causal=causal, mask=kind, mask_shape=small)
     inputs = reference.random_inputs(chain, seed=3)
+    if name in attention.STRUCTURED:  # (the window scaled to 4 of the 9 keys)
+        window = 4 if attention.STRUCTURED[name] else None
+        inputs["mask"] = attention.structured_mask(9, window)
+        keep = inputs["mask"][0, 0] == 0
+        assert keep[8, 8] and keep[8, 5] and not keep[3, 4]
+        assert keep[8, 4] == (window is None)
     args = [inputs[n] for n in ("Q", "K", "V", "mask") if n in inputs]
     want = reference.run(chain, inputs)["O"]
     fns = {**attention._torch_fns(args, causal), "chainfuse": attention._drop_in(args, causal)}
