@@ -96,16 +96,20 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
             w.line("first = f < first ? f : first;")
             w.line("last = e > last ? e : last;")
         w.line("if (first >= last || (first == l0 && last == l1)) return 0;")
-        w.line("/* q, and k and v of the keys left out, finite: x * 0 is 0 only for finite x */")
+        w.line("/* q, and k and v of the keys left out, finite: x * 0 is 0 only for finite x (the")
+        w.line("   sums vectorised: in order, each add waited on the one before) */")
         w.line("float z = 0.0f;")
         with w.block("for (int r = 0; r < mc; ++r)"):
+            w.line("#pragma omp simd reduction(+ : z)")
             w.line("for (long x = 0; x < K; ++x) z += CF_LOAD(q[r * sAm + x]) * 0.0f;")
         w.line("const long from[2] = {l0, last}, to[2] = {first, l1};")
         with (
             w.block("for (int g = 0; g < 2; ++g)"),
             w.block("for (long l = from[g]; l < to[g]; ++l)"),
         ):
+            w.line("#pragma omp simd reduction(+ : z)")
             w.line(f"for (long x = 0; x < K; ++x) z += CF_LOAD({kat}) * 0.0f;")
+            w.line("#pragma omp simd reduction(+ : z)")
             w.line(f"for (long x = 0; x < N; ++x) z += CF_LOAD({vat}) * 0.0f;")
         w.line("if (z != 0.0f) return 0; /* (NaN) */")
         w.line("*lo = first;")
