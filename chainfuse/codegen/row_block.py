@@ -55,6 +55,15 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
     vat = "v[x * sDl + l]" if spec.d_transposed else "v[l * sDl + x]"
     w.line(f"#define CF_OUT(x) ({out})")
     w.line(f"#define CF_ALL_INF(x) ({inf})")
+    w.line("#define CF_RUN 64")
+    w.line("/* whether the mask leaves out all of CF_RUN keys from p, `step` apart */")
+    with w.block(f"static inline int cf_run_out(const {elem}* restrict p, long step)"):
+        w.line("int out = 1;")
+        with w.block("if (step == 1)"):
+            w.line("#pragma omp simd reduction(& : out)")
+            w.line("for (int i = 0; i < CF_RUN; ++i) out &= CF_OUT(p[i]);")
+        w.line("else for (int i = 0; i < CF_RUN; ++i) out &= CF_OUT(p[i * step]);")
+        w.line("return out;")
     w.line(
         "/* the row block's keys [*lo, *end) narrowed to those its mask keeps for some row: returns"
     )
@@ -70,31 +79,30 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
         w.line("const int rows = sMm == 0 ? 1 : mc; /* (a mask the same for every row) */")
         with w.block("for (int r = 0; r < rows; ++r)"):
             w.line(f"const {elem}* restrict row = mk + (m0 + r) * sMm;")
-            w.line("/* the row's first and one past its last key kept; whether it is -inf where it")
-            w.line("   keeps none (contiguous keys: one vectorised pass over the row) */")
-            w.line("long f = l1, e = l0;")
-            w.line("int all_inf = 1;")
-            with w.block("if (sMl == 1)"):
-                w.line("int fi = (int)(l1 - l0), ei = 0, ai = 1;")
-                w.line(f"const {elem}* restrict at = row + l0;")
-                w.line("#pragma omp simd reduction(min : fi) reduction(max : ei) reduction(& : ai)")
-                with w.block("for (int l = 0; l < (int)(l1 - l0); ++l)"):
-                    w.line("const int kept = !(CF_OUT(at[l]));")
-                    w.line("fi = kept && l < fi ? l : fi;")
-                    w.line("ei = kept && l + 1 > ei ? l + 1 : ei;")
-                    w.line("ai &= kept | (CF_ALL_INF(at[l]));")
-                w.line("f = l0 + fi;")
-                w.line("e = l0 + ei;")
-                w.line("all_inf = ai;")
-            with w.block("else"):
-                w.line("for (f = l0; f < l1 && CF_OUT(row[f * sMl]); ++f)")
-                w.line("    all_inf &= CF_ALL_INF(row[f * sMl]);")
-                w.line("for (e = l1; e > f && CF_OUT(row[(e - 1) * sMl]); --e) {}")
+            w.line("/* the row's first key kept, then one past its last: runs of CF_RUN keys left")
+            w.line(
+                "   out stepped over by a vectorised test, the rest key by key (a row that keeps"
+            )
+            w.line("   keys throughout stops at once) */")
+            w.line("long f = l0;")
+            w.line("while (f + CF_RUN <= l1 && cf_run_out(row + f * sMl, sMl)) f += CF_RUN;")
+            w.line("while (f < l1 && CF_OUT(row[f * sMl])) ++f;")
             with w.block("if (f >= l1)"):
-                w.line("if (!all_inf) return 0; /* finfo.min throughout: every key weighs alike */")
-                w.line("continue; /* -inf throughout: no key weighs anything */")
+                w.line(
+                    "/* no key kept: -inf throughout weighs no key; finfo.min weighs all alike */"
+                )
+                w.line("int all_inf = 1;")
+                w.line("for (long l = l0; l < l1; ++l) all_inf &= CF_ALL_INF(row[l * sMl]);")
+                w.line("if (!all_inf) return 0;")
+                w.line("continue;")
+            w.line("long e = l1;")
+            w.line(
+                "while (e - CF_RUN > f && cf_run_out(row + (e - CF_RUN) * sMl, sMl)) e -= CF_RUN;"
+            )
+            w.line("while (e > f + 1 && CF_OUT(row[(e - 1) * sMl])) --e;")
             w.line("first = f < first ? f : first;")
             w.line("last = e > last ? e : last;")
+            w.line("if (first == l0 && last == l1) return 0; /* nothing to leave out */")
         w.line("if (first >= last || (first == l0 && last == l1)) return 0;")
         w.line("/* q, and k and v of the keys left out, finite: x * 0 is 0 only for finite x (the")
         w.line("   sums vectorised: in order, each add waited on the one before) */")
@@ -117,6 +125,7 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
         w.line("return 1;")
     w.line("#undef CF_OUT")
     w.line("#undef CF_ALL_INF")
+    w.line("#undef CF_RUN")
 
 
 def emit_block(w: Writer, spec: GemmChainSpec) -> None:
