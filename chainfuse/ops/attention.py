@@ -230,11 +230,11 @@ def attention(
     result, like = new_result(first, shape or (batch, heads, seq_q, sv[3]))
     out = result[None] if lifted else result[:, None] if flat else result
     if kv_heads != heads:
-        _grouped(q, k, v, attn_mask, causal, (scale, softcap), mask_kind, mask_shape, dtype, out,
+        _grouped(q, k, v, attn_mask, causal, scale, softcap, mask_kind, mask_shape, dtype, out,
                  (threads, key, result, like, by_keys))  # fmt: skip
     else:
         kernel, keys = bucketed((batch, heads, seq_q, seq_k, d_qk, sv[3]), causal, mask_kind,
-                                 (scale, softcap), mask_shape, dtype, threads)  # fmt: skip
+                                 scale, mask_shape, dtype, threads, softcap)  # fmt: skip
         inputs = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
         run(kernel, inputs, out, threads, key, result, like, keys, by_keys)
     return result
@@ -317,14 +317,14 @@ def _broadcast_heads(x: Any, group: int) -> Any:
 
 
 def _grouped(
-    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: tuple[float | None, float | None],
+    q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, cap: float | None,
     mask_kind: str | None,
     mask_shape: tuple[int, ...] | None, dtype: str, out: Any,
     call: tuple[int, tuple[Any, ...] | None, Any, bool, tuple[Any, ...] | None],
 ) -> None:  # fmt: skip
     """Grouped-query attention (4-D operands, k and v with heads/g heads) with k and v in place,
-    into `out` [batch, heads, seq_q, d_v] (a contiguous result, or a view of one); `scale` is
-    (scale, softcap), `call` is `run`'s (threads, key, result, like, by_keys).
+    into `out` [batch, heads, seq_q, d_v] (a contiguous result, or a view of one), scores capped
+    by `cap` (softcap); `call` is `run`'s (threads, key, result, like, by_keys).
 
     Without causality, and either with one query and a mask (if any) that does not vary over
     the heads, or without a mask and with q's heads g at a time one after the other in memory
@@ -346,7 +346,7 @@ def _grouped(
     # the same for every row of the merged call too, and k and v are read once per group
     if not causal and (seq_q == 1 or (mask is None and head == seq_q * row)) and not per_head:
         sizes = (batch, kv_heads, group * seq_q, seq_k, d_qk, d_v)
-        kernel, keys = bucketed(sizes, False, mask_kind, scale, mask_shape, dtype, threads)
+        kernel, keys = bucketed(sizes, False, mask_kind, scale, mask_shape, dtype, threads, cap)
         merged = (batch, kv_heads, group * seq_q)
         if torch:
             q_all, out_all = q.view(*merged, d_qk), out.view(*merged, d_v)
@@ -368,13 +368,13 @@ def _grouped(
             operands += (_split_heads(m, kv_heads, group) if per_head else m[None],)
         one = (kv_heads, group, seq_q, seq_k, d_qk, d_v)
         shape = tuple(int(s) for s in operands[3].shape) if mask is not None else None
-        kernel, keys = bucketed(one, causal, mask_kind, scale, shape, dtype, threads)
+        kernel, keys = bucketed(one, causal, mask_kind, scale, shape, dtype, threads, cap)
         run(kernel, operands, split[1], threads, key, result, like, keys, None)
         return
     if per_head and mask_shape is not None:
         mask_shape = (*mask_shape[:-3], kv_heads, *mask_shape[-2:])
     sizes = (batch, kv_heads, seq_q, seq_k, d_qk, d_v)
-    kernel, keys = bucketed(sizes, causal, mask_kind, scale, mask_shape, dtype, threads)
+    kernel, keys = bucketed(sizes, causal, mask_kind, scale, mask_shape, dtype, threads, cap)
     for j in range(group):
         inputs = [q[:, j::group], k, v]
         if mask is not None:

@@ -198,13 +198,13 @@ def bucketed(
     sizes: tuple[int, int, int, int, int, int],
     causal: bool,
     mask: str | None,
-    scale: float | tuple[float | None, float | None] | None,
+    scale: float | None,
     mask_shape: tuple[int, ...] | None,
     dtype: str,
     threads: int,
+    softcap: float | None = None,
 ) -> tuple[Kernel, int | None]:
-    """The kernel for a call with `sizes` and `scale` (or (scale, softcap)), and the `keys` its
-    calls pass (None: its own): a
+    """The kernel for a call with `sizes` and the `keys` its calls pass (None: its own): a
     decoding step's key length is new every step, and planning one costs far more than the
     step, so the kernel is the one of the bucket's longest length (`key_bucket`), run with the
     call's (a mask's key dim follows, unless it broadcasts)."""
@@ -212,9 +212,8 @@ def bucketed(
     bucket = key_bucket(seq_k)
     if mask_shape is not None and mask_shape[-1] == seq_k:
         mask_shape = (*mask_shape[:-1], bucket)
-    scale, cap = scale if isinstance(scale, tuple) else (scale, None)
     kernel = calls.attention_kernels((*sizes[:3], bucket, *sizes[4:]), causal, mask, scale,
-                                     mask_shape, dtype, threads, amx_setting(), cap)  # fmt: skip
+                                     mask_shape, dtype, threads, amx_setting(), softcap)  # fmt: skip
     return kernel, None if bucket == seq_k else seq_k
 
 
