@@ -47,7 +47,13 @@ from chainfuse.codegen.common import (
     per_thread,
 )
 from chainfuse.codegen.gemm_spec import Epilogue, GemmChainShape, GemmChainSpec
-from chainfuse.codegen.row_block import emit_narrow_keys, narrows_keys
+from chainfuse.codegen.row_block import (
+    emit_free_memos,
+    emit_narrow_keys,
+    emit_narrow_memos,
+    narrow_memo_args,
+    narrows_keys,
+)
 from chainfuse.codegen.schedule import CodeSchedule, TileChange
 from chainfuse.codegen.softmax import activation_c
 from chainfuse.codegen.writer import Writer
@@ -255,6 +261,8 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
         _emit_prepacked(w)
         w.line("const long mblocks = (M + MB - 1) / MB, blocks = nb0 * nb1 * mblocks;")
         w.line("long next_blk = 0; /* the next block to claim: see cf_claim */")
+        if narrows_keys(spec):
+            emit_narrow_memos(w, "mblocks")
         with per_thread(w):
             w.line("float* restrict base = work + (long)t * work_per_thread;")
             w.line("uint16_t* restrict Bp = (uint16_t*)base; /* B's l block, VNNI tiles */")
@@ -277,6 +285,8 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
             ):
                 _emit_block(w, spec)
             w.line("CF_TILE_RELEASE();")
+        if narrows_keys(spec):
+            emit_free_memos(w)
     w.line("")
     w.line("/* the same with every argument in one array (gemm_chain.PACKED's layout): what")
     w.line("   compiled.Kernel calls; the outer_m and code_schedule slots are not read */")
@@ -442,7 +452,7 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line(f"long l_lo = 0, l_end = {bound};")
         w.line(
             "cf_narrow_keys(mask_b, sMm, sMl, m0, (int)mc, &l_lo, &l_end, A_b, sAm, K, B_b, sBr,"
-            " D_b, sDl, N);"
+            f" D_b, sDl, N, {narrow_memo_args('blk % mblocks')}, L);"
         )
     else:
         w.line(f"const long l_lo = 0, l_end = {bound};")

@@ -33,7 +33,14 @@ from __future__ import annotations
 
 from chainfuse.codegen.common import ALIGN16, c_source, define_lines, header_comment, per_thread
 from chainfuse.codegen.gemm_spec import HALF, Epilogue, GemmChainSpec, wide_heads, writes_e
-from chainfuse.codegen.row_block import emit_block, emit_narrow_keys, emit_store_e, narrows_keys
+from chainfuse.codegen.row_block import (
+    emit_block,
+    emit_free_memos,
+    emit_narrow_keys,
+    emit_narrow_memos,
+    emit_store_e,
+    narrows_keys,
+)
 from chainfuse.codegen.rows import (
     ROWS_LB,
     ROWS_MAX,
@@ -255,6 +262,9 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line("(void)mask_data; (void)sM0; (void)sM1; (void)sMm; (void)sMl;")
         w.line("/* the next block to claim (split == 1): see cf_claim */")
         w.line("long next_blk = 0;")
+        if narrows_keys(spec):
+            w.line("const long per_mo = (T_MO + T_M - 1) / T_M; /* row blocks of a parallel one */")
+            emit_narrow_memos(w, "mblocks * per_mo")
         with per_thread(w):
             w.line("float* restrict At = work + (long)t * work_per_thread;")
             w.line("float* restrict Bt = At + ALIGN16(MPN * AK);")
@@ -286,6 +296,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
                 w.line("nxt = split > 1 ? blk + 1 : -1; /* -1: the next one not claimed yet */")
                 emit_block(w, spec)
                 w.line("if (nxt < 0) nxt = cf_claim(&next_blk);")
+        if narrows_keys(spec):
+            emit_free_memos(w)
         if spec.epilogue is not Epilogue.SOFTMAX:
             _split_sum(w, spec)
     w.line("")

@@ -25,7 +25,15 @@ from chainfuse.codegen.writer import Writer
 from chainfuse.ir import DType, MaskKind
 from chainfuse.kernels import MicroKernel
 
-__all__ = ["emit_block", "emit_narrow_keys", "emit_store_e", "narrows_keys"]
+__all__ = [
+    "emit_block",
+    "emit_free_memos",
+    "emit_narrow_keys",
+    "emit_narrow_memos",
+    "emit_store_e",
+    "narrow_memo_args",
+    "narrows_keys",
+]
 
 #: an additive mask value at or below this excludes its key where the row keeps another: score +
 #: value rounds to value (|score| < 2^103), and its exponential against the row's maximum is 0
@@ -45,8 +53,11 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
     and weigh 0; a NaN or inf there reaches every row, as in SDPA, so nothing is left out), and
     no row that keeps no key unless its mask is -inf throughout (such a row weighs every key
     alike in eager's softmax of finfo.min fills). A causal mask, a sliding window and padding
-    leave out their blocks as `is_causal` does. `elem_type`: the operands' C type (CF_LOAD
-    widens it)."""
+    leave out their blocks as `is_causal` does. What the mask says is shared through a
+    `cf_keys_memo` by the blocks of the same rows a broadcast mask gives alike (every head's,
+    for a causal mask), and k and v are checked once a head (`kv_ok`) where the head has
+    enough row blocks to repay it (`emit_narrow_memos`). `elem_type`: the operands' C type
+    (CF_LOAD widens it)."""
     bool_mask = spec.mask is MaskKind.BOOL
     elem = "unsigned char" if bool_mask else elem_type
     out = "(x) == 0" if bool_mask else f"CF_LOAD(x) <= {EXCLUDED_BELOW:g}f"
@@ -64,17 +75,12 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
             w.line("for (int i = 0; i < CF_RUN; ++i) out &= CF_OUT(p[i]);")
         w.line("else for (int i = 0; i < CF_RUN; ++i) out &= CF_OUT(p[i * step]);")
         w.line("return out;")
-    w.line(
-        "/* the row block's keys [*lo, *end) narrowed to those its mask keeps for some row: returns"
-    )
-    w.line("   whether they narrowed (see emit_narrow_keys in codegen/row_block.py) */")
+    w.line("/* what a row block's mask says of its keys [l0, l1): whether some keys at the start")
+    w.line("   or the end are left out for every row, and the range between, [*lo, *end) */")
     with w.block(
-        f"static int cf_narrow_keys(const {elem}* restrict mk, long sMm, long sMl, long m0, int mc,"
-        f"\n    long* lo, long* end, const {elem_type}* restrict q, long sAm, long K,"
-        f"\n    const {elem_type}* restrict kt, long sBr, const {elem_type}* restrict v, long sDl,"
-        " long N)"
+        f"static int cf_mask_keys(const {elem}* restrict mk, long sMm, long sMl, long m0, int mc,"
+        "\n    long l0, long l1, long* lo, long* end)"
     ):
-        w.line("const long l0 = *lo, l1 = *end;")
         w.line("long first = l1, last = l0; /* the first key kept, one past the last */")
         w.line("const int rows = sMm == 0 ? 1 : mc; /* (a mask the same for every row) */")
         with w.block("for (int r = 0; r < rows; ++r)"):
@@ -104,21 +110,65 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
             w.line("last = e > last ? e : last;")
             w.line("if (first == l0 && last == l1) return 0; /* nothing to leave out */")
         w.line("if (first >= last) return 0; /* every row -inf throughout */")
-        w.line("/* q, and k and v of the keys left out, finite: x * 0 is 0 only for finite x (the")
-        w.line("   sums vectorised: in order, each add waited on the one before) */")
+        w.line("*lo = first;")
+        w.line("*end = last;")
+        w.line("return 1;")
+    w.line("/* k's and v's rows [from, to) times 0, summed: 0 only where they are all finite (the")
+    w.line("   sums vectorised: in order, each add waited on the one before) */")
+    with w.block(
+        f"static float cf_kv_zero(const {elem_type}* restrict kt, long sBr,"
+        f" const {elem_type}* restrict v,\n    long sDl, long K, long N, long from, long to)"
+    ):
         w.line("float z = 0.0f;")
-        with w.block("for (int r = 0; r < mc; ++r)"):
-            w.line("#pragma omp simd reduction(+ : z)")
-            w.line("for (long x = 0; x < K; ++x) z += CF_LOAD(q[r * sAm + x]) * 0.0f;")
-        w.line("const long from[2] = {l0, last}, to[2] = {first, l1};")
-        with (
-            w.block("for (int g = 0; g < 2; ++g)"),
-            w.block("for (long l = from[g]; l < to[g]; ++l)"),
-        ):
+        with w.block("for (long l = from; l < to; ++l)"):
             w.line("#pragma omp simd reduction(+ : z)")
             w.line(f"for (long x = 0; x < K; ++x) z += CF_LOAD({kat}) * 0.0f;")
             w.line("#pragma omp simd reduction(+ : z)")
             w.line(f"for (long x = 0; x < N; ++x) z += CF_LOAD({vat}) * 0.0f;")
+        w.line("return z;")
+    w.line("/* a row block's mask answer (cf_mask_keys) shared between the blocks of its rows:")
+    w.line("   state 0 not known yet, 1 narrowed to [lo, end), 2 not narrowed */")
+    w.line("typedef struct { int state; long lo, end; } cf_keys_memo;")
+    w.line(
+        "/* the row block's keys [*lo, *end) narrowed to those its mask keeps for some row: returns"
+    )
+    w.line("   whether they narrowed (see emit_narrow_keys in codegen/row_block.py). `memo`: the")
+    w.line("   mask's answer for these rows, shared (or 0); `kv_ok`: whether the head's k and v")
+    w.line("   are finite throughout, its L keys checked once (0 not known yet, 1 yes, 2 no), or")
+    w.line("   0: the keys left out are checked here */")
+    with w.block(
+        f"static int cf_narrow_keys(const {elem}* restrict mk, long sMm, long sMl, long m0, int mc,"
+        f"\n    long* lo, long* end, const {elem_type}* restrict q, long sAm, long K,"
+        f"\n    const {elem_type}* restrict kt, long sBr, const {elem_type}* restrict v, long sDl,"
+        " long N,\n    cf_keys_memo* memo, int* kv_ok, long L)"
+    ):
+        w.line("const long l0 = *lo, l1 = *end;")
+        w.line("long first, last;")
+        w.line("const int known = memo ? __atomic_load_n(&memo->state, __ATOMIC_ACQUIRE) : 0;")
+        with w.block("if (known == 0)"):
+            w.line("const int narrows = cf_mask_keys(mk, sMm, sMl, m0, mc, l0, l1, &first, &last);")
+            with w.block("if (memo)"):
+                w.line("/* (blocks racing here store the same answer) */")
+                w.line("__atomic_store_n(&memo->lo, first, __ATOMIC_RELAXED);")
+                w.line("__atomic_store_n(&memo->end, last, __ATOMIC_RELAXED);")
+                w.line("__atomic_store_n(&memo->state, narrows ? 1 : 2, __ATOMIC_RELEASE);")
+            w.line("if (!narrows) return 0;")
+        w.line("else if (known == 2) return 0;")
+        with w.block("else"):
+            w.line("first = __atomic_load_n(&memo->lo, __ATOMIC_RELAXED);")
+            w.line("last = __atomic_load_n(&memo->end, __ATOMIC_RELAXED);")
+        w.line("/* q, and k and v of the keys left out, finite: x * 0 is 0 only for finite x */")
+        w.line("float z = 0.0f;")
+        with w.block("for (int r = 0; r < mc; ++r)"):
+            w.line("#pragma omp simd reduction(+ : z)")
+            w.line("for (long x = 0; x < K; ++x) z += CF_LOAD(q[r * sAm + x]) * 0.0f;")
+        w.line("int kv = kv_ok ? __atomic_load_n(kv_ok, __ATOMIC_ACQUIRE) : 2;")
+        with w.block("if (kv == 0)"):
+            w.line("kv = cf_kv_zero(kt, sBr, v, sDl, K, N, 0, L) == 0.0f ? 1 : 2;")
+            w.line("__atomic_store_n(kv_ok, kv, __ATOMIC_RELEASE);")
+        with w.block("if (kv != 1)"):
+            w.line("z += cf_kv_zero(kt, sBr, v, sDl, K, N, l0, first);")
+            w.line("z += cf_kv_zero(kt, sBr, v, sDl, K, N, last, l1);")
         w.line("if (z != 0.0f) return 0; /* (NaN) */")
         w.line("*lo = first;")
         w.line("*end = last;")
@@ -126,6 +176,38 @@ def emit_narrow_keys(w: Writer, spec: GemmChainSpec, elem_type: str = "cf_elem")
     w.line("#undef CF_OUT")
     w.line("#undef CF_ALL_INF")
     w.line("#undef CF_RUN")
+
+
+def emit_narrow_memos(w: Writer, row_blocks: str) -> None:
+    """The memos `cf_narrow_keys` shares between a call's blocks (freed by `emit_free_memos`),
+    for `row_blocks` (a C expression) row blocks a batch index: one `cf_keys_memo` per row
+    block of each distinct mask, where a batch dim broadcasts it (every head of a causal mask
+    reads it alike: the mask read once, not once a head), and one `kv_ok` per batch index
+    where it has more than two row blocks (its k and v checked once then cost less than the
+    keys its blocks leave out, each checked on its own). None where allocation fails."""
+    w.line("/* cf_narrow_keys' answers shared between blocks (see emit_narrow_memos) */")
+    w.line("const long nm0 = sM0 != 0 ? nb0 : 1, nm1 = sM1 != 0 ? nb1 : 1;")
+    w.line(f"const long memo_rows = {row_blocks}; /* row blocks of a batch index */")
+    w.line(
+        "cf_keys_memo* keys_memo = nm0 * nm1 < nb0 * nb1"
+        "\n    ? calloc((size_t)(nm0 * nm1 * memo_rows), sizeof(cf_keys_memo)) : 0;"
+    )
+    w.line("int* kv_ok = memo_rows > 2 ? calloc((size_t)(nb0 * nb1), sizeof(int)) : 0;")
+
+
+def emit_free_memos(w: Writer) -> None:
+    """Free what `emit_narrow_memos` allocated."""
+    w.line("free(keys_memo);")
+    w.line("free(kv_ok);")
+
+
+def narrow_memo_args(row_block: str) -> str:
+    """`cf_narrow_keys`' memo arguments for row block `row_block` (a C expression, < the
+    `memo_rows` of `emit_narrow_memos`) of the batch indices b0, b1."""
+    return (
+        "keys_memo ? keys_memo + ((sM0 != 0 ? b0 : 0) * nm1 + (sM1 != 0 ? b1 : 0)) * memo_rows"
+        f" + {row_block} : 0, kv_ok ? kv_ok + b0 * nb1 + b1 : 0"
+    )
 
 
 def emit_block(w: Writer, spec: GemmChainSpec) -> None:
@@ -159,7 +241,8 @@ def emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line(
             f"const int narrowed = split == 1 && mc > 0 && cf_narrow_keys((const {elem}*)mask_data"
             " + b0 * sM0 + b1 * sM1, sMm, sMl, m0, mc, &n_lo, &n_end, A + b0 * sA0 + b1 * sA1"
-            " + m0 * sAm, sAm, K, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl, N);"
+            " + m0 * sAm, sAm, K, B + b0 * sB0 + b1 * sB1, sBr, D + b0 * sD0 + b1 * sD1, sDl, N,"
+            f" {narrow_memo_args('(blk % mblocks) * per_mo + (m0 - mo) / T_M')}, L);"
         )
         w.line("(void)narrowed;")
         with w.block("/* the row block over the narrowed keys */"):

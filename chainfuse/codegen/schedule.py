@@ -26,7 +26,7 @@ from chainfuse.codegen.gemm_spec import (
 from chainfuse.codegen.rows import ROWS_FIT, ROWS_MAX, fits_rows, row_path_rows, rows_past_strips
 from chainfuse.codegen.softmax import exponentiates_beside_op1
 from chainfuse.hardware import Hardware
-from chainfuse.ir import Chain, DType
+from chainfuse.ir import Chain, DType, Softmax
 from chainfuse.kernels import MicroKernel
 from chainfuse.model import code_level
 from chainfuse.planner import Plan
@@ -34,12 +34,14 @@ from chainfuse.planner import Plan
 __all__ = [
     "AT_WHOLE",
     "DT_PANELS",
+    "NARROW_ROWS",
     "SCHEDULE",
     "WIDE_ROWS",
     "CodeSchedule",
     "TileChange",
     "causal_m_tile",
     "last_cache_bytes",
+    "masked_rows",
     "rows_run",
     "schedule_gemm_chain",
     "softmax_n_tile",
@@ -52,6 +54,10 @@ DT_PANELS = 4
 AT_WHOLE = 1 << 20
 #: A causal 16-bit chain's least row block (docs/tuning.md)
 WIDE_ROWS = 64
+#: A mask that varies along the rows runs in row blocks of at most this many rows: the keys it
+#: leaves out at a block's start and end (a causal mask's, a sliding window's) are not
+#: computed (`cf_narrow_keys`), and smaller blocks leave out more (docs/tuning.md)
+NARROW_ROWS = 64
 #: Slots of the C's `schedule` argument (longs), in order
 SCHEDULE = ("rows_max", "a_k", "d_blocks", "split")
 
@@ -231,6 +237,9 @@ def schedule_gemm_chain(
         least = min(WIDE_ROWS, -(-M // kernel.nr) * kernel.nr)
         change(m, max(code[m], least), "16-bit k and v are widened per row block: causal"
                f" blocks of at least {WIDE_ROWS} rows")  # fmt: skip
+    if softmax and masked_rows(chain, m) and code[m] > NARROW_ROWS:
+        change(m, max(kernel.nr, NARROW_ROWS // kernel.nr * kernel.nr), "a mask that varies"
+               f" along {m}: row blocks of at most {NARROW_ROWS} rows leave out more of its keys")  # fmt: skip
     outer_m = (plan.tiles_at(plan.levels[-1]) or {}).get(m, M)
     change(m, causal_m_tile(M, code[m], outer_m, kernel.nr, L, shape.causal),
            "a causal tail block on the row path would cost more")  # fmt: skip
@@ -286,6 +295,13 @@ def rows_run(extent: int, tile: int, mr: int, part: int) -> int:
         full, rest = divmod(min(tile, extent - start), mr)
         total += full * mr + (0 if rest == 0 else part if rest <= part else mr)
     return total
+
+
+def masked_rows(chain: Chain, m: str) -> bool:
+    """Whether `chain`'s softmax has a mask that varies along `m` (the rows)."""
+    return any(
+        isinstance(op, Softmax) and op.mask is not None and m in op.mask.loops for op in chain.ops
+    )
 
 
 def causal_m_tile(extent: int, tile: int, outer: int, nr: int, keys: int, causal: bool) -> int:

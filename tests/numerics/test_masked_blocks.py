@@ -101,6 +101,57 @@ def test_a_special_at_a_left_out_key_still_reaches_every_row(
     )
 
 
+def _sdpa64(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask.double()
+    ).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("tile", [16, 64, 128])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_each_head_checks_its_own_left_out_keys(tile: int, where: str) -> None:
+    """A mask broadcast over the heads says the same for every head's row block, and the
+    heads share its answer; each head's k and v are still checked on their own, once a head
+    (tiles 16 and 64: many row blocks) or the keys each block leaves out (128: two blocks).
+    A NaN at a key head 1 leaves out for most rows reaches all of head 1's rows, no other head's."""
+    sq = 200
+    g = torch.Generator().manual_seed(tile)
+    q, k, v = (torch.randn(1, 3, sq, 16, generator=g) for _ in range(3))
+    {"k": k, "v": v}[where][0, 1, 190, 3] = float("nan")
+    mask = _as(_keep("causal", sq, sq, 1, 0), "min")
+    chain = chainfuse.attention_chain(
+        1, 3, sq, sq, 16, 16, mask="additive", mask_shape=tuple(mask.shape)
+    )
+    kernel = chainfuse.compile(chain, tiles={"m": tile})
+    got = torch.from_numpy(kernel(q.numpy(), k.numpy(), v.numpy(), mask.numpy()))
+    want = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask.double()
+    )
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got[0, 1, :, 3].isnan().all() and not got[0, ::2].isnan().any()
+    finite = ~want.isnan()
+    reference.assert_close(got[finite].numpy(), want[finite].numpy(), chain)
+
+
+@pytest.mark.parametrize("tile", [16, 64])
+def test_a_mask_per_batch_item_narrows_each_item_its_own_way(tile: int) -> None:
+    """Left padding of another length in each batch item, the mask broadcast over the heads:
+    each item's heads share that item's answers, row block by row block, not another's."""
+    b, sq = 3, 200
+    g = torch.Generator().manual_seed(tile + 1)
+    q, k, v = (torch.randn(b, 4, sq, 16, generator=g) for _ in range(3))
+    keep = _keep("causal", sq, sq, 1, 0).expand(b, 1, sq, sq).clone()
+    for i, pad in enumerate((130, 0, 50)):  # (the first item narrows most)
+        keep[i, :, :, :pad] = False
+    mask = _as(keep, "-inf")
+    chain = chainfuse.attention_chain(
+        b, 4, sq, sq, 16, 16, mask="additive", mask_shape=tuple(mask.shape)
+    )
+    kernel = chainfuse.compile(chain, tiles={"m": tile})
+    got = kernel(q.numpy(), k.numpy(), v.numpy(), mask.numpy())
+    reference.assert_close(got, _sdpa64(q, k, v, mask).numpy(), chain)
+
+
 def test_rows_that_keep_no_key_weigh_every_key_alike_with_finfo_min() -> None:
     """A row whose every key is filled with finfo.min (not -inf): eager's softmax weighs every key
     alike, so the keys other rows leave out are computed for it too."""

@@ -7,7 +7,7 @@ import pytest
 
 import chainfuse
 from chainfuse import reference
-from chainfuse.codegen.schedule import SCHEDULE, WIDE_ROWS, CodeSchedule
+from chainfuse.codegen.schedule import NARROW_ROWS, SCHEDULE, WIDE_ROWS, CodeSchedule
 from chainfuse.compiler import compile
 
 
@@ -41,6 +41,21 @@ def test_a_causal_16_bit_chains_row_blocks_are_widened_with_a_reason() -> None:
     assert s.tiles[0] >= WIDE_ROWS
     if s.planned[0] < WIDE_ROWS:
         assert any(c.tile == "T_M" and "causal" in c.reason for c in s.changes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_mask_that_varies_along_the_rows_runs_in_small_row_blocks(dtype: str) -> None:
+    """The planner sees the mask's shape, not which keys it leaves out: a mask with a row dim
+    runs in row blocks of at most NARROW_ROWS rows, where more of a causal mask's keys are
+    left out; a padding mask (one row for every query) keeps the planner's tile."""
+    for shape, capped in (((1, 1, 1024, 1024), True), ((1, 1, 1, 1024), False)):
+        chain = chainfuse.attention_chain(
+            1, 12, 1024, 1024, 64, 64, mask="additive", mask_shape=shape, dtype=dtype
+        )
+        s = compile(chain, threads=1).schedule
+        changed = [c for c in s.changes if c.tile == "T_M" and "mask" in c.reason]
+        assert (s.tiles[0] <= NARROW_ROWS) if capped else not changed
+        assert bool(changed) == (capped and s.planned[0] > NARROW_ROWS)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
