@@ -34,12 +34,16 @@ from __future__ import annotations
 from chainfuse.codegen.common import ALIGN16, c_source, define_lines, header_comment, per_thread
 from chainfuse.codegen.gemm_spec import HALF, Epilogue, GemmChainSpec, wide_heads, writes_e
 from chainfuse.codegen.row_block import (
+    copies_kv,
     emit_block,
+    emit_free_kv_buffer,
     emit_free_memos,
+    emit_kv_buffer,
     emit_narrow_keys,
     emit_narrow_memos,
     emit_store_e,
     narrows_keys,
+    reuses_d,
 )
 from chainfuse.codegen.rows import (
     ROWS_LB,
@@ -64,6 +68,7 @@ __all__ = [
     "DIRECT_ROW_STRIPS",
     "DIRECT_STRIDE",
     "DIRECT_STRIPS",
+    "KV_APART",
     "PACKED",
     "emit_gemm_chain",
 ]
@@ -76,6 +81,10 @@ DIRECT_STRIDE = 256
 #: ... or at any distance for this many strips: a packed copy used once or twice does not pay
 #: for its writes (docs/tuning.md)
 DIRECT_FAR_STRIPS = 2
+#: An attention's k and v whose rows lie more than this many elements further apart than a
+#: row's length are copied contiguous once a head and thread, where a head has several row
+#: blocks (`row_block.copies_kv`; docs/tuning.md)
+KV_APART = 0
 
 
 #: Slots of the one array `<name>_packed` takes (longs): pointers, then the scalars, then arrays.
@@ -180,6 +189,8 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
         w.line(
             f"#define DIRECT_FAR_STRIPS {DIRECT_FAR_STRIPS} /* ... or at most this many strips */"
         )
+    if copies_kv(spec):
+        w.line(f"#define KV_APART {KV_APART} /* k, v rows this much further apart: copied */")
     w.line("")
     if uses_exp2_strip(spec) and ker.exp2_strip is not None:
         w.lines(ker.exp2_strip(ker))
@@ -280,9 +291,10 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
                 w.line("/* a gated MLP's up projection: its packed panel and its score tile */")
                 w.line("float* restrict Bt3 = rows_w + CF_WIDE(K, N);")
                 w.line("float* restrict P3t = Bt3 + LPM / MR * SLIVER(TK);")
-            if spec.epilogue is Epilogue.SOFTMAX and not spec.causal:
+            if reuses_d(spec):
                 w.line("/* whose D the packed blocks in Dt hold (reuse_d): where it starts */")
                 w.line("const cf_elem* dt_from = 0;")
+            emit_kv_buffer(w, spec)
             w.line(
                 "/* split: share t % split of block t / split; else blocks claimed one by one */"
             )
@@ -296,6 +308,7 @@ def emit_gemm_chain(spec: GemmChainSpec, header: str = "") -> str:
                 w.line("nxt = split > 1 ? blk + 1 : -1; /* -1: the next one not claimed yet */")
                 emit_block(w, spec)
                 w.line("if (nxt < 0) nxt = cf_claim(&next_blk);")
+            emit_free_kv_buffer(w, spec)
         if narrows_keys(spec):
             emit_free_memos(w)
         if spec.epilogue is not Epilogue.SOFTMAX:

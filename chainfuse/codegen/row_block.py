@@ -26,8 +26,11 @@ from chainfuse.ir import DType, MaskKind
 from chainfuse.kernels import MicroKernel
 
 __all__ = [
+    "copies_kv",
     "emit_block",
+    "emit_free_kv_buffer",
     "emit_free_memos",
+    "emit_kv_buffer",
     "emit_narrow_keys",
     "emit_narrow_memos",
     "emit_store_e",
@@ -216,6 +219,89 @@ def emit_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("const long b0 = blk / (nb1 * mblocks), b1 = (blk / mblocks) % nb1;")
     w.line("const long mo = (blk % mblocks) * T_MO;")
     w.line("const long mo_end = M - mo < T_MO ? M : mo + T_MO;")
+    if not copies_kv(spec):
+        _row_blocks(w, spec)
+        return
+    w.line("/* k and v of this head: the thread's contiguous copy where it has one (kv_buf) */")
+    w.line("const cf_elem* k_head = B + b0 * sB0 + b1 * sB1;")
+    w.line("const cf_elem* v_head = D + b0 * sD0 + b1 * sD1;")
+    w.line("long k_row = sBr, v_row = sDl;")
+    with w.block("if (kv_buf)"):
+        with w.block("if (kv_from != k_head || kv_from_v != v_head)"):
+            w.line("for (long l = 0; l < L; ++l)")
+            w.line("    memcpy(kv_buf + l * K, k_head + l * sBr, (size_t)K * sizeof(cf_elem));")
+            w.line("for (long l = 0; l < L; ++l)")
+            w.line(
+                "    memcpy(kv_buf + L * K + l * N, v_head + l * sDl, (size_t)N * sizeof(cf_elem));"
+            )
+            w.line("kv_from = k_head;")
+            w.line("kv_from_v = v_head;")
+            if reuses_d(spec):
+                w.line("dt_from = 0; /* (V packed from the copy of another head) */")
+        w.line("k_head = kv_buf;")
+        w.line("v_head = kv_buf + L * K;")
+        w.line("k_row = K;")
+        w.line("v_row = N;")
+    with w.block("/* the row blocks read k and v there */"):
+        w.line("const cf_elem* restrict B = k_head;")
+        w.line("const cf_elem* restrict D = v_head;")
+        w.line("const long sB0 = 0, sB1 = 0, sBr = k_row, sD0 = 0, sD1 = 0, sDl = v_row;")
+        w.line("(void)sB0; (void)sB1; (void)sD0; (void)sD1;")
+        _row_blocks(w, spec)
+
+
+def copies_kv(spec: GemmChainSpec) -> bool:
+    """Whether the kernel copies a head's k and v rows contiguous, once a head and thread, where
+    they lie far apart (`emit_kv_buffer`): attention's k and v as views of a projection's
+    output [.., seq, heads * dim] transposed, whose rows are heads * dim apart (a new page
+    every row or few, which the row blocks' in-place reads and packing then pay again and
+    again)."""
+    return (
+        spec.epilogue is Epilogue.SOFTMAX
+        and spec.b_transposed
+        and not spec.d_transposed
+        and not spec.gated
+    )
+
+
+def reuses_d(spec: GemmChainSpec) -> bool:
+    """Whether the kernel keeps a packed V for the next row blocks (`dt_from`, `_reuse_d`)."""
+    return spec.epilogue is Epilogue.SOFTMAX and not spec.causal
+
+
+def emit_kv_buffer(w: Writer, spec: GemmChainSpec) -> None:
+    """A thread's buffer for `copies_kv` (in its parallel loop; `emit_free_kv_buffer` after):
+    L rows of k then L rows of v, where k's or v's rows are more than KV_APART elements apart
+    and the thread runs at least two row blocks of a head (null otherwise, or where malloc
+    fails: the rows are read in place). Copied once for one row block, the rows would be read
+    twice and written once where they are read once now."""
+    if not copies_kv(spec):
+        return
+    w.line("/* k and v rows far apart, read by several row blocks of a head: copied contiguous,")
+    w.line("   once a head (see copies_kv in codegen/row_block.py) */")
+    w.line("/* (row blocks of a head this thread runs: those of its parallel blocks, or its share")
+    w.line("   of the head's where the threads claim the head's blocks side by side) */")
+    w.line("const long head_rbs = (M + T_M - 1) / T_M;")
+    w.line("const long block_rbs = ((T_MO < M ? T_MO : M) + T_M - 1) / T_M;")
+    w.line(
+        "const long own_rbs = block_rbs > head_rbs / nthreads ? block_rbs : head_rbs / nthreads;"
+    )
+    w.line(
+        "cf_elem* kv_buf = split == 1 && own_rbs >= 2 && (sBr > K + KV_APART || sDl > N + KV_APART)"
+        "\n    ? malloc((size_t)(L * (K + N)) * sizeof(cf_elem)) : 0;"
+    )
+    w.line("const cf_elem* kv_from = 0; /* whose k and v kv_buf holds */")
+    w.line("const cf_elem* kv_from_v = 0;")
+
+
+def emit_free_kv_buffer(w: Writer, spec: GemmChainSpec) -> None:
+    """Free `emit_kv_buffer`'s buffer."""
+    if copies_kv(spec):
+        w.line("free(kv_buf);")
+
+
+def _row_blocks(w: Writer, spec: GemmChainSpec) -> None:
+    """The row blocks of one parallel block, rows mo to mo_end."""
     with w.block("for (long m0 = mo; m0 < mo_end; m0 += T_M)"):
         w.line("const int rows = (int)(mo_end - m0 < T_M ? mo_end - m0 : T_M);")
         # causal: key blocks wholly after the block's last query are all masked: skipped
