@@ -7,7 +7,8 @@ Inductor, and Inductor with freezing (fp32 and bf16, 1 and 2 threads).
 
 The models: `bert` (BERT-base, 128 tokens), `vit` (ViT-base, 224 px: 197 tokens), `vit384`
 (ViT-base, 384 px: 577 tokens), `vit512` (ViT-base, 512 px: 1025 tokens), `gpt2` (GPT-2 124M, a 1024-token prompt), `llama` (a 1024-wide
-8-layer Llama-style model, GQA 4:1, 256 tokens) and `whisper` (the encoder of a Whisper-base-sized
+8-layer Llama-style model, GQA 4:1, 256 tokens), `llama4k` (4 of its layers, a 4096-token
+prompt: attention a third of the time) and `whisper` (the encoder of a Whisper-base-sized
 model: 80 mel bins x 3000 frames, a stride-2 conv stem, then 6 layers of attention over 1500
 positions). The causal LMs run as a generation's prefill runs them: `logits_to_keep=1`, so only
 the last position's logits are computed (what `generate` passes; the forward of
@@ -40,7 +41,9 @@ from typing import Any
 __all__ = ["Spread", "main", "speedup"]
 
 VARIANTS = ("eager", "inductor", "inductor-freezing", "chainfuse")
-MODELS = ("bert", "vit", "vit384", "vit512", "gpt2", "llama", "whisper", "bloom", "gemma2")
+MODELS = (
+    "bert", "vit", "vit384", "vit512", "gpt2", "llama", "llama4k", "whisper", "bloom", "gemma2"
+)  # fmt: skip
 # a model, its positional inputs and its keyword inputs
 Built = tuple[Any, tuple[Any, ...], dict[str, Any]]
 
@@ -110,29 +113,32 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
     # (hidden, layers, heads, intermediate, tokens / pixels / positions) per model;
     # Llama-style: GQA 4:1; Whisper: 2 mel frames per position (the conv stem's stride 2)
     if quick:
-        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom, gemma2 = (
+        bert, vit, vit384, vit512, gpt2, llama, llama4k, whisper, bloom, gemma2 = (
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 128),
             (128, 2, 4, 512, 160),
             (128, 2, 4, 512, 128),
             (128, 2, 4, 384, 64),
+            (128, 2, 4, 384, 256),
             (128, 2, 4, 512, 250),
             (128, 2, 4, 512, 128),
             (128, 2, 4, 512, 128),
         )
     else:  # BERT-base, ViT-base at 224, 384 and 512 px, GPT-2 (124M) with a 1024-token
-        # prompt, a 1024-wide Llama, a Whisper-base-sized encoder (1500 positions), a
+        # prompt, a 1024-wide Llama (and 4 of its layers with a 4096-token prompt), a
+        # Whisper-base-sized encoder (1500 positions), a
         # Bloom-560m-wide model (ALiBi attention) with 8 of its 24 layers and a 512-token prompt,
         # a Gemma-2-2B-wide model (soft-capped attention, head dim 256, GQA 2:1, sliding-window
         # layers) with 4 of its 26 layers and a 512-token prompt
-        bert, vit, vit384, vit512, gpt2, llama, whisper, bloom, gemma2 = (
+        bert, vit, vit384, vit512, gpt2, llama, llama4k, whisper, bloom, gemma2 = (
             (768, 12, 12, 3072, 128),
             (768, 12, 12, 3072, 224),
             (768, 12, 12, 3072, 384),
             (768, 12, 12, 3072, 512),
             (768, 12, 12, 3072, 1024),
             (1024, 8, 16, 2816, 256),
+            (1024, 4, 16, 2816, 4096),
             (512, 6, 8, 2048, 1500),
             (1024, 8, 16, 4096, 512),
             (2304, 4, 8, 9216, 512),
@@ -156,10 +162,10 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
                                n_positions=max(1024, gpt2[4]))  # fmt: skip
         return tf.GPT2LMHeadModel(config), (ids(gpt2[4]),), prefill
 
-    def make_llama() -> Built:
-        config = tf.LlamaConfig(num_key_value_heads=llama[2] // 4, vocab_size=32000,
-                                **sizes(llama))  # fmt: skip
-        return tf.LlamaForCausalLM(config), (ids(llama[4]),), prefill
+    def make_llama(c: tuple[int, ...]) -> Built:
+        config = tf.LlamaConfig(num_key_value_heads=c[2] // 4, vocab_size=32000,
+                                max_position_embeddings=max(2048, c[4]), **sizes(c))  # fmt: skip
+        return tf.LlamaForCausalLM(config), (ids(c[4]),), prefill
 
     def make_whisper() -> Built:
         # the encoder alone (transformers 5.x keeps its class in the modeling module); it takes
@@ -184,7 +190,8 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
         return tf.Gemma2ForCausalLM(config), (ids(gemma2[4]),), prefill
 
     return {"bert": make_bert, "vit": lambda: make_vit(vit), "vit384": lambda: make_vit(vit384),
-            "vit512": lambda: make_vit(vit512), "gpt2": make_gpt2, "llama": make_llama,
+            "vit512": lambda: make_vit(vit512), "gpt2": make_gpt2,
+            "llama": lambda: make_llama(llama), "llama4k": lambda: make_llama(llama4k),
             "whisper": make_whisper, "bloom": make_bloom, "gemma2": make_gemma2}  # fmt: skip
 
 
