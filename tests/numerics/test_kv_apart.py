@@ -59,7 +59,7 @@ def _want(q: Any, k: Any, v: Any, mask: Any, causal: bool, gqa: bool) -> Any:
     extra=st.sampled_from([0, 0, 5, 64]),
     heads=st.sampled_from([(2, 2), (4, 2), (3, 1), (4, 4)]),
     batch=st.integers(1, 2),
-    d=st.sampled_from([8, 17, 64]),
+    d=st.sampled_from([8, 16, 17, 64]),
     causal=st.booleans(),
     masked=st.booleans(),
     gap=st.sampled_from([0, 3, 300]),
