@@ -279,12 +279,16 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
             if softmax:
                 w.line("float* restrict row_max = base + AT_STATS; /* online softmax, per row */")
                 w.line("float* restrict row_sum = row_max + ALIGN16(MB);")
+            if spec.epilogue is Epilogue.SOFTMAX:
+                _emit_head_buffer(w)
             w.line("cf_amx_config(); /* once per call and thread */")
             with w.block(
                 "for (long blk = cf_claim(&next_blk); blk < blocks; blk = cf_claim(&next_blk))"
             ):
                 _emit_block(w, spec)
             w.line("CF_TILE_RELEASE();")
+            if spec.epilogue is Epilogue.SOFTMAX:
+                w.line("free(head_vnni);")
         if narrows_keys(spec):
             emit_free_memos(w)
     w.line("")
@@ -409,6 +413,21 @@ def _emit_prepacked(w: Writer) -> None:
     w.line("(void)B3pk;")
 
 
+def _emit_head_buffer(w: Writer) -> None:
+    """An attention thread's buffer for a head's k and v as VNNI tiles over all of l, packed
+    once a head (`_emit_block`) where the thread runs at least two row blocks of it (its share
+    of the head's blocks, which the threads claim side by side); else, or where malloc fails,
+    null: each row block packs each l block it reads, as before."""
+    w.line("/* a head's k and v packed once as VNNI tiles where this thread runs at least two of")
+    w.line("   its row blocks (else each row block packs every l block it reads) */")
+    w.line(
+        "uint16_t* head_vnni = !packed && mblocks / nthreads >= 2"
+        "\n    ? malloc((size_t)(KP * LBL * 32 + LBL * 32 * NT * 16) * sizeof(uint16_t)) : 0;"
+    )
+    w.line("const uint16_t* head_from = 0; /* whose k and v head_vnni holds */")
+    w.line("const uint16_t* head_from_v = 0;")
+
+
 def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
     """One parallel block: MB rows of m of one batch, through every l block."""
     softmax = spec.epilogue is Epilogue.SOFTMAX
@@ -420,6 +439,26 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
     if spec.gated:
         w.line("const uint16_t* restrict B3_b = B3 + b0 * sB0 + b1 * sB1; /* (B's strides) */")
     w.line("uint16_t* restrict E_b = E + b0 * sE0 + b1 * sE1 + m0 * sEm;")
+    w.line("/* k x l and l x n VNNI tiles over all of l: the weights packed once (`packed`), or")
+    w.line("   this head's, packed by this thread (head_vnni); null: packed per l block */")
+    w.line("const uint16_t* Bh = Bpk;")
+    w.line("const uint16_t* Dh = Dpk;")
+    if softmax:
+        with w.block("if (head_vnni)"):
+            with w.block("if (head_from != B_b || head_from_v != D_b)"):
+                if spec.b_transposed:
+                    w.line("cf_amx_pack_vnni(B_b, 1, sBr, K, L, KB, 2 * LBL, head_vnni);")
+                else:
+                    w.line("cf_amx_pack_vnni(B_b, sBr, 1, K, L, KB, 2 * LBL, head_vnni);")
+                at = "head_vnni + KP * LBL * 32"
+                if spec.d_transposed:
+                    w.line(f"cf_amx_pack_vnni(D_b, 1, sDl, L, N, LBL, NT, {at});")
+                else:
+                    w.line(f"cf_amx_pack_vnni(D_b, sDl, 1, L, N, LBL, NT, {at});")
+                w.line("head_from = B_b;")
+                w.line("head_from_v = D_b;")
+            w.line("Bh = head_vnni;")
+            w.line("Dh = head_vnni + KP * LBL * 32;")
     w.line("/* A's rows straight into tiles where k is whole 32s and every row tile whole; else")
     w.line("   packed once for the block, zeros past k and past its rows (to whole 16s) */")
     w.line("const int direct = K % 32 == 0 && mc % 16 == 0;")
@@ -454,6 +493,10 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
             "cf_narrow_keys(mask_b, sMm, sMl, m0, (int)mc, &l_lo, &l_end, A_b, sAm, K, B_b, sBr,"
             f" D_b, sDl, N, {narrow_memo_args('blk % mblocks')}, L);"
         )
+        w.line(
+            "/* (slices of whole tiles start at whole 32s: the keys before, left out, weigh 0) */"
+        )
+        w.line("if (Bh) l_lo = l_lo / 32 * 32;")
     else:
         w.line(f"const long l_lo = 0, l_end = {bound};")
     with w.block("for (long l0 = l_lo; l0 < l_end; l0 += TLP)"):
@@ -466,9 +509,9 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line("long dstride = LB; /* tiles between D's column tiles */")
         if spec.gated:
             w.line("const uint16_t* restrict B3l = B3p;")
-        with w.block("if (packed)"):
-            w.line("Bl = Bpk + l0 / 16 * KB * 512;")
-            w.line("Dl = Dpk + l0 / 32 * 512;")
+        with w.block("if (Bh)"):
+            w.line("Bl = Bh + l0 / 16 * KB * 512;")
+            w.line("Dl = Dh + l0 / 32 * 512;")
             w.line("dstride = LBL;")
             if spec.gated:
                 w.line("B3l = B3pk + l0 / 16 * KB * 512;")

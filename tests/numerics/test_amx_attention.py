@@ -96,6 +96,53 @@ def test_amx_attention_of_drawn_sizes(
     check_against_reference(kernel, chain, seed=M * L, convert=_torch)
 
 
+def _at_threads(threads: int, kernel: AmxKernel, chain: chainfuse.Chain) -> Any:
+    chainfuse.set_num_threads(threads)
+    try:
+        out, _ = check_against_reference(kernel, chain, seed=7, convert=_torch)
+    finally:
+        chainfuse.set_num_threads(None)
+    return out
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_amx_heads_packed_once_give_what_blocks_packing_their_own_give(
+    mask: str | None, causal: bool
+) -> None:
+    """Five row blocks a head: one thread (or each of two) packs a head's k and v once and
+    reads every l block from there; eight threads each run too few of a head's blocks and
+    pack per block. Bit for bit the same, for each of 2 x 3 heads."""
+    chain = _attention(2, 3, 150, 141, 40, 24, mask, causal)
+    kernel = _amx(chain, {"m": 32, "l": 64})
+    per_block = _at_threads(8, kernel, chain)
+    assert torch.equal(_at_threads(1, kernel, chain), per_block)
+    assert torch.equal(_at_threads(2, kernel, chain), per_block)
+
+
+@pytest.mark.parametrize("fill", ["-inf", "min", "bool"])
+def test_amx_heads_packed_once_with_keys_a_mask_leaves_out(fill: str) -> None:
+    """A sliding window: each row block's keys narrowed, then widened back to whole 32s where
+    the head's tiles are sliced (the keys added weigh 0)."""
+    b, h, M, L, d = 1, 2, 200, 203, 32
+    i, j = np.arange(M)[:, None] + (L - M), np.arange(L)[None, :]
+    keep = (j <= i) & (j > i - 45)
+    mask = keep if fill == "bool" else np.where(keep, 0.0, -np.inf if fill == "-inf" else -3e38)
+    kind = "bool" if fill == "bool" else "additive"
+    chain = _attention(b, h, M, L, d, d, kind, False, mask_shape=(1, 1, M, L))
+    kernel = _amx(chain, {"m": 32, "l": 64})
+    inputs = reference.random_inputs(chain, seed=3)
+    inputs["mask"] = mask.reshape(1, 1, M, L).astype(inputs["mask"].dtype)
+    want = reference.run(chain, inputs)["O"]
+    for threads in (1, 2):
+        chainfuse.set_num_threads(threads)
+        try:
+            got = kernel(*[_torch(inputs[t.name]) for t in chain.inputs])
+        finally:
+            chainfuse.set_num_threads(None)
+        reference.assert_close(got.float().numpy(), want, chain)
+
+
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 def test_amx_attention_head_dims_of_models(d: int) -> None:
     chain = _attention(1, 2, 17, 33, d, d, "bool", True)
