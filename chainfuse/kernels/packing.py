@@ -66,10 +66,10 @@ static inline void {name}_pack_a(int kc, int m, const float* restrict A, long ld
         const float* restrict row = A + i * lda;
         for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = row[p];
     }}
-    if (m < {mr}) {{ /* the zeros step by step: contiguous stores */
-        for (int p = 0; p < kc; ++p) {{
-            for (int i = m; i < {mr}; ++i) Ap[(long)p * {mr} + i] = 0.0f;
-        }}
+    /* the zeros row by row too: a run of them per step was compiled to a `rep stos`, whose
+       start-up cost every step of a tail sliver more than its stores (docs/performance.md) */
+    for (int i = m; i < {mr}; ++i) {{
+        for (int p = 0; p < kc; ++p) Ap[(long)p * {mr} + i] = 0.0f;
     }}
 }}
 """
