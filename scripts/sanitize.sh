@@ -29,10 +29,11 @@ if (($# == 0)); then
     # minutes on 2 cores)
     set -- tests/numerics/test_gemm_chain.py tests/numerics/test_conv_chain.py \
         tests/numerics/test_amx_attention.py tests/numerics/test_amx_conv.py \
-        tests/numerics/test_amx_model_features.py -k \
+        tests/numerics/test_amx_model_features.py tests/numerics/test_kv_apart.py \
+        tests/numerics/test_masked_blocks.py -k \
         "unmasked or few_rows or strided or op2_into_e or broadcast or fewer_blocks \
 or zero_size or forced_tiles_and_halo or amx_causal_attention_of_unequal or amx_conv_bands \
-or packed_once"
+or packed_once or a_copy_of_k_and_v or numpy_views or each_head_checks or per_batch_item"
 fi
 cache="$(mktemp -d "${TMPDIR:-/tmp}/chainfuse-sanitize-XXXXXX")"
 trap 'rm -rf "$cache"' EXIT
