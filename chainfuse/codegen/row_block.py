@@ -225,7 +225,6 @@ def emit_block(w: Writer, spec: GemmChainSpec) -> None:
     w.line("/* k and v of this head: the thread's contiguous copy where it has one (kv_buf) */")
     w.line("const cf_elem* k_head = B + b0 * sB0 + b1 * sB1;")
     w.line("const cf_elem* v_head = D + b0 * sD0 + b1 * sD1;")
-    w.line("long k_row = sBr, v_row = sDl;")
     with w.block("if (kv_buf)"):
         with w.block("if (kv_from != k_head || kv_from_v != v_head)"):
             w.line("for (long l = 0; l < L; ++l)")
@@ -238,14 +237,17 @@ def emit_block(w: Writer, spec: GemmChainSpec) -> None:
             w.line("kv_from_v = v_head;")
             if reuses_d(spec):
                 w.line("dt_from = 0; /* (V packed from the copy of another head) */")
-        w.line("k_head = kv_buf;")
-        w.line("v_head = kv_buf + L * K;")
-        w.line("k_row = K;")
-        w.line("v_row = N;")
-    with w.block("/* the row blocks read k and v there */"):
-        w.line("const cf_elem* restrict B = k_head;")
-        w.line("const cf_elem* restrict D = v_head;")
-        w.line("const long sB0 = 0, sB1 = 0, sBr = k_row, sD0 = 0, sD1 = 0, sDl = v_row;")
+    w.line("/* (the call's operands under other names, for the block below to shadow them) */")
+    w.line("const cf_elem* const B_call = B;")
+    w.line("const cf_elem* const D_call = D;")
+    w.line("const long sB0_call = sB0, sB1_call = sB1, sBr_call = sBr;")
+    w.line("const long sD0_call = sD0, sD1_call = sD1, sDl_call = sDl;")
+    with w.block("/* the row blocks read k and v from the copy, else the call's own */"):
+        w.line("const cf_elem* restrict B = kv_buf ? (const cf_elem*)kv_buf : B_call;")
+        w.line("const cf_elem* restrict D = kv_buf ? (const cf_elem*)kv_buf + L * K : D_call;")
+        w.line("const long sB0 = kv_buf ? 0 : sB0_call, sB1 = kv_buf ? 0 : sB1_call;")
+        w.line("const long sD0 = kv_buf ? 0 : sD0_call, sD1 = kv_buf ? 0 : sD1_call;")
+        w.line("const long sBr = kv_buf ? K : sBr_call, sDl = kv_buf ? N : sDl_call;")
         w.line("(void)sB0; (void)sB1; (void)sD0; (void)sD1;")
         _row_blocks(w, spec)
 
