@@ -413,6 +413,24 @@ def _emit_prepacked(w: Writer) -> None:
     w.line("(void)B3pk;")
 
 
+def _emit_pack_l_block(
+    w: Writer, spec: GemmChainSpec, l0: str, lc: str, lb: str, weights: list[tuple[str, str]],
+    d_dst: str,
+) -> None:  # fmt: skip
+    """`lc` keys (l) from `l0` of each (source, destination) of `weights` (B's k x l, and B3's)
+    and of D (l x n) into `d_dst`, packed as VNNI tiles: `lb` blocks of 32 keys, 2 * `lb` tiles
+    of 16 (C expressions)."""
+    for src, dst in weights:
+        if spec.b_transposed:  # (stored [l][k])
+            w.line(f"cf_amx_pack_vnni({src} + {l0} * sBr, 1, sBr, K, {lc}, KB, 2 * {lb}, {dst});")
+        else:
+            w.line(f"cf_amx_pack_vnni({src} + {l0}, sBr, 1, K, {lc}, KB, 2 * {lb}, {dst});")
+    if spec.d_transposed:  # (stored [n][l])
+        w.line(f"cf_amx_pack_vnni(D_b + {l0}, 1, sDl, {lc}, N, {lb}, NT, {d_dst});")
+    else:
+        w.line(f"cf_amx_pack_vnni(D_b + {l0} * sDl, sDl, 1, {lc}, N, {lb}, NT, {d_dst});")
+
+
 def _emit_head_buffer(w: Writer) -> None:
     """An attention thread's buffer for a head's k and v as VNNI tiles over all of l, packed
     once a head (`_emit_block`) where the thread runs at least two row blocks of it (its share
@@ -446,15 +464,8 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
     if softmax:
         with w.block("if (head_vnni)"):
             with w.block("if (head_from != B_b || head_from_v != D_b)"):
-                if spec.b_transposed:
-                    w.line("cf_amx_pack_vnni(B_b, 1, sBr, K, L, KB, 2 * LBL, head_vnni);")
-                else:
-                    w.line("cf_amx_pack_vnni(B_b, sBr, 1, K, L, KB, 2 * LBL, head_vnni);")
-                at = "head_vnni + KP * LBL * 32"
-                if spec.d_transposed:
-                    w.line(f"cf_amx_pack_vnni(D_b, 1, sDl, L, N, LBL, NT, {at});")
-                else:
-                    w.line(f"cf_amx_pack_vnni(D_b, sDl, 1, L, N, LBL, NT, {at});")
+                _emit_pack_l_block(w, spec, "0", "L", "LBL", [("B_b", "head_vnni")],
+                                   "head_vnni + KP * LBL * 32")  # fmt: skip
                 w.line("head_from = B_b;")
                 w.line("head_from_v = D_b;")
             w.line("Bh = head_vnni;")
@@ -501,7 +512,7 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
         w.line(f"const long l_lo = 0, l_end = {bound};")
     with w.block("for (long l0 = l_lo; l0 < l_end; l0 += TLP)"):
         w.line("const long lc = l_end - l0 < TLP ? l_end - l0 : TLP;")
-        w.line("const long LB = CF_R32(lc) / 32, LT = 2 * LB; /* blocks of 32 keys, tiles of 16 */")
+        w.line("const long LB = CF_R32(lc) / 32; /* blocks of 32 keys (tiles of 16: 2 * LB) */")
         w.line("/* this l block of B (k x l) and of D (l x n) as VNNI tiles: slices of the")
         w.line("   weights packed once (`packed`), else packed here */")
         w.line("const uint16_t* restrict Bl = Bp;")
@@ -516,16 +527,8 @@ def _emit_block(w: Writer, spec: GemmChainSpec) -> None:
             if spec.gated:
                 w.line("B3l = B3pk + l0 / 16 * KB * 512;")
         with w.block("else"):
-            for src, dst in (("B_b", "Bp"), ("B3_b", "B3p")) if spec.gated else (("B_b", "Bp"),):
-                if spec.b_transposed:
-                    w.line(f"cf_amx_pack_vnni({src} + l0 * sBr, 1, sBr, K, lc, KB, LT, {dst});"
-                           " /* stored [l][k] */")  # fmt: skip
-                else:
-                    w.line(f"cf_amx_pack_vnni({src} + l0, sBr, 1, K, lc, KB, LT, {dst});")
-            if spec.d_transposed:
-                w.line("cf_amx_pack_vnni(D_b + l0, 1, sDl, lc, N, LB, NT, Dp); /* stored [n][l] */")
-            else:
-                w.line("cf_amx_pack_vnni(D_b + l0 * sDl, sDl, 1, lc, N, LB, NT, Dp);")
+            weights = [("B_b", "Bp"), ("B3_b", "B3p")] if spec.gated else [("B_b", "Bp")]
+            _emit_pack_l_block(w, spec, "l0", "lc", "LB", weights, "Dp")
         with w.block("for (long r0 = 0; r0 < mc; r0 += 32)"):
             w.line("const long rows = mc - r0 < 32 ? mc - r0 : 32;")
             w.line("const long rt16 = rows > 16 ? 32 : 16; /* the rows the tiles compute */")
