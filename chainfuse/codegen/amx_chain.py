@@ -279,7 +279,7 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
             if softmax:
                 w.line("float* restrict row_max = base + AT_STATS; /* online softmax, per row */")
                 w.line("float* restrict row_sum = row_max + ALIGN16(MB);")
-            if spec.epilogue is Epilogue.SOFTMAX:
+            if softmax:
                 _emit_head_buffer(w)
             w.line("cf_amx_config(); /* once per call and thread */")
             with w.block(
@@ -287,7 +287,7 @@ def emit_amx_chain(spec: GemmChainSpec, header: str, path: AmxPath) -> str:
             ):
                 _emit_block(w, spec)
             w.line("CF_TILE_RELEASE();")
-            if spec.epilogue is Epilogue.SOFTMAX:
+            if softmax:
                 w.line("free(head_vnni);")
         if narrows_keys(spec):
             emit_free_memos(w)

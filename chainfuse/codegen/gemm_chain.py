@@ -82,8 +82,8 @@ DIRECT_STRIDE = 256
 #: for its writes (docs/tuning.md)
 DIRECT_FAR_STRIPS = 2
 #: An attention's k and v whose rows lie more than this many elements further apart than a
-#: row's length are copied contiguous once a head and thread, where a head has several row
-#: blocks (`row_block.copies_kv`; docs/tuning.md)
+#: row's length are copied contiguous once a head and thread, where the thread runs several
+#: row blocks of the head (`row_block.emit_kv_buffer`; docs/tuning.md)
 KV_APART = 0
 
 
