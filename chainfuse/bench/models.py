@@ -8,7 +8,7 @@ Inductor, and Inductor with freezing (fp32 and bf16, 1 and 2 threads).
 The models: `bert` (BERT-base, 128 tokens), `vit` (ViT-base, 224 px: 197 tokens), `vit384`
 (ViT-base, 384 px: 577 tokens), `vit512` (ViT-base, 512 px: 1025 tokens), `gpt2` (GPT-2 124M, a 1024-token prompt), `llama` (a 1024-wide
 8-layer Llama-style model, GQA 4:1, 256 tokens), `llama4k` (4 of its layers, a 4096-token
-prompt: attention a third of the time) and `whisper` (the encoder of a Whisper-base-sized
+prompt: attention about a quarter of its flops) and `whisper` (the encoder of a Whisper-base-sized
 model: 80 mel bins x 3000 frames, a stride-2 conv stem, then 6 layers of attention over 1500
 positions). The causal LMs run as a generation's prefill runs them: `logits_to_keep=1`, so only
 the last position's logits are computed (what `generate` passes; the forward of
