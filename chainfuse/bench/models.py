@@ -8,9 +8,11 @@ Inductor, and Inductor with freezing (fp32 and bf16, 1 and 2 threads).
 The models: `bert` (BERT-base, 128 tokens), `vit` (ViT-base, 224 px: 197 tokens), `vit384`
 (ViT-base, 384 px: 577 tokens), `vit512` (ViT-base, 512 px: 1025 tokens), `gpt2` (GPT-2 124M, a 1024-token prompt), `llama` (a 1024-wide
 8-layer Llama-style model, GQA 4:1, 256 tokens), `llama4k` (4 of its layers, a 4096-token
-prompt: attention about a quarter of its flops) and `whisper` (the encoder of a Whisper-base-sized
+prompt: attention about a quarter of its flops), `whisper` (the encoder of a Whisper-base-sized
 model: 80 mel bins x 3000 frames, a stride-2 conv stem, then 6 layers of attention over 1500
-positions). The causal LMs run as a generation's prefill runs them: `logits_to_keep=1`, so only
+positions) and `nn-encoder` (PyTorch's own `nn.TransformerEncoder`, BERT-base-wide, 4 layers,
+GELU, a batch of two 512-token sequences, the second padded to 384 by `src_key_padding_mask`:
+eager runs its fused fast path on nested tensors; the backend sees through the fast path). The causal LMs run as a generation's prefill runs them: `logits_to_keep=1`, so only
 the last position's logits are computed (what `generate` passes; the forward of
 `GPT2LMHeadModel` and `LlamaForCausalLM` in transformers 5.x takes it) and the vocabulary-wide
 head over every position does not swamp the comparison.
@@ -42,7 +44,8 @@ __all__ = ["Spread", "main", "speedup"]
 
 VARIANTS = ("eager", "inductor", "inductor-freezing", "chainfuse")
 MODELS = (
-    "bert", "vit", "vit384", "vit512", "gpt2", "llama", "llama4k", "whisper", "bloom", "gemma2"
+    "bert", "vit", "vit384", "vit512", "gpt2", "llama", "llama4k", "whisper", "bloom", "gemma2",
+    "nn-encoder",
 )  # fmt: skip
 # a model, its positional inputs and its keyword inputs
 Built = tuple[Any, tuple[Any, ...], dict[str, Any]]
@@ -113,7 +116,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
     # (hidden, layers, heads, intermediate, tokens / pixels / positions) per model;
     # Llama-style: GQA 4:1; Whisper: 2 mel frames per position (the conv stem's stride 2)
     if quick:
-        bert, vit, vit384, vit512, gpt2, llama, llama4k, whisper, bloom, gemma2 = (
+        bert, vit, vit384, vit512, gpt2, llama, llama4k, whisper, bloom, gemma2, encoder = (
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 64),
             (128, 2, 4, 512, 128),
@@ -124,6 +127,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             (128, 2, 4, 512, 250),
             (128, 2, 4, 512, 128),
             (128, 2, 4, 512, 128),
+            (128, 2, 4, 512, 128),
         )
     else:  # BERT-base, ViT-base at 224, 384 and 512 px, GPT-2 (124M) with a 1024-token
         # prompt, a 1024-wide Llama (and 4 of its layers with a 4096-token prompt), a
@@ -131,7 +135,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
         # Bloom-560m-wide model (ALiBi attention) with 8 of its 24 layers and a 512-token prompt,
         # a Gemma-2-2B-wide model (soft-capped attention, head dim 256, GQA 2:1, sliding-window
         # layers) with 4 of its 26 layers and a 512-token prompt
-        bert, vit, vit384, vit512, gpt2, llama, llama4k, whisper, bloom, gemma2 = (
+        bert, vit, vit384, vit512, gpt2, llama, llama4k, whisper, bloom, gemma2, encoder = (
             (768, 12, 12, 3072, 128),
             (768, 12, 12, 3072, 224),
             (768, 12, 12, 3072, 384),
@@ -142,6 +146,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             (512, 6, 8, 2048, 1500),
             (1024, 8, 16, 4096, 512),
             (2304, 4, 8, 9216, 512),
+            (768, 4, 12, 3072, 512),
         )
     patch = 16 if not quick else 8
     prefill = {"logits_to_keep": 1}  # (as `generate` calls the model on the prompt)
@@ -189,10 +194,21 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
                                  vocab_size=32000, **sizes(gemma2))  # fmt: skip
         return tf.Gemma2ForCausalLM(config), (ids(gemma2[4]),), prefill
 
+    def make_encoder() -> Built:  # (eval mode: the layers' fused fast path where eager runs)
+        nn = torch.nn
+        layer = nn.TransformerEncoderLayer(encoder[0], encoder[2], encoder[3], batch_first=True,
+                                           activation="gelu")  # fmt: skip
+        x = torch.randn(2, encoder[4], encoder[0], generator=torch.Generator().manual_seed(0))
+        padding = torch.zeros(2, encoder[4], dtype=torch.bool)
+        padding[1, encoder[4] * 3 // 4 :] = True
+        model = nn.TransformerEncoder(layer, encoder[1])
+        return model, (x,), {"src_key_padding_mask": padding}
+
     return {"bert": make_bert, "vit": lambda: make_vit(vit), "vit384": lambda: make_vit(vit384),
             "vit512": lambda: make_vit(vit512), "gpt2": make_gpt2,
             "llama": lambda: make_llama(llama), "llama4k": lambda: make_llama(llama4k),
-            "whisper": make_whisper, "bloom": make_bloom, "gemma2": make_gemma2}  # fmt: skip
+            "whisper": make_whisper, "bloom": make_bloom, "gemma2": make_gemma2,
+            "nn-encoder": make_encoder}  # fmt: skip
 
 
 def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:

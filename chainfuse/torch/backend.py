@@ -10,11 +10,14 @@ Per graph Dynamo hands over (torch-level ops, parameters as inputs):
   2. the parameters become constants of the graph (freezing), so that weights can be packed once
      and Inductor freezes them too (its `freezing` option alone, set after Dynamo traced, does
      not: Dynamo has already made the parameters inputs);
-  3. the graph runs once on the example inputs (every node's value recorded), `finder.find`
+  3. PyTorch's attention modules, one node each (`nn.MultiheadAttention`, the encoder layer's
+     fast path), are written out as the ops they run (`unfold`); where no chain ends up fused,
+     the graph is compiled as Dynamo gave it;
+  4. the graph runs once on the example inputs (every node's value recorded), `finder.find`
      lists the chains, `rewrite.Emitter` writes each as one chainfuse operator, `decide` times it
      against the unfused nodes (compiled by Inductor as the graph will be, in mode "inductor";
      run by PyTorch in mode "eager") and keeps the faster;
-  4. the rewritten graph goes to Inductor (`compile_fx`, freezing on) or runs as it is (eager);
+  5. the rewritten graph goes to Inductor (`compile_fx`, freezing on) or runs as it is (eager);
      in mode "inductor", where a chain was fused, the whole-graph check (`guard.check_graph`)
      times it against Inductor's code for the plain graph and returns the faster.
 The chainfuse operators have shape functions over symbolic sizes: a graph compiled with dynamic
@@ -37,7 +40,7 @@ from chainfuse.torch.finder import ChainKind, Found, find
 from chainfuse.torch.guard import GraphCheck, check_graph, compile_graph, describe, plain_copy
 from chainfuse.torch.kinds import value_of
 from chainfuse.torch.rewrite import Capabilities, Emitter, external_inputs, nan_rows, score_terms
-from chainfuse.torch.unfold import unfold
+from chainfuse.torch.unfold import unfold, unfoldable
 
 __all__ = ["Backend", "ChainReport", "Options", "Report", "backend", "compile"]
 
@@ -106,13 +109,17 @@ class Backend:
         )
         inputs = [example_inputs[i] for i in keep]
         plain = self._plain(gm)
+        # (where no chain ends up fused, the graph runs as Dynamo gave it: PyTorch's own
+        # attention ops, not the ops `unfold` writes them as)
+        given = plain if plain is not None or not unfoldable(gm.graph) else _copy(gm)
         before = len(self.report.chains)
         self._rewrite(gm, inputs)
         fused = any(c.fused for c in self.report.chains[before:])
         if plain is not None and fused:
             compiled = self._check(gm, plain, inputs, self.report.chains[before:])
         else:
-            compiled = self._compile(gm, inputs, freeze=self.options.freeze)
+            kept = gm if fused or given is None else given
+            compiled = self._compile(kept, inputs, freeze=self.options.freeze)
         if len(keep) == len(example_inputs):
             return compiled
 
@@ -283,6 +290,14 @@ class Backend:
                self.options.mode, self.options.freeze, *[describe(values[n]) for n in ext]]  # fmt: skip
         return decide(key, runs[0], eager, _predicted(found, values), self.options.measure,
                       timed, fused_as_run if inductor_mode else None)  # fmt: skip
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """`plain_copy(gm)`, or None where the graph holds what cannot be copied."""
+    try:
+        return plain_copy(gm)
+    except Exception:  # (then the unfolded graph runs: the same numbers)
+        return None
 
 
 def _has_torch_ops(graph: fx.Graph) -> bool:

@@ -611,9 +611,8 @@ def find(graph: fx.Graph) -> Finding:
             result = _conv(node) or "dilation, groups or padding chainfuse's conv chain lacks"
         elif kind is Kind.OPAQUE and node.target is not F.multi_head_attention_forward:
             result = (
-                "PyTorch's fused encoder-layer / multi-head-attention fast path (one opaque op): "
-                "call the model with grad enabled or disable the fast path "
-                "(torch.backends.mha.set_fastpath_enabled(False)) so its parts are visible"
+                "one of PyTorch's fused attention ops, kept whole (the encoder layer's fast "
+                "path where `unfold` could not write it out; `_native_multi_head_attention`)"
             )
         if isinstance(result, Found):
             if used.isdisjoint(result.nodes):
