@@ -7,7 +7,7 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
     act(x W1) * (x W3) -> W2                                     (gated MLP, no biases)
     a, b = (x W13).chunk(2, -1); act(a) * b -> W2                (the same, W1 and W3 fused)
     scaled_dot_product_attention(q, k, v, ...)                   (dropout_p = 0)
-    q @ kᵀ -> [* or / scale] -> [+ mask | masked_fill(m, -inf) | where(keep, ., min)]...
+    q @ kᵀ -> [* or / scale] -> [+ or += mask | masked_fill(m, -inf) | where(keep, ., min)]...
            -> softmax(-1) -> [dropout] -> @ v
     baddbmm(bias, q, kᵀ) -> [+ mask] -> softmax(-1) -> @ v        (ALiBi, as Bloom's)
     conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
@@ -389,7 +389,7 @@ def _attention(mm: fx.Node) -> Found | str | None:
                 steps.append(("view", nxt))
         elif _upcast(nxt):
             pass  # (the softmax in float32: cast back after it, below)
-        elif nxt.target in (operator.add, torch.add, "add") and not nxt.kwargs:
+        elif _adds_to(nxt, node):
             other = [a for a in nxt.args if a is not node]
             if len(other) != 1 or not isinstance(other[0], fx.Node) or not _same_shape(nxt, node):
                 break
@@ -426,6 +426,16 @@ def _attention(mm: fx.Node) -> Found | str | None:
              # one mask added, nothing else: the kernel takes it as it is
              "mask": adds[0] if len(steps) == 1 and adds and bias is None else None}  # fmt: skip
     return Found(ChainKind.ATTENTION, form, (mm, *taken, end), parts)
+
+
+def _adds_to(node: fx.Node, scores: fx.Node) -> bool:
+    """`scores + m`, `m + scores`, or `scores += m` (MPNet's position bias: in place on the
+    scores, which have no other use)."""
+    if node.kwargs:
+        return False
+    if node.target in (operator.iadd, "add_"):
+        return bool(node.args) and node.args[0] is scores
+    return node.target in (operator.add, torch.add, "add")
 
 
 def _factor(node: fx.Node, x: fx.Node) -> float | None:

@@ -2,8 +2,10 @@
 weights, nothing downloaded): Hugging Face BERT, ViT (also at a larger image: more tokens than
 one tile), GPT-2, a Llama-style model, Phi-3 (gate and up projections in one weight), Falcon
 (linears written `x @ W.T`), Bloom (ALiBi attention written out with `baddbmm`), GPT-Neo and
-MPT (attention written out with masked-out scores filled by `where` / `masked_fill`), a Whisper encoder (conv stem, then attention over its
-frames), PyTorch's TransformerEncoderLayer (its fused fast path too), a ResNet-style conv net and a plain MLP.
+MPT (attention written out with masked-out scores filled by `where` / `masked_fill`), MPNet
+(its position bias added to the scores in place), a Whisper encoder (conv stem, then attention
+over its frames), PyTorch's TransformerEncoderLayer (its fused fast path too), a ResNet-style
+conv net and a plain MLP.
 
 Every chain the installed chainfuse can run is fused (`measure=False`: no timing, so the
 rewrites themselves are what is tested), and the model's output is compared with the model run
@@ -122,6 +124,11 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
                                         query_pre_attn_scalar=16, **small)  # fmt: skip
         gated = 2 * (CAPS.gated_mlp and "gelu_tanh" in CAPS.activations)
         return transformers.Gemma2ForCausalLM(cfg), (ids,), 2 + gated
+    if name == "mpnet":  # written out, the position bias added in place (`scores += bias`)
+        cfg = transformers.MPNetConfig(vocab_size=100, **small)
+        padding = torch.ones(2, 17, dtype=torch.long)
+        padding[1, 12:] = 0
+        return transformers.MPNetModel(cfg), (ids, padding), 2 + MLPS
     if name in ("encoder-layer", "encoder-fast"):  # (PyTorch's fast path off, then on)
         layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
         return layer, (torch.randn(2, 17, 64),), 1 + CAPS.bias
@@ -178,7 +185,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
          ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
-         ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
+         ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("mpnet", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "dtype"), CASES)
