@@ -12,7 +12,8 @@ prompt: attention about a quarter of its flops), `whisper` (the encoder of a Whi
 model: 80 mel bins x 3000 frames, a stride-2 conv stem, then 6 layers of attention over 1500
 positions) and `nn-encoder` (PyTorch's own `nn.TransformerEncoder`, BERT-base-wide, 4 layers,
 GELU, a batch of two 512-token sequences, the second padded to 384 by `src_key_padding_mask`:
-eager runs its fused fast path on nested tensors; the backend sees through the fast path). The causal LMs run as a generation's prefill runs them: `logits_to_keep=1`, so only
+eager runs its fused fast path on nested tensors; the backend sees through the fast path). The
+causal LMs run as a generation's prefill runs them: `logits_to_keep=1`, so only
 the last position's logits are computed (what `generate` passes; the forward of
 `GPT2LMHeadModel` and `LlamaForCausalLM` in transformers 5.x takes it) and the vocabulary-wide
 head over every position does not swamp the comparison.

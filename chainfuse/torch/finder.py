@@ -621,8 +621,9 @@ def find(graph: fx.Graph) -> Finding:
             result = _conv(node) or "dilation, groups or padding chainfuse's conv chain lacks"
         elif kind is Kind.OPAQUE and node.target is not F.multi_head_attention_forward:
             result = (
-                "one of PyTorch's fused attention ops, kept whole (the encoder layer's fast "
-                "path where `unfold` could not write it out; `_native_multi_head_attention`)"
+                "one of PyTorch's fused attention ops, kept whole "
+                "(`_native_multi_head_attention`, or an encoder layer's fast path `unfold` "
+                "could not write out)"
             )
         if isinstance(result, Found):
             if used.isdisjoint(result.nodes):
