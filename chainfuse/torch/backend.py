@@ -180,7 +180,10 @@ class Backend:
         return compiled
 
     def _rewrite(self, gm: fx.GraphModule, inputs: list[Any]) -> None:
-        kept_whole = unfold(gm.graph)
+        written, kept_whole = unfold(gm.graph)
+        if written:
+            self.report.notes.append(f"graph {self.report.graphs}: PyTorch's modules written out "
+                                     f"as the ops they run: {', '.join(written)}")  # fmt: skip
         gm.recompile()
         interp = fx.Interpreter(gm, garbage_collect_values=False)
         # (a symbolic size runs at the value it was traced with, read without a guard)

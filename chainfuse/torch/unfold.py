@@ -223,9 +223,10 @@ def unfoldable(graph: fx.Graph) -> bool:
     return any(n.op == "call_function" and n.target in targets for n in graph.nodes)
 
 
-def unfold(graph: fx.Graph) -> list[tuple[str, str]]:
-    """Unfold every multi-head-attention and encoder-layer node that can be; returns (node, why
-    not) for the others."""
+def unfold(graph: fx.Graph) -> tuple[list[str], list[tuple[str, str]]]:
+    """Unfold every multi-head-attention and encoder-layer node that can be; returns what was
+    written out (a phrase a node) and (node, why not) for the others."""
+    written: list[str] = []
     left = []
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -242,6 +243,7 @@ def unfold(graph: fx.Graph) -> list[tuple[str, str]]:
                 left.append((node.name, f"multi-head attention kept whole: {why}"))
                 continue
             out = _unfold_mha(graph, node, bound)
+            written.append(f"{node.name} (multi-head attention)")
         elif node.target is torch._transformer_encoder_layer_fwd:
             if len(node.args) + len(node.kwargs) != len(_ENCODER_ARGS):
                 left.append((node.name, "encoder layer kept whole: an unknown signature"))
@@ -252,6 +254,7 @@ def unfold(graph: fx.Graph) -> list[tuple[str, str]]:
                 left.append((node.name, f"encoder layer kept whole: {why}"))
                 continue
             out = _unfold_encoder_layer(graph, node, bound)
+            written.append(f"{node.name} (an encoder layer's fast path)")
             out.meta["example_value"] = value_of(node)  # (what a later layer's refusal reads)
             node.replace_all_uses_with(out)
             graph.erase_node(node)
@@ -264,4 +267,4 @@ def unfold(graph: fx.Graph) -> list[tuple[str, str]]:
                 user.replace_all_uses_with(out)
             graph.erase_node(user)
         graph.erase_node(node)
-    return left
+    return written, left

@@ -224,6 +224,7 @@ def test_encoder_and_decoder_stacks_are_unfolded_and_fused() -> None:
     _check(stack, lambda m, a: m(a, src_key_padding_mask=pad)[:, :7], (x,), fastpath=True,
            report=report)  # fmt: skip
     assert len(_fused(report)) == 2 * (1 + CAPS.bias)
+    assert [n for n in report.notes if n.count("an encoder layer's fast path") == 2]
     decoder = nn.TransformerDecoderLayer(E, H, 128, batch_first=True)
     causal = nn.Transformer.generate_square_subsequent_mask(L)
     memory_pad = torch.zeros(2, S, dtype=torch.bool)
