@@ -128,23 +128,19 @@ def _unfold_mha(graph: fx.Graph, node: fx.Node, bound: dict[str, Any]) -> fx.Nod
     heads, embed = bound["num_heads"], bound["embed_dim_to_check"]
     dim = embed // heads
     need_weights, is_causal = bound.get("need_weights", True), bound.get("is_causal", False)
-    b = bound.get("in_proj_bias")
-    if bound.get("use_separate_proj_weight", False):
-        weights = [bound[f"{n}_proj_weight"] for n in "qkv"]
+    b, wi = bound.get("in_proj_bias"), bound.get("in_proj_weight")
+    separate = bool(bound.get("use_separate_proj_weight", False))
+    if not separate and query is key is value:  # (one projection, as PyTorch's)
+        q, k, v = w.heads(query, wi, b, 3, heads, dim)
+    elif not separate and key is value:
+        q = w.heads(query, w.rows(wi, 0, embed), w.rows(b, 0, embed), 1, heads, dim)[0]
+        k, v = w.heads(key, w.rows(wi, embed, 3 * embed), w.rows(b, embed, 3 * embed), 2, heads,
+                       dim)  # fmt: skip
+    else:  # (a projection each: rows of the packed weight, or weights of their own)
+        weights = ([bound[f"{n}_proj_weight"] for n in "qkv"] if separate else
+                   [w.rows(wi, i * embed, (i + 1) * embed) for i in range(3)])  # fmt: skip
         q, k, v = (w.heads(x, weights[i], w.rows(b, i * embed, (i + 1) * embed), 1, heads, dim)[0]
                    for i, x in enumerate((query, key, value)))  # fmt: skip
-    else:
-        wi = bound["in_proj_weight"]
-        if query is key is value:
-            q, k, v = w.heads(query, wi, b, 3, heads, dim)
-        elif key is value:
-            q = w.heads(query, w.rows(wi, 0, embed), w.rows(b, 0, embed), 1, heads, dim)[0]
-            part = (w.rows(wi, embed, 3 * embed), w.rows(b, embed, 3 * embed))
-            k, v = w.heads(key, *part, 2, heads, dim)
-        else:
-            q, k, v = (w.heads(x, w.rows(wi, i * embed, (i + 1) * embed),
-                               w.rows(b, i * embed, (i + 1) * embed), 1, heads, dim)[0]
-                       for i, x in enumerate((query, key, value)))  # fmt: skip
     padding, mask = bound.get("key_padding_mask"), bound.get("attn_mask")
     causal = is_causal and padding is None and not need_weights
     if causal:
@@ -217,10 +213,53 @@ def _unfold_encoder_layer(graph: fx.Graph, node: fx.Node, bound: dict[str, Any])
     return norm(y, 2) if not norm_first else y
 
 
+def _mha_node(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Write out one `F.multi_head_attention_forward` node; None, or why it is kept whole."""
+    bound = dict(_MHA.bind(*node.args, **node.kwargs).arguments)
+    users = list(node.users)
+    why = _mha_refusal(bound)
+    if why is None and any(
+        u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in users
+    ):
+        why = "its attention weights are used"
+    if why is not None:
+        return why
+    out = _unfold_mha(graph, node, bound)
+    for user in users:  # (getitem 0: the output; an unused getitem 1: the weights)
+        if user.args[1] == 0:
+            out.meta["example_value"] = value_of(user)
+            user.replace_all_uses_with(out)
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return None
+
+
+def _encoder_node(graph: fx.Graph, node: fx.Node) -> str | None:
+    """Write out one `torch._transformer_encoder_layer_fwd` node; None, or why it is kept
+    whole."""
+    if len(node.args) + len(node.kwargs) != len(_ENCODER_ARGS):
+        return "an unknown signature"
+    bound = {**dict(zip(_ENCODER_ARGS, node.args, strict=False)), **node.kwargs}
+    why = _encoder_refusal(bound)
+    if why is not None:
+        return why
+    out = _unfold_encoder_layer(graph, node, bound)
+    out.meta["example_value"] = value_of(node)  # (what a later layer's refusal reads)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return None
+
+
+# the ops `unfold` writes out: what each is, in words, and its writer
+_WRITERS: dict[Any, tuple[str, Callable[[fx.Graph, fx.Node], str | None]]] = {
+    F.multi_head_attention_forward: ("multi-head attention", _mha_node),
+    torch._transformer_encoder_layer_fwd: ("an encoder layer's fast path", _encoder_node),
+}
+
+
 def unfoldable(graph: fx.Graph) -> bool:
     """Whether `graph` holds a node `unfold` may write out."""
-    targets = (F.multi_head_attention_forward, torch._transformer_encoder_layer_fwd)
-    return any(n.op == "call_function" and n.target in targets for n in graph.nodes)
+    return any(n.op == "call_function" and n.target in _WRITERS for n in graph.nodes)
 
 
 def unfold(graph: fx.Graph) -> tuple[list[str], list[tuple[str, str]]]:
@@ -229,42 +268,13 @@ def unfold(graph: fx.Graph) -> tuple[list[str], list[tuple[str, str]]]:
     written: list[str] = []
     left = []
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target not in _WRITERS:
             continue
-        if node.target is F.multi_head_attention_forward:
-            bound = dict(_MHA.bind(*node.args, **node.kwargs).arguments)
-            why = _mha_refusal(bound)
-            users = list(node.users)
-            if why is None and any(
-                u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in users
-            ):
-                why = "its attention weights are used"
-            if why is not None:
-                left.append((node.name, f"multi-head attention kept whole: {why}"))
-                continue
-            out = _unfold_mha(graph, node, bound)
-            written.append(f"{node.name} (multi-head attention)")
-        elif node.target is torch._transformer_encoder_layer_fwd:
-            if len(node.args) + len(node.kwargs) != len(_ENCODER_ARGS):
-                left.append((node.name, "encoder layer kept whole: an unknown signature"))
-                continue
-            bound = {**dict(zip(_ENCODER_ARGS, node.args, strict=False)), **node.kwargs}
-            why = _encoder_refusal(bound)
-            if why is not None:
-                left.append((node.name, f"encoder layer kept whole: {why}"))
-                continue
-            out = _unfold_encoder_layer(graph, node, bound)
-            written.append(f"{node.name} (an encoder layer's fast path)")
-            out.meta["example_value"] = value_of(node)  # (what a later layer's refusal reads)
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
-            continue
+        what, write = _WRITERS[node.target]
+        name = node.name
+        why = write(graph, node)
+        if why is None:
+            written.append(f"{name} ({what})")
         else:
-            continue
-        for user in users:  # (getitem 0: the output; an unused getitem 1: the weights)
-            if user.args[1] == 0:
-                out.meta["example_value"] = value_of(user)
-                user.replace_all_uses_with(out)
-            graph.erase_node(user)
-        graph.erase_node(node)
+            left.append((name, f"{what} kept whole: {why}"))
     return written, left
