@@ -595,6 +595,10 @@ def _conv(c1: fx.Node) -> Found | str | None:
     return Found(ChainKind.CONV, form, tuple(nodes), parts)
 
 
+#: opaque ops `unfold` writes out, or reports with its reason where it cannot
+_UNFOLD_REPORTS = (F.multi_head_attention_forward, torch._transformer_encoder_layer_fwd)
+
+
 def find(graph: fx.Graph) -> Finding:
     """Every chain in `graph` (no node in two chains) and why each other compute op is not in
     one."""
@@ -619,12 +623,8 @@ def find(graph: fx.Graph) -> Finding:
             result = _sdpa(node)
         elif kind is Kind.CONV:
             result = _conv(node) or "dilation, groups or padding chainfuse's conv chain lacks"
-        elif kind is Kind.OPAQUE and node.target is not F.multi_head_attention_forward:
-            result = (
-                "one of PyTorch's fused attention ops, kept whole "
-                "(`_native_multi_head_attention`, or an encoder layer's fast path `unfold` "
-                "could not write out)"
-            )
+        elif kind is Kind.OPAQUE and node.target not in _UNFOLD_REPORTS:
+            result = "PyTorch's fused multi-head attention op, kept whole"
         if isinstance(result, Found):
             if used.isdisjoint(result.nodes):
                 take(result)
