@@ -222,10 +222,14 @@ def _unsupported(q: Any, k: Any, v: Any, attn_mask: Any, dropout_p: float) -> st
         return "inputs that require grad"
     if min(q.dim(), k.dim(), v.dim()) < 2:
         return f"{min(q.dim(), k.dim(), v.dim())}-D inputs"
-    for t in (q, k, v):  # (the mask is read element by element: any strides)
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            return "a last dimension that is not contiguous"
     return None
+
+
+def _rows(t: Any) -> Any:
+    """`t` with its last dimension contiguous, as the kernels read q, k and v (a copy where it
+    is not: s·d elements beside the attention's s²·d multiply-adds; the mask is read element
+    by element, with any strides)."""
+    return t if t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 #: the active `SDPAPatch`es, outermost first
@@ -238,14 +242,15 @@ class SDPAPatch:
     and most others do, runs chainfuse's kernels without a change to its code.
 
     A call chainfuse's kernels cannot run (another device, float64, dropout_p > 0 while
-    training, inputs that require grad, 1-D inputs, a last dimension that is not contiguous)
-    goes to PyTorch's own SDPA, and is counted in `fallbacks` by its reason, with one warning
-    per reason; with `strict=True` it is an error instead. A 16-bit call that no AMX kernel
-    runs and for which the model predicts PyTorch's SDPA faster (`handoff`) goes there too,
-    counted the same way (with `strict=True`, chainfuse's kernel runs it). `calls` counts the
-    calls chainfuse ran. Errors of the call itself (mismatched shapes) are raised as chainfuse
-    raises them, never passed on. Patches nest; each restores what it replaced. The patch is process-wide (the
-    module attribute), not per thread.
+    training, inputs that require grad, 1-D inputs) goes to PyTorch's own SDPA, and is counted
+    in `fallbacks` by its reason, with one warning per reason; with `strict=True` it is an error
+    instead. (q, k or v whose last dimension is not contiguous runs here, from a contiguous
+    copy.) A 16-bit call that no AMX kernel runs and for which the model predicts PyTorch's SDPA
+    faster (`handoff`) goes there too, counted the same way (with `strict=True`, chainfuse's
+    kernel runs it). `calls` counts the calls chainfuse ran. Errors of the call itself
+    (mismatched shapes) are raised as chainfuse raises them, never passed on. Patches nest;
+    each restores what it replaced. The patch is process-wide (the module attribute), not per
+    thread.
     """
 
     def __init__(self, strict: bool = False) -> None:
@@ -304,6 +309,7 @@ class SDPAPatch:
                                    scale=scale, enable_gqa=enable_gqa)  # fmt: skip
         if why is None:
             self.calls += 1
+            query, key, value = _rows(query), _rows(key), _rows(value)
             return _attend(query, key, value, attn_mask, is_causal, scale, 0.0, enable_gqa,
                            decide=False)  # fmt: skip
         if self.strict:

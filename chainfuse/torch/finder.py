@@ -7,8 +7,8 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
     act(x W1) * (x W3) -> W2                                     (gated MLP, no biases)
     a, b = (x W13).chunk(2, -1); act(a) * b -> W2                (the same, W1 and W3 fused)
     scaled_dot_product_attention(q, k, v, ...)                   (dropout_p = 0)
-    q @ kᵀ -> [* or / scale] -> [+ or += mask | masked_fill(m, -inf) | where(keep, ., min)]...
-           -> softmax(-1) -> [dropout] -> @ v
+    q @ kᵀ -> [* or / scale] -> [+ or += mask | masked_fill(m, -inf) | where(keep, ., min)
+              | max(., min)]... -> softmax(-1) -> [dropout] -> @ v
     baddbmm(bias, q, kᵀ) -> [+ mask] -> softmax(-1) -> @ v        (ALiBi, as Bloom's)
     conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
 
@@ -352,7 +352,8 @@ def _baddbmm(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, float, fl
 def _attention(mm: fx.Node) -> Found | str | None:
     """`q @ kᵀ` (or `baddbmm(bias, q, kᵀ)`) -> scale -> masks -> softmax -> @ v, or None when
     `mm` is not a score GEMM. Between the scores and the softmax: additive masks, fills of
-    masked-out scores (`masked_fill(m, -inf)`, `where(keep, s, finfo.min)`), reshapes that keep
+    masked-out scores (`masked_fill(m, -inf)`, `where(keep, s, finfo.min)`), a floor under the
+    masked scores (`max(s, finfo.min)`), reshapes that keep
     the last dimension (Bloom: `[b·h, q, k] -> [b, h, q, k]` around its mask, and back), and an
     upcast for the softmax that is cast back after it."""
     scores = _baddbmm(mm)
@@ -367,7 +368,7 @@ def _attention(mm: fx.Node) -> Found | str | None:
     taken: list[fx.Node] = []
     # what the graph does to the scores' additive terms on the way to the softmax, in order:
     # ("view", node) re-labels them, ("add", node, mask) adds a mask, ("fill", node, where,
-    # value) sets them to value where `where` is true
+    # value) sets them to value where `where` is true, ("floor", node, value) raises them to value
     steps: list[tuple[Any, ...]] = []
     node, scaled, words, softcap = mm, False, [], None
     while (nxt := _single_user(node)) is not None:
@@ -398,6 +399,9 @@ def _attention(mm: fx.Node) -> Found | str | None:
         elif (fill := _fill(nxt, node)) is not None:
             steps.append(("fill", nxt, *fill))
             words.append(str(nxt.target if isinstance(nxt.target, str) else nxt.target.__name__))
+        elif (floor := _floor(nxt, node)) is not None:
+            steps.append(("floor", nxt, floor))
+            words.append("max")
         else:
             break
         taken.append(nxt)
@@ -510,10 +514,40 @@ def _fill(node: fx.Node, scores: fx.Node) -> tuple[fx.Node, float, bool] | None:
 
 
 def _tensor_constant(node: fx.Node) -> float | None:
-    """The number of a 0-d `torch.tensor(number, ...)` node (GPT-Neo's mask value), or None."""
-    if node.target is not torch.tensor or len(node.args) != 1:
+    """The number of a 0-d `torch.tensor(number, ...)` (GPT-Neo's mask value) or
+    `torch.full((), number, ...)` node, or None."""
+    if node.target is torch.tensor and len(node.args) == 1:
+        return constant_of(node.args[0])
+    if node.target is torch.full and len(node.args) == 2 and node.args[0] in ((), []):
+        return constant_of(node.args[1])
+    return None
+
+
+_MAX = (torch.max, torch.maximum, "max", "maximum")
+_CLAMP_MIN = (torch.clamp, torch.clamp_min, "clamp", "clamp_min")
+
+
+def _floor(node: fx.Node, scores: fx.Node) -> float | None:
+    """The value v of a floor under the scores, `max(scores, v)` (XGLM's `torch.max(s + mask,
+    full((), finfo.min))`), `maximum` or `clamp(min=v)`, for v at or below `FILL_BELOW`; else
+    None. Only a sum of masks so far below the scores can reach it, so the floor applies to
+    what is added to the scores (`rewrite.score_terms`), not to the scores."""
+    args: Any = node.args
+    if not args or args[0] is not scores:
         return None
-    return constant_of(node.args[0])
+    if node.target in _MAX and len(args) == 2 and not node.kwargs:
+        value: Any = args[1]
+    elif node.target in _CLAMP_MIN and set(node.kwargs) <= {"min"}:
+        rest = [*args[1:2], *node.kwargs.values()]
+        if len(rest) != 1 or len(args) > 2:
+            return None
+        value = rest[0]
+    else:
+        return None
+    number = _tensor_constant(value) if isinstance(value, fx.Node) else constant_of(value)
+    if number is None or number > FILL_BELOW or not _same_shape(node, scores):
+        return None
+    return number
 
 
 def _upcast(node: fx.Node) -> bool:

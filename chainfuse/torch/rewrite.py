@@ -69,9 +69,19 @@ def _dtype(node: Any) -> torch.dtype | None:
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
-def _last_dim_dense(node: Any) -> bool:
+def _dense(
+    graph: fx.Graph, env: Callable[[Any], Any], node: fx.Node, transposed: bool = False
+) -> fx.Node:
+    """`node` (its last two dimensions swapped where `transposed`) in `graph`, with its last
+    dimension contiguous, as the attention kernels read q, k and v: a contiguous copy where it
+    is not (SqueezeBERT's heads come from a conv's `[.., d, s]` layout). The copy moves s·d
+    elements where the attention does s²·d multiply-adds; the decision times it with the kernel."""
     value = value_of(node)
-    return isinstance(value, torch.Tensor) and (value.shape[-1] == 1 or value.stride(-1) == 1)
+    dim = -2 if transposed else -1
+    out = graph.call_method("transpose", (env(node), -2, -1)) if transposed else env(node)
+    if isinstance(value, torch.Tensor) and (value.shape[dim] == 1 or value.stride(dim) == 1):
+        return out
+    return graph.call_method("contiguous", (out,))
 
 
 def _half_of(g: Gemm) -> slice:
@@ -148,8 +158,6 @@ class Emitter:
             q, v = p["q"], p["v"]
             k = p.get("k", p.get("kt"))
             self._operands(q, k, v)
-            if found.kind is ChainKind.SDPA and not all(_last_dim_dense(t) for t in (q, k, v)):
-                raise _Refused("q, k or v has a last dimension that is not contiguous")
             for mask in p.get("masks", (p["mask"],)):
                 if mask is not None and _dtype(mask) not in (torch.bool, _dtype(q)):
                     raise _Refused(f"a mask of dtype {_dtype(mask)}")
@@ -276,12 +284,14 @@ class Emitter:
     def _sdpa(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         p = found.parts
         mask = env(p["mask"]) if p["mask"] is not None else None
-        args = (env(p["q"]), env(p["k"]), env(p["v"]), mask, p["is_causal"], p["scale"], p["gqa"])
+        q, k, v = (_dense(graph, env, p[name]) for name in ("q", "k", "v"))
+        args = (q, k, v, mask, p["is_causal"], p["scale"], p["gqa"])
         return graph.call_function(torch.ops.chainfuse.attention.default, args)
 
     def _attention(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
         p = found.parts
-        k = graph.call_method("transpose", (env(p["kt"]), -2, -1))
+        q, k, v = (_dense(graph, env, p["q"]), _dense(graph, env, p["kt"], transposed=True),
+                   _dense(graph, env, p["v"]))  # fmt: skip
         mask = p["mask"]
         if mask is not None and _dtype(mask) == _dtype(p["q"]):
             mask = env(mask)  # (one mask added, nothing else: the kernel reads it as it is)
@@ -292,7 +302,7 @@ class Emitter:
             bias = env(p["bias"]) if p["bias"] is not None else None
             terms = (env(p["q"]), env(p["kt"]), bias, float(p["bias_scale"]), steps)
             mask = graph.call_function(score_terms, terms)
-        args: tuple[Any, ...] = (env(p["q"]), k, env(p["v"]), mask, False, float(p["scale"]), False)
+        args: tuple[Any, ...] = (q, k, v, mask, False, float(p["scale"]), False)
         if p["softcap"] is not None:
             args += (float(p["softcap"]),)
         out = graph.call_function(torch.ops.chainfuse.attention.default, args)
@@ -339,6 +349,8 @@ def _step(step: tuple[Any, ...], env: Callable[[Any], Any]) -> tuple[Any, ...]:
         return ("add", env(step[2]))
     if step[0] == "fill":
         return ("fill", env(step[2]), float(step[3]), bool(step[4]))
+    if step[0] == "floor":
+        return ("floor", float(step[2]))
     view: fx.Node = step[1]  # ("view", node): the shape it asks for (sizes may be nodes)
     sizes: Any = view.kwargs.get("shape", view.args[1:] if view.target != torch.reshape
                                  else view.args[1])  # fmt: skip
@@ -354,9 +366,11 @@ def score_terms(
     """What written-out attention does to `q @ kᵀ` besides scaling it, as one tensor that the
     kernel adds to the scores (broadcast to their shape): `bias_scale * bias` (baddbmm's input),
     then `steps` in the graph's order: ("view", shape) reshapes, ("add", mask) adds, ("fill",
-    where, value, fill_where_true) sets value where `where` (or where not). A fill sets the
-    terms, not the sum: its value is at most `finder.FILL_BELOW`, so score + value rounds to
-    value. The terms stay as small as their broadcast allows (a causal mask: one [q, k])."""
+    where, value, fill_where_true) sets value where `where` (or where not), ("floor", value)
+    raises what is below value to it. A fill or a floor acts on the terms, not the sum: its
+    value is at most `finder.FILL_BELOW`, so score + value rounds to value, and only terms that
+    far below every score reach it. The terms stay as small as their broadcast allows (a causal
+    mask: one [q, k])."""
     batch: tuple[int, ...] = torch.broadcast_shapes(q.shape[:-2], kt.shape[:-2])  # type: ignore[no-untyped-call]
     shape = torch.Size((*batch, q.shape[-2], kt.shape[-1]))
     full = shape  # the scores' shape at this step (the terms broadcast to it)
@@ -369,6 +383,8 @@ def score_terms(
             full = terms.shape
         elif step[0] == "add":
             terms = terms + step[1]
+        elif step[0] == "floor":
+            terms = torch.clamp(terms, min=step[1])
         else:
             where = step[1].bool() if step[3] else ~step[1].bool()
             terms = torch.where(where, torch.tensor(step[2], dtype=q.dtype), terms)

@@ -198,6 +198,35 @@ def test_written_out_attention_with_a_mask() -> None:
     torch.testing.assert_close(got, fn(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+def _channels_first(x: Any, m: Any, form: str) -> Any:
+    """Attention over heads stored `[b, h, d, s]` (SqueezeBERT's, from a conv1d): q and v as
+    transposed views, kᵀ as it is stored; none has its head dimension contiguous."""
+    q, kt, v = x.transpose(-1, -2), x * 0.5, (x + 1.0).transpose(-1, -2)
+    if form == "sdpa":
+        return F.scaled_dot_product_attention(q, kt.transpose(-1, -2), v, attn_mask=m)
+    return F.softmax(q @ kt / 4.0 + m, dim=-1) @ v
+
+
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
+@pytest.mark.parametrize("form", ["written out", "sdpa"])
+def test_attention_over_heads_stored_channels_first(form: str, mode: str) -> None:
+    """q, k and v whose head dimension is not contiguous are fused (read from contiguous copies
+    in the graph), with eager's result within the rule."""
+    torch.manual_seed(0)
+    x, m = torch.randn(2, 3, 16, 13), torch.randn(2, 1, 1, 13)
+    report = Report()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fn = torch.compile(_channels_first, fullgraph=True,
+                           backend=Backend(Options(mode=mode, measure=False), report))  # fmt: skip
+        got, want = fn(x, m, form), _channels_first(x, m, form)
+        want64 = _channels_first(x.double(), m.double(), form)
+    (chain,) = report.chains
+    assert chain.fused, chain.why
+    err = float((got.double() - want64).abs().max())
+    assert err <= 4 * float((want.double() - want64).abs().max()) + 1e-6
+
+
 def _alibi_scores(q: Any, k: Any, v: Any, bias: Any, m: Any, form: str) -> Any:
     """Attention as Bloom writes it: scores from `baddbmm(alibi, q, kᵀ)` over [b·h] batches,
     reshaped to [b, h] for the mask and back for the matmul with v; and variants of it."""
@@ -262,6 +291,15 @@ def _filled(q: Any, k: Any, v: Any, m: Any, form: str) -> Any:
         s = torch.where((m == 0).view(1, 1, 1, *m.shape[-2:]), float("-inf"), s).view(s.shape[1:])
     elif form == "fill -1e4":  # not below every score: not fused (a fill is not an add)
         s = s.masked_fill(m == 0, -1e4)
+    elif form == "XGLM":  # a mask of finfo.min added twice (-inf), then max(., finfo.min)
+        low = torch.finfo(s.dtype).min
+        causal = torch.zeros(m.shape, dtype=s.dtype).masked_fill(m == 0, low)
+        causal[..., 3, :] = low  # (row 3: every key masked twice, -inf, raised to min: uniform)
+        s = s + causal + causal[..., 3:4, :]
+        s = torch.max(s, torch.full((), low, dtype=s.dtype))
+    elif form == "clamp -1e4":  # a floor a score could be near: not fused
+        s = s + torch.zeros(m.shape, dtype=s.dtype).masked_fill(m == 0, float("-inf"))
+        s = s.clamp(min=-1e4)
     elif form == "rows masked out":  # rows with no key left: -inf gives NaN, as in eager
         s = s.masked_fill((m == 0) | (torch.arange(s.shape[-2])[:, None] == 3), float("-inf"))
     elif form == "rows filled with min":  # ... and finfo.min the mean of v, as in eager
@@ -289,6 +327,8 @@ FILLED = [
     "MPT",
     "where, fill first",
     "fill -1e4",
+    "XGLM",
+    "clamp -1e4",
     "rows masked out",
     "rows filled with min",
 ]
@@ -297,15 +337,15 @@ FILLED = [
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("form", FILLED)
 def test_written_out_attention_with_filled_scores(form: str, dtype: str) -> None:
-    """Masked-out scores filled with -inf or finfo.min (masked_fill, where) are one fused call
-    with eager's result within the rule, NaN where eager has NaN; a fill with a value a score
-    could be near (-1e4) ends the chain."""
+    """Masked-out scores filled with -inf or finfo.min (masked_fill, where) or raised to it
+    (max) are one fused call with eager's result within the rule, NaN where eager has NaN; a
+    fill or a floor with a value a score could be near (-1e4) ends the chain."""
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     q, k, v = (torch.randn(2, 3, 11, 16, dtype=dt) for _ in range(3))
     m = torch.ones(11, 11).tril()[None, None]  # a causal buffer, as nanoGPT registers it
     report, got, want, want64 = _compiled_eager_64(_filled, q, k, v, m, m, form)
-    if form == "fill -1e4":
+    if form in ("fill -1e4", "clamp -1e4"):
         assert not [c for c in report.chains if c.fused]
     else:
         (chain,) = report.chains
