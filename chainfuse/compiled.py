@@ -455,7 +455,7 @@ class AmxKernel(Kernel):
 
 
 class ConvKernel(_Built):
-    """A compiled conv -> [relu] -> conv chain: `kernel(x, w1, w2, b1=None, b2=None, out=None)`.
+    """A compiled conv -> [activation] -> conv chain: `kernel(x, w1, w2, b1=None, b2=None, out=None)`.
 
     `x` [N, C, H, W], `w1` [K1, C, R1, S1], `w2` [K2, K1, R2, S2] (PyTorch's layouts), in NCHW
     or channels-last memory order (numpy arrays or torch CPU tensors, float32); biases [K1] /
@@ -646,7 +646,7 @@ class ConvKernel(_Built):
 
 
 class AmxConvKernel(ConvKernel):
-    """A bf16 conv -> [relu] -> conv chain on AMX tiles (`codegen.amx_conv`): `ConvKernel`'s
+    """A bf16 conv -> [activation] -> conv chain on AMX tiles (`codegen.amx_conv`): `ConvKernel`'s
     calling convention (bf16 operands and result), its own source and build flags (`path`:
     the tile unit, or its emulation). Every band recomputes the rows of Z it reads."""
 

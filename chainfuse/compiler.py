@@ -4,7 +4,7 @@
     E = kernel(A, B, D)            # numpy in, numpy out; torch CPU tensors in, torch out
     print(kernel.plan); print(kernel.source)
 
-`compile_conv` does the same for a conv -> [relu] -> conv chain (`ConvKernel`).
+`compile_conv` does the same for a conv -> [activation] -> conv chain (`ConvKernel`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from chainfuse.codegen.conv import (
     Halo,
     choose_halo,
     code_tiles,
+    conv_activation,
     match_conv_chain,
 )
 from chainfuse.codegen.gemm_spec import Epilogue, GemmChainSpec, match_gemm_chain
@@ -196,11 +197,13 @@ def compile_conv(
     halo: Halo | str | None = None,
     after: str | None = None,
 ) -> ConvKernel:
-    """Plan a conv -> [relu] -> conv chain and build its one fused kernel (see `codegen.conv`).
+    """Plan a conv -> [activation] -> conv chain and build its one fused kernel (see
+    `codegen.conv`).
 
     `tiles` overrides code tiles by loop name: `p2` (output rows per band), `c` and `k1` (the
     channel blocks of the two reductions). `halo` forces "keep" or "recompute" (default: the
-    cost comparison of `choose_halo`). `after="relu"` adds a relu after the second convolution.
+    cost comparison of `choose_halo`). `after` ("relu", "gelu", "gelu_tanh", "quick_gelu",
+    "silu" or None) is an activation on the second convolution's result.
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
@@ -208,8 +211,7 @@ def compile_conv(
         raise TypeError(
             f"{chain.name}: float32 and bfloat16 (AMX) conv chains compile, got {chain.dtype.value}"
         )
-    if after not in (None, "relu"):
-        raise ValueError(f"after: expected None or 'relu', got {after!r}")
+    conv_activation(after, "after")  # (checked before anything is planned)
     hw = resolve(hardware)
     shape = match_conv_chain(chain)
     if chain.dtype is DType.BFLOAT16:
@@ -243,8 +245,8 @@ def compile_conv(
         if forced is not decided:
             reason = f"forced {forced.value} (the model chose {decided.value}: {reason})"
         decided = forced
-    spec = ConvChainSpec(kernel, shape.relu_mid, after == "relu", decided)
-    header = _conv_header(spec, after)
+    spec = ConvChainSpec(kernel, shape.between, conv_activation(after, "after"), decided)
+    header = _conv_header(spec)
     return ConvKernel(chain, chosen, spec, shape, code, reason, header)
 
 
@@ -295,21 +297,22 @@ def _compile_amx_conv(
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
         band_rows = min(t, shape.P2)
     chosen = _conv_plan(chain, shape, hw, threads)
-    spec = AmxConvSpec(shape.relu_mid, after == "relu")
+    spec = AmxConvSpec(shape.between, conv_activation(after, "after"))
     return AmxConvKernel(chain, chosen, spec, shape, band_rows,
-                         amx_conv_header(spec, path, after), path)  # fmt: skip
+                         amx_conv_header(spec, path), path)  # fmt: skip
 
 
-def _conv_header(spec: ConvChainSpec, after: str | None) -> str:
+def _conv_header(spec: ConvChainSpec) -> str:
     """The conv kernel's opening comment: structure, schedule and how its tiles are chosen (no
     sizes: they, the tiles included, are arguments, so one object serves every shape)."""
     # the chain with its sizes, strides and paddings as symbols: they are arguments
     ops = [
         "  Y1[n,k1,p1,q1] = sum[c,r1,s1] X[n,c,st1*p1+r1-pad1,st1*q1+s1-pad1] * W1[k1,c,r1,s1]",
         "  Y1 += b1[k1] (if given)",
-        *(["  Z = relu(Y1)"] if spec.relu_mid else ["  Z = Y1"]),
+        f"  Z = {spec.between.value}(Y1)" if spec.between is not Epilogue.NONE else "  Z = Y1",
         "  Y2[n,k2,p2,q2] = sum[k1,r2,s2] Z[n,k1,st2*p2+r2-pad2,st2*q2+s2-pad2] * W2[k2,k1,r2,s2]",
-        "  Y2 += b2[k2] (if given)" + ("; Y2 = relu(Y2)" if after == "relu" else ""),
+        "  Y2 += b2[k2] (if given)"
+        + (f"; Y2 = {spec.after.value}(Y2)" if spec.after is not Epilogue.NONE else ""),
     ]
     keep = spec.halo is Halo.KEEP
     return (

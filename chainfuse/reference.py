@@ -145,11 +145,13 @@ def run_conv_chain(
     after: str | None = None,
 ) -> NDArray[np.float64]:
     """`run` of a `conv_chain_spec` chain with what its IR does not hold: per-channel biases
-    added to each convolution's result (`b1` before the op between them) and an optional relu
-    after the second one (`after="relu"`). Returns the output (float64). Kept apart from `run`:
-    the IR has no bias-after-contraction op for convolutions (yet)."""
-    if after not in (None, "relu"):
-        raise ValueError(f"after: expected None or 'relu', got {after!r}")
+    added to each convolution's result (`b1` before the op between them) and an optional
+    activation after the second one (`after`: "relu", "gelu", "gelu_tanh", "quick_gelu" or
+    "silu"). Returns the output (float64). Kept apart from `run`: the IR has no
+    bias-after-contraction op for convolutions (yet)."""
+    names = ("relu", "gelu", "gelu_tanh", "quick_gelu", "silu")
+    if after is not None and after not in names:
+        raise ValueError(f"after: expected None or one of {list(names)}, got {after!r}")
     env = _check_inputs(chain, inputs)
     first = chain.contractions[0]
     for op in chain.ops:
@@ -158,8 +160,8 @@ def run_conv_chain(
         if bias is not None:
             value = value + np.asarray(bias, dtype=np.float64).reshape(1, -1, 1, 1)
         env[op.output.tensor] = value
-    out = env[chain.outputs[0].name]
-    return np.maximum(out, 0.0) if after == "relu" else out
+    out: F64 = env[chain.outputs[0].name]
+    return out if after is None else activate(Activation(after), out)
 
 
 # -- ops ------------------------------------------------------------------------------------------
@@ -334,25 +336,37 @@ def _pointwise(
     op: Pointwise, env: Mapping[str, NDArray[Any]], extents: Mapping[str, int], out: tuple[str, ...]
 ) -> F64:
     x: F64 = _aligned(op.input, _real(env, op.input), extents, out)
-    if op.fn is Activation.IDENTITY:
-        return x
-    if op.fn is Activation.RELU:
-        return np.maximum(x, 0.0)
-    if op.fn is Activation.GELU:
-        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
-    if op.fn is Activation.GELU_TANH:
-        with np.errstate(over="ignore", invalid="ignore"):  # (x**3 of a huge x: inf, as torch)
-            return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-    if op.fn is Activation.QUICK_GELU:
-        return x * _sigmoid(1.702 * x)
-    if op.fn is Activation.SILU:
-        return x * _sigmoid(x)
+    if op.fn in _OWN:
+        return activate(op.fn, x)
     if op.fn is Activation.SCALE:
         return op.alpha * x
     if op.operand is None:
         raise ValueError(f"op '{op}': {op.fn.value} needs an operand")
     operand: F64 = _aligned(op.operand, _real(env, op.operand), extents, out)
     return x * operand if op.fn is Activation.MUL else x + operand
+
+
+#: the activations that take x alone
+_OWN = (Activation.IDENTITY, Activation.RELU, Activation.GELU, Activation.GELU_TANH,
+        Activation.QUICK_GELU, Activation.SILU)  # fmt: skip
+
+
+def activate(fn: Activation, x: F64) -> F64:
+    """`fn` (one of the activations that take x alone) of x, in float64."""
+    if fn is Activation.IDENTITY:
+        return x
+    if fn is Activation.RELU:
+        return np.maximum(x, 0.0)
+    if fn is Activation.GELU:
+        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    if fn is Activation.GELU_TANH:
+        with np.errstate(over="ignore", invalid="ignore"):  # (x**3 of a huge x: inf, as torch)
+            return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if fn is Activation.QUICK_GELU:
+        return x * _sigmoid(1.702 * x)
+    if fn is Activation.SILU:
+        return x * _sigmoid(x)
+    raise ValueError(f"activate: {fn.value} needs an operand")
 
 
 def _sigmoid(z: F64) -> F64:

@@ -1,4 +1,4 @@
-"""Lower a bf16 conv -> [relu] -> conv chain onto AMX tiles: implicit GEMM, fused through a row
+"""Lower a bf16 conv -> [activation] -> conv chain onto AMX tiles: implicit GEMM, fused through a row
 buffer of the intermediate in bf16.
 
 One source, two builds, as `amx_chain`: the C calls the `CF_TILE_*` macros of
@@ -19,11 +19,11 @@ of conv2) claimed from a shared counter::
     for (n, band [pa, pb)) claimed:
         Xpad = X's rows the band's conv1 rows read (zeros for the padding)
         for each row z of Z the band reads (recomputed per band: halo "recompute"):
-            Zpad[z] = bf16([relu](conv1 + b1))       # fp32 tiles, rounded once as PyTorch's
+            Zpad[z] = bf16([f](conv1 + b1))          # fp32 tiles, rounded once as PyTorch's
         for each output row p of the band:           # unfused bf16 conv rounds Y1
-            Y[n, :, p, :] = bf16([relu](conv2(Zpad) + b2))   # through Y's strides
+            Y[n, :, p, :] = bf16([g](conv2(Zpad) + b2))      # through Y's strides
 
-What is compiled in: the two relus; every size, stride, padding and the band's rows are
+What is compiled in: the two activations (`conv.ConvChainSpec`'s); every size, stride, padding and the band's rows are
 run-time arguments (`conv.GEOMETRY`, whose channel-block slots this kernel does not read).
 """
 
@@ -37,7 +37,9 @@ from chainfuse.codegen.common import (
     name_hash,
     per_thread,
 )
-from chainfuse.codegen.conv import ConvChainShape
+from chainfuse.codegen.conv import ConvChainShape, conv_word
+from chainfuse.codegen.gemm_spec import Epilogue
+from chainfuse.codegen.softmax import activation_c
 from chainfuse.codegen.writer import Writer
 from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath, emit_tap_block
 
@@ -63,20 +65,18 @@ AMX_CONV_LIMIT = 256 << 20
 class AmxConvSpec:
     """What the generated AMX conv code depends on (no sizes: those are arguments)."""
 
-    relu_mid: bool
-    relu_out: bool
+    between: Epilogue  # between the convolutions (NONE: none)
+    after: Epilogue  # on the second convolution's result (NONE: none)
 
     @property
     def name(self) -> str:
-        word = "conv" + ("_relu" if self.relu_mid else "") + "_conv"
-        word += "_relu" if self.relu_out else ""
-        key = f"{AMX_BF16_32X32.name}|{self.relu_mid}|{self.relu_out}"
-        return f"{word}_bf16_amx_{name_hash(key)}"
+        key = f"{AMX_BF16_32X32.name}|{self.between.value}|{self.after.value}"
+        return f"{conv_word(self.between, self.after)}_bf16_amx_{name_hash(key)}"
 
 
 def amx_conv_unsupported(shape: ConvChainShape) -> str:
     """Why the AMX conv generator does not take a chain of `shape` ("" when it does): it takes
-    every conv -> [relu] -> conv `match_conv_chain` recognises (any kernel size, stride and
+    every conv -> [activation] -> conv `match_conv_chain` recognises (any kernel size, stride and
     padding; dilation 1 and no groups are all the IR describes), unless a band of one output
     row would need row buffers past `AMX_CONV_LIMIT`."""
     need = _band_bytes(shape, 1)
@@ -115,19 +115,21 @@ def amx_conv_arithmetic(path: AmxPath) -> str:
     """`ConvKernel.arithmetic` of an AMX conv kernel."""
     return (
         f"{path.value}: bf16 inputs, fp32 accumulation in AMX tiles (TDPBF16PS) over taps and "
-        "32-channel blocks, bias and relu in fp32, the intermediate rounded to bf16 before the "
+        "32-channel blocks, bias and activations in fp32, the intermediate rounded to bf16 before the "
         "second convolution, output rounded to bf16 once"
     )
 
 
-def amx_conv_header(spec: AmxConvSpec, path: AmxPath, after: str | None) -> str:
+def amx_conv_header(spec: AmxConvSpec, path: AmxPath) -> str:
     """The source's opening comment: the chain with its sizes as symbols, the path."""
+    mid, after = spec.between, spec.after
     ops = [
         "  Y1[n,k1,p1,q1] = sum[c,r1,s1] X[n,c,st1*p1+r1-pad1,st1*q1+s1-pad1] * W1[k1,c,r1,s1]",
         "  Y1 += b1[k1] (if given)",
-        "  Z = bf16(relu(Y1))" if spec.relu_mid else "  Z = bf16(Y1)",
+        f"  Z = bf16({mid.value}(Y1))" if mid is not Epilogue.NONE else "  Z = bf16(Y1)",
         "  Y2[n,k2,p2,q2] = sum[k1,r2,s2] Z[n,k1,st2*p2+r2-pad2,st2*q2+s2-pad2] * W2[k2,k1,r2,s2]",
-        "  Y2 += b2[k2] (if given)" + ("; Y2 = relu(Y2)" if after == "relu" else ""),
+        "  Y2 += b2[k2] (if given)"
+        + (f"; Y2 = {after.value}(Y2)" if after is not Epilogue.NONE else ""),
     ]
     return (
         f"chainfuse generated kernel {spec.name} ({path.value})\n"
@@ -280,7 +282,6 @@ def _emit_conv_row(w: Writer) -> None:
 
 def _emit_band(w: Writer, spec: AmxConvSpec) -> None:
     """One block: conv1 rows the band reads into Zpad, then the band's rows of Y."""
-    relu_mid, relu_out = int(spec.relu_mid), int(spec.relu_out)
     w.line("const long n = blk / bands, pa = (blk % bands) * TP2, pb = CF_MIN(P2, pa + TP2);")
     w.line("/* Zpad row i is Z row z_first + i (rows outside [0, P1) stay zero: padding) */")
     w.line("const long z_first = pa * st2 - pad2, zrows = (pb - pa - 1) * st2 + R2;")
@@ -309,8 +310,8 @@ def _emit_band(w: Writer, spec: AmxConvSpec) -> None:
                     w.line("uint16_t* restrict zq = zrow + (q0 + i) * K1P;")
                     with w.block("for (long k = 0; k < K1; ++k)"):
                         w.line("float v = acc[i * ld + k] + (b1 ? cf_from_bf16(b1[k]) : 0.0f);")
-                        if relu_mid:
-                            w.line("v = v < 0.0f ? 0.0f : v; /* NaN stays NaN */")
+                        if spec.between is not Epilogue.NONE:
+                            w.line(f"v = {activation_c(spec.between, 'v')}; /* NaN stays NaN */")
                         w.line("zq[k] = cf_to_bf16(v);")
     with w.block("for (long p = pa; p < pb; ++p)"):
         w.line("const uint16_t* in = Zpad + (p - pa) * st2 * ZW * K1P;")
@@ -322,6 +323,6 @@ def _emit_band(w: Writer, spec: AmxConvSpec) -> None:
             with w.block("for (long i = 0; i < rows; ++i)"):
                 with w.block("for (long k = 0; k < K2; ++k)"):
                     w.line("float v = acc[i * ld + k] + (b2 ? cf_from_bf16(b2[k]) : 0.0f);")
-                    if relu_out:
-                        w.line("v = v < 0.0f ? 0.0f : v;")
+                    if spec.after is not Epilogue.NONE:
+                        w.line(f"v = {activation_c(spec.after, 'v')};")
                     w.line("Yr[k * ys[1] + (q0 + i) * ys[3]] = cf_to_bf16(v);")

@@ -1,10 +1,13 @@
 """Lower a two-convolution chain into one C function: implicit GEMM, fused through a row buffer.
 
-The chain (`ir.conv_chain_spec`, optionally with biases and a relu after the second conv, which
-the call supplies)::
+The chain (`ir.conv_chain_spec`, optionally with biases and an activation after the second
+conv, which the call supplies)::
 
-    Y1 = conv(X, W1, stride st1, padding pad1) [+ b1]   Z = relu(Y1) or Y1
-    Y2 = conv(Z, W2, stride st2, padding pad2) [+ b2]   [relu]
+    Y1 = conv(X, W1, stride st1, padding pad1) [+ b1]   Z = f(Y1) or Y1
+    Y2 = conv(Z, W2, stride st2, padding pad2) [+ b2]   [g(Y2)]
+
+f and g are any of the pointwise activations of the GEMM chains (relu, gelu, gelu_tanh,
+quick_gelu, silu: `gemm_spec.ACTIVATIONS`).
 
 Both convolutions run as implicit GEMMs on the micro-kernel of the registry, output pixels on
 its `mr` rows and output channels on its `nr` columns::
@@ -30,8 +33,8 @@ of (n, band) blocks::
         keep:      slide the rows the previous band already made to the front of Z
         recompute: forget them
         (NCHW X: the rows of X they read -> Xc, channels-last)
-        conv1 rows still missing -> Z, then Z = relu(Z + b1) while in cache   (cf_conv_rows)
-        conv2 of the band from Z  -> Y2, then [relu](Y2 + b2)                 (cf_conv_rows)
+        conv1 rows still missing -> Z, then Z = f(Z + b1) while in cache      (cf_conv_rows)
+        conv2 of the band from Z  -> Y2, then [g](Y2 + b2)                    (cf_conv_rows)
 
     cf_conv_rows, per chunk of whole output rows (FLAT_PIXELS pixels; a 1x1 stride-1 conv
     without padding runs its pixels across rows):
@@ -46,7 +49,7 @@ of (n, band) blocks::
 
 `Z` lives in the thread's workspace: the intermediate never reaches memory. Every size, stride,
 padding and tile is a run-time argument, so one compiled object serves every shape; what is
-compiled in is the micro-kernel, the relus and the halo policy.
+compiled in is the micro-kernel, the activations and the halo policy.
 
 Halo: when R2 > st2 consecutive bands share R2 - st2 rows of Z. `keep` carries them over inside a
 thread's range (each thread recomputes them once, at its first band); `recompute` makes every
@@ -60,8 +63,10 @@ import enum
 from dataclasses import dataclass
 
 from chainfuse.codegen.common import ALIGN16, c_source, header_comment, name_hash, per_thread
+from chainfuse.codegen.gemm_spec import ACTIVATIONS, Epilogue
+from chainfuse.codegen.softmax import activation_c
 from chainfuse.codegen.writer import Writer
-from chainfuse.ir import Activation, Affine, Chain, Contraction, Pointwise
+from chainfuse.ir import Affine, Chain, Contraction, Pointwise
 from chainfuse.kernels import MicroKernel, emit_with_packing
 
 __all__ = [
@@ -72,6 +77,8 @@ __all__ = [
     "Halo",
     "choose_halo",
     "code_tiles",
+    "conv_activation",
+    "conv_word",
     "emit_conv_chain",
     "geometry",
     "match_conv_chain",
@@ -126,7 +133,7 @@ class ConvChainShape:
     Q2: int
     st2: int
     pad2: int
-    relu_mid: bool
+    between: Epilogue  # the activation between the convolutions (NONE: none)
     tensors: tuple[str, str, str, str]  # X, W1, W2, Y2
 
     @property
@@ -156,16 +163,32 @@ class ConvChainSpec:
     """What the generated code depends on (no sizes: those are arguments)."""
 
     kernel: MicroKernel
-    relu_mid: bool
-    relu_out: bool
+    between: Epilogue  # between the convolutions (NONE: none)
+    after: Epilogue  # on the second convolution's result (NONE: none)
     halo: Halo
 
     @property
     def name(self) -> str:
-        word = "conv" + ("_relu" if self.relu_mid else "") + "_conv"
-        word += "_relu" if self.relu_out else ""
-        key = f"{self.kernel.name}|{self.relu_mid}|{self.relu_out}|{self.halo.value}"
+        word = conv_word(self.between, self.after)
+        key = f"{self.kernel.name}|{self.between.value}|{self.after.value}|{self.halo.value}"
         return f"{word}_f32_{self.halo.value}_{name_hash(key)}"
+
+
+def conv_word(between: Epilogue, after: Epilogue) -> str:
+    """`conv_silu_conv_relu` and such: a conv kernel's structure in its name."""
+    mid = "" if between is Epilogue.NONE else f"_{between.value}"
+    return f"conv{mid}_conv" + ("" if after is Epilogue.NONE else f"_{after.value}")
+
+
+def conv_activation(name: str | None, what: str) -> Epilogue:
+    """The activation a conv chain applies for `name` (None: none); else ValueError naming
+    `what` (the argument) and the choices."""
+    if name is None:
+        return Epilogue.NONE
+    names = [a.value for a in ACTIVATIONS]
+    if name not in names:
+        raise ValueError(f"{what}: expected None or one of {names}, got {name!r}")
+    return Epilogue(name)
 
 
 def match_conv_chain(chain: Chain) -> ConvChainShape:
@@ -173,13 +196,16 @@ def match_conv_chain(chain: Chain) -> ConvChainShape:
     ops = chain.ops
     convs = [op for op in ops if isinstance(op, Contraction)]
     if len(convs) != 2 or len(ops) not in (2, 3) or not isinstance(ops[0], Contraction):
-        raise ValueError(f"{chain.name}: expected conv -> [relu] -> conv")
-    relu_mid = False
+        raise ValueError(f"{chain.name}: expected conv -> [activation] -> conv")
+    between = Epilogue.NONE
     if len(ops) == 3:
         mid = ops[1]
-        if not (isinstance(mid, Pointwise) and mid.fn is Activation.RELU):
-            raise ValueError(f"{chain.name}: only relu may sit between the convolutions: {mid}")
-        relu_mid = True
+        if not (isinstance(mid, Pointwise) and mid.fn in ACTIVATIONS and mid.operand is None):
+            names = [a.value for a in ACTIVATIONS]
+            raise ValueError(
+                f"{chain.name}: only one of {names} may sit between the convolutions: {mid}"
+            )
+        between = ACTIVATIONS[mid.fn]
     first, second = convs
     x, w1 = first.inputs
     z, w2 = second.inputs
@@ -206,7 +232,7 @@ def match_conv_chain(chain: Chain) -> ConvChainShape:
         N=N, C=C, H=H, W=W, K1=chain.tensor(W1).shape[0], R1=ext[r1], S1=ext[s1],
         P1=ext[p1], Q1=ext[q1], st1=st1, pad1=pad1, K2=chain.tensor(W2).shape[0],
         R2=ext[r2], S2=ext[s2], P2=ext[p2], Q2=ext[q2], st2=st2, pad2=pad2,
-        relu_mid=relu_mid, tensors=(X, W1, W2, Y2),
+        between=between, tensors=(X, W1, W2, Y2),
     )  # fmt: skip
 
 
@@ -281,8 +307,9 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     if tb:
         w.line(f"#define UK_TRANSPOSE {uk}_transpose")
     w.line(f"#define HALO_KEEP {int(spec.halo is Halo.KEEP)}")
-    w.line(f"#define RELU_MID {int(spec.relu_mid)}")
-    w.line(f"#define RELU_OUT {int(spec.relu_out)}")
+    for word, act in (("MID", spec.between), ("OUT", spec.after)):
+        w.line(f"#define ACT_{word} {int(act is not Epilogue.NONE)}")
+        w.line(f"#define CF_ACT_{word}(v) ({activation_c(act, 'v')})")
     w.line(
         f"#define FLAT_PIXELS {_FLAT_SLIVERS} * MR"
         " /* pixels per chunk of a plain 1x1 conv: one weight panel serves them all */"
@@ -291,6 +318,8 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     w.line("#include <string.h>")
     w.line("")
     w.line(ALIGN16)
+    if {spec.between, spec.after} - {Epilogue.NONE, Epilogue.RELU}:
+        w.lines(c_source("math.c"))  # (cf_sigmoid, cf_erf)
     w.lines(c_source("conv_runtime.c"))
     w.line("")
     w.line("/* floats of workspace: returns the shared part (packed W1, W2), and writes one")
@@ -378,7 +407,7 @@ def _emit_band(w: Writer) -> None:
     w.line("zbase = lo;")
     w.line("zn = n;")
     with w.block("if (hi > from)"):
-        w.line("/* conv1: Z rows [from, hi) of image n, then b1 and the relu while in cache */")
+        w.line("/* conv1: Z rows [from, hi) of image n, then b1 and f while in cache */")
         with w.block("if (x_direct)"):
             w.line("c1.in = X + n * xs[0];")
         with w.block("else"):
@@ -391,17 +420,17 @@ def _emit_band(w: Writer) -> None:
             w.line("c1.h0 = ha;")
         w.line("float* Zf = Z + (from - zbase) * row;")
         w.line("cf_conv_rows(&c1, from, hi, G.Q1, Zf, G.LDK1, tmp);")
-        w.line("cf_epilogue(Zf, G.LDK1, (hi - from) * G.Q1, G.K1, b1, RELU_MID);")
+        w.line("cf_epilogue(Zf, G.LDK1, (hi - from) * G.Q1, G.K1, b1, 1);")
     w.line("zhi = CF_MAX(hi, from);")
     w.line("c2.h0 = zbase;")
     with w.block("if (direct)"):
         w.line("float* Yb = Y + n * ys[0] + p2a * ys[2];")
         w.line("cf_conv_rows(&c2, p2a, p2b, G.Q2, Yb, ys[3], tmp);")
-        w.line("cf_epilogue(Yb, ys[3], (p2b - p2a) * G.Q2, G.K2, b2, RELU_OUT);")
+        w.line("cf_epilogue(Yb, ys[3], (p2b - p2a) * G.Q2, G.K2, b2, 0);")
     with w.block("else"):
         w.line("/* the band into T (channels-last rows, as above), then row by row into Y */")
         w.line("cf_conv_rows(&c2, p2a, p2b, G.Q2, T, G.LDK2, tmp);")
-        w.line("cf_epilogue(T, G.LDK2, (p2b - p2a) * G.Q2, G.K2, b2, RELU_OUT);")
+        w.line("cf_epilogue(T, G.LDK2, (p2b - p2a) * G.Q2, G.K2, b2, 0);")
         with w.block("for (long p2 = p2a; p2 < p2b; ++p2)"):
             w.line("const float* Tr = T + (p2 - p2a) * G.Q2 * G.LDK2;")
             w.line("float* Yr = Y + n * ys[0] + p2 * ys[2];")

@@ -1,4 +1,5 @@
-"""`conv_chain`: conv2d -> [relu] -> conv2d (-> [relu]) in one kernel, PyTorch's layouts.
+"""`conv_chain`: conv2d -> [activation] -> conv2d (-> [activation]) in one kernel, PyTorch's
+layouts.
 
 y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="relu")
 """
@@ -9,6 +10,7 @@ import numbers
 from typing import Any
 
 from chainfuse import builders
+from chainfuse.codegen.conv import conv_activation
 from chainfuse.ops.arguments import (
     dtype_name,
     inference_only,
@@ -37,7 +39,8 @@ def conv_chain(
     out: Any = None,
 ) -> Any:
     """`conv2d(between(conv2d(x, w1, b1, stride[0], padding[0])), w2, b2, stride[1], padding[1])`,
-    fused into one kernel, then `after` ("relu" or None) on the result.
+    fused into one kernel, then `after` on the result. `between` and `after` are None or one of
+    "relu", "gelu" (erf), "gelu_tanh", "quick_gelu" and "silu" (YOLO's conv -> BN -> SiLU).
 
     `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
     float32 numpy arrays or torch CPU tensors (or bf16 tensors: AMX kernels, `CHAINFUSE_AMX`),
@@ -98,10 +101,8 @@ def conv_chain(
             raise ValueError(f"{name}: expected shape ({k},), got {tuple(bias.shape)}")
     st1, st2 = _pair("stride", stride, 1)
     pad1, pad2 = _pair("padding", padding, 0)
-    if between not in (None, "relu"):
-        raise ValueError(f"between: expected None or 'relu', got {between!r}")
-    if after not in (None, "relu"):
-        raise ValueError(f"after: expected None or 'relu', got {after!r}")
+    conv_activation(between, "between")
+    conv_activation(after, "after")
     if H + 2 * pad1 < R1 or W + 2 * pad1 < S1:
         raise ValueError(
             f"w1: kernel {R1}x{S1} is larger than the padded input {H + 2 * pad1}x{W + 2 * pad1}"

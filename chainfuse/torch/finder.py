@@ -10,7 +10,8 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
     q @ kᵀ -> [* or / scale] -> [+ or += mask | masked_fill(m, -inf) | where(keep, ., min)
               | max(., min)]... -> softmax(-1) -> [dropout] -> @ v
     baddbmm(bias, q, kᵀ) -> [+ mask] -> softmax(-1) -> @ v        (ALiBi, as Bloom's)
-    conv2d(+bias) -> [eval batch_norm] -> relu -> conv2d(+bias) -> [batch_norm] -> [relu]
+    conv2d(+bias) -> [eval batch_norm] -> act -> conv2d(+bias) -> [batch_norm] -> [act]
+                                                       (act: relu | gelu | gelu_tanh | quick_gelu | silu)
 
 `linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()`
 (also `W.T`) / `x @ W` followed by `+ b`. Every compute op left out gets a reason
@@ -603,6 +604,10 @@ def _batch_norm(node: fx.Node) -> fx.Node | None:
     return bn if training is False else None
 
 
+#: the activations a conv chain takes between its convolutions and after the second
+CONV_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "quick_gelu", "silu")
+
+
 def _conv(c1: fx.Node) -> Found | str | None:
     first = conv_at(c1)
     if first is None:
@@ -610,22 +615,23 @@ def _conv(c1: fx.Node) -> Found | str | None:
     bn1 = _batch_norm(c1)
     end = bn1 or c1
     act = activation_at(end)
-    if act is None or act.name != "relu":
-        return "not followed by relu then a conv2d"
-    relu = act.end
-    c2 = _single_user(relu)
+    if act is None or act.name not in CONV_ACTIVATIONS:
+        return f"not followed by an activation ({', '.join(CONV_ACTIVATIONS)}) then a conv2d"
+    mid = act.end
+    c2 = _single_user(mid)
     second = conv_at(c2) if c2 is not None else None
-    if c2 is None or second is None or second["x"] is not relu:
-        return "its relu does not feed a conv2d chainfuse can run"
+    if c2 is None or second is None or second["x"] is not mid:
+        return f"its {act.name} does not feed a conv2d chainfuse can run"
     bn2 = _batch_norm(c2)
-    nodes: list[fx.Node] = [c1, *([bn1] if bn1 else []), relu, c2, *([bn2] if bn2 else [])]
+    nodes: list[fx.Node] = [c1, *([bn1] if bn1 else []), *act.nodes, c2, *([bn2] if bn2 else [])]
     last = activation_at(nodes[-1])
-    after = "relu" if last is not None and last.name == "relu" else None
+    after = last.name if last is not None and last.name in CONV_ACTIVATIONS else None
     if last is not None and after:
-        nodes.append(last.end)
-    form = "conv2d" + (" -> batch_norm" if bn1 else "") + " -> relu -> conv2d"
-    form += (" -> batch_norm" if bn2 else "") + (" -> relu" if after else "")
-    parts = {"first": first, "second": second, "bn1": bn1, "bn2": bn2, "after": after}
+        nodes.extend(last.nodes)
+    form = "conv2d" + (" -> batch_norm" if bn1 else "") + f" -> {act.name} -> conv2d"
+    form += (" -> batch_norm" if bn2 else "") + (f" -> {after}" if after else "")
+    parts = {"first": first, "second": second, "bn1": bn1, "bn2": bn2, "between": act.name,
+             "after": after}  # fmt: skip
     return Found(ChainKind.CONV, form, tuple(nodes), parts)
 
 

@@ -27,6 +27,7 @@ from chainfuse import ops
 from chainfuse.codegen.amx_chain import AMX_MAX_WORKSPACE, amx_workspace_bytes
 from chainfuse.ir import Activation, DType
 from chainfuse.kernels.amx import amx_path
+from chainfuse.operands import dense_in
 from chainfuse.torch.finder import ChainKind, Found, Gemm
 from chainfuse.torch.kinds import value_of
 
@@ -82,6 +83,21 @@ def _dense(
     if isinstance(value, torch.Tensor) and (value.shape[dim] == 1 or value.stride(dim) == 1):
         return out
     return graph.call_method("contiguous", (out,))
+
+
+def _dense_image(graph: fx.Graph, env: Callable[[Any], Any], node: fx.Node) -> fx.Node:
+    """A conv chain's input `node` in `graph`, NCHW or channels-last as the kernel reads it: a
+    copy in the nearer of the two where it is neither (YOLO's C2f convolves one channel half of
+    a `chunk`: a channels-last view whose pixels lie twice its channels apart)."""
+    value, out = value_of(node), env(node)
+    assert isinstance(out, fx.Node)
+    if not isinstance(value, torch.Tensor) or value.dim() != 4:
+        return out
+    shape, strides = tuple(value.shape), tuple(value.stride())
+    if any(dense_in(order, shape, strides) for order in ((0, 1, 2, 3), (0, 2, 3, 1))):
+        return out
+    last = torch.channels_last if strides[1] == 1 else torch.contiguous_format
+    return graph.call_method("contiguous", (out,), {"memory_format": last})
 
 
 def _half_of(g: Gemm) -> slice:
@@ -322,9 +338,10 @@ class Emitter:
             weights += [self._buffer(graph, f"_cf_bnw_{key}", functools.partial(_same, w)),
                         self._buffer(graph, f"_cf_bnb_{key}", functools.partial(_same, b))]  # fmt: skip
         first, second = p["first"], p["second"]
-        args = (env(first["x"]), weights[0], weights[2], weights[1], weights[3],
+        x = _dense_image(graph, env, first["x"])
+        args = (x, weights[0], weights[2], weights[1], weights[3],
                 [first["stride"], second["stride"]], [first["padding"], second["padding"]],
-                "relu", p["after"])  # fmt: skip
+                p["between"], p["after"])  # fmt: skip
         return graph.call_function(torch.ops.chainfuse.conv_chain.default, args)
 
     def _folded(self, conv: dict[str, Any], bn: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:

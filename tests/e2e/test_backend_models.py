@@ -57,6 +57,55 @@ def _resnet() -> Any:
     return net
 
 
+class _ConvBnSiLU(nn.Module):
+    """YOLOv5/v8's `Conv`: conv (no bias) -> batch norm -> SiLU in place."""
+
+    def __init__(self, c1: int, c2: int, k: int, s: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c1, c2, k, s, k // 2, bias=False)
+        self.bn, self.act = nn.BatchNorm2d(c2), nn.SiLU(inplace=True)
+
+    def forward(self, x: Any) -> Any:
+        return self.act(self.bn(self.conv(x)))
+
+
+class _Bottleneck(nn.Module):
+    """YOLO's bottleneck: two Conv-BN-SiLU, a residual around them."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.cv1, self.cv2 = _ConvBnSiLU(c, c, 3), _ConvBnSiLU(c, c, 3)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.cv2(self.cv1(x))
+
+
+class _C2f(nn.Module):
+    """YOLOv8's C2f: a 1x1 conv, its channels split in two, a bottleneck on the second half (a
+    strided view of the 1x1 conv's result), the three concatenated into a 1x1 conv."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.cv1, self.cv2 = _ConvBnSiLU(c, c, 1), _ConvBnSiLU(3 * c // 2, c, 1)
+        self.m = _Bottleneck(c // 2)
+
+    def forward(self, x: Any) -> Any:
+        a, b = self.cv1(x).chunk(2, 1)
+        return self.cv2(torch.cat([a, b, self.m(b)], 1))
+
+
+def _yolo() -> Any:
+    net = nn.Sequential(_ConvBnSiLU(3, 16, 3, 2), _Bottleneck(16), _ConvBnSiLU(16, 24, 3, 2),
+                        _C2f(24))  # fmt: skip
+    for m in net.modules():  # (running statistics other than 0 and 1, so folding is tested)
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return net
+
+
 CAPS = Capabilities.detect()
 MLPS = 2 * CAPS.bias  # per two layers: MLPs with a bias before the activation
 
@@ -134,6 +183,9 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         return layer, (torch.randn(2, 17, 64),), 1 + CAPS.bias
     if name == "resnet":
         return _resnet(), (torch.randn(2, 3, 16, 16),), 2
+    if name == "yolo":  # conv -> BN -> SiLU -> conv -> BN -> SiLU three times; channels-last
+        x = torch.randn(2, 3, 33, 30).contiguous(memory_format=torch.channels_last)
+        return _yolo(), (x,), 3
     if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses
         net = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Dropout(0.1),
                             nn.Linear(256, 64))  # fmt: skip
@@ -184,7 +236,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
          ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("mpnet", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 

@@ -1,7 +1,7 @@
-"""bf16 conv -> [relu] -> conv chains on AMX tiles, run through the bit-exact emulation on every
+"""bf16 conv -> [activation] -> conv chains on AMX tiles, run through the bit-exact emulation on every
 host (``CHAINFUSE_AMX=emulate``): NCHW and channels-last, strides, padding, 1x1 and 3x3 and
 other windows, tails of every tile (16 pixels, 32 channels of a reduction, 16 output channels),
-biases and relus, NaN/inf; checked against the float64 reference with the one tolerance rule at
+biases and activations, NaN/inf; checked against the float64 reference with the one tolerance rule at
 bf16's unit roundoff. Sizes stay small: the emulation is scalar C."""
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def test_amx_conv_chain_matches_reference(case: tuple[Any, ...], channels_last: 
     C=st.sampled_from([1, 2, 31, 33]), H=st.sampled_from([1, 5, 8]), W=st.sampled_from([3, 17, 34]),
     K1=st.sampled_from([1, 15, 17, 32]), K2=st.sampled_from([1, 16, 19]),
     window=st.sampled_from([(1, 1, 1, 1), (3, 3, 1, 1), (1, 1, 3, 3), (3, 3, 3, 3), (2, 3, 3, 1)]),
-    stride=st.sampled_from([(1, 1), (2, 1), (1, 2)]), between=st.sampled_from([None, "relu"]),
+    stride=st.sampled_from([(1, 1), (2, 1), (1, 2)]),
+    between=st.sampled_from([None, "relu", "silu", "gelu", "gelu_tanh", "quick_gelu"]),
     channels_last=st.booleans(),
 )  # fmt: skip
 def test_amx_conv_chain_of_drawn_sizes(
@@ -98,9 +99,12 @@ def test_amx_conv_chain_of_drawn_sizes(
     reference.assert_close(y.float().numpy(), want, chain)
 
 
-@pytest.mark.parametrize("after", [None, "relu"])
-def test_amx_conv_chain_with_biases(after: str | None) -> None:
-    y, want, chain = _run(CASES[1], True, bias=True, after=after, seed=4)
+@pytest.mark.parametrize(
+    ("between", "after"), [(None, None), (None, "relu"), ("silu", "silu"), ("gelu", "gelu_tanh"),
+                           ("quick_gelu", None)],
+)  # fmt: skip
+def test_amx_conv_chain_with_biases(between: str | None, after: str | None) -> None:
+    y, want, chain = _run((*CASES[1][:-1], between), True, bias=True, after=after, seed=4)
     reference.assert_close(y.float().numpy(), want, chain)
 
 

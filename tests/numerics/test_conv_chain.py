@@ -1,7 +1,7 @@
-"""Fused conv -> [relu] -> conv kernels against the float64 reference.
+"""Fused conv -> [activation] -> conv kernels against the float64 reference.
 
 Sizes, strides, paddings and tiles are run-time arguments of a compiled conv kernel; what is
-compiled in is the micro-kernel, the two relus and the halo policy. So the hypothesis tests, which
+compiled in is the micro-kernel, the two activations and the halo policy. So the hypothesis tests, which
 draw hundreds of shapes, go through a handful of compiled objects (each draw still plans, as a
 user's call would).
 """
@@ -23,6 +23,7 @@ from chainfuse.bench import workloads
 from chainfuse.builders import conv_out_size
 from chainfuse.codegen.conv import Halo
 from chainfuse.compiler import compile_conv
+from chainfuse.ir import Pointwise
 
 KINDS = ("numpy", "torch_nchw", "torch_channels_last")
 
@@ -99,6 +100,9 @@ def test_paper_chains_nchw_with_bias(name: str, kind: str) -> None:
 SPATIAL = st.one_of(st.sampled_from([1, 2, 7, 13, 17, 31, 53, 59, 60]), st.integers(1, 60))
 CHANNELS = st.one_of(st.sampled_from([1, 3, 7, 16, 17, 63, 65, 127, 130]), st.integers(1, 130))
 KERNEL = st.sampled_from([1, 3, 5])
+#: the activations a conv chain takes (relu drawn most: ResNet's)
+ACTS = ["relu", "silu", "gelu", "gelu_tanh", "quick_gelu"]
+BETWEEN = [None, "relu", *ACTS]
 STRIDE = st.integers(1, 4)
 PAD = st.integers(0, 2)
 MAX_FLOP = 1.5e8  # keeps one draw (kernel + float64 reference) well under a second
@@ -119,7 +123,7 @@ def conv_chains(draw: st.DrawFn) -> tuple[chainfuse.Chain, tuple[int, int], tupl
     P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
     flop = 2 * N * (P1 * Q1 * K1 * C * R1 * S1 + P2 * Q2 * K2 * K1 * R2 * S2)
     assume(flop <= MAX_FLOP)
-    between = draw(st.sampled_from([None, "relu"]))
+    between = draw(st.sampled_from(BETWEEN))
     try:
         chain = chainfuse.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
                                           padding=(pad1, pad2), between=between)  # fmt: skip
@@ -140,7 +144,7 @@ def _ops_test(examples: int):  # type: ignore[no-untyped-def]
         drawn=conv_chains(),
         kind=st.sampled_from(KINDS),
         bias=st.booleans(),
-        after=st.sampled_from([None, "relu"]),
+        after=st.sampled_from([None, None, *ACTS]),
         seed=st.integers(0, 3),
     )
     def check(
@@ -151,7 +155,8 @@ def _ops_test(examples: int):  # type: ignore[no-untyped-def]
         seed: int,
     ) -> None:
         chain, stride, padding = drawn
-        between = "relu" if len(chain.ops) == 3 else None
+        mid = chain.ops[1]
+        between = mid.fn.value if isinstance(mid, Pointwise) else None
         _check_ops(chain, stride, padding, between, kind, bias, after, seed)
 
     return check
@@ -384,8 +389,10 @@ def test_errors_bias_stride_padding_between_device() -> None:
         ops.conv_chain(x, w1, w2, stride=(1, 0))
     with pytest.raises(ValueError, match="padding: expected integers >= 0"):
         ops.conv_chain(x, w1, w2, padding=(-1, 0))
-    with pytest.raises(ValueError, match="between: expected None or 'relu'"):
-        ops.conv_chain(x, w1, w2, between="gelu")
+    with pytest.raises(ValueError, match=r"between: expected None or one of \['relu', .*'silu'\]"):
+        ops.conv_chain(x, w1, w2, between="tanh")
+    with pytest.raises(ValueError, match=r"after: expected None or one of \['relu'"):
+        ops.conv_chain(x, w1, w2, after="softmax")
     with pytest.raises(ValueError, match="x: expected a CPU tensor, got device meta"):
         ops.conv_chain(torch.empty(1, 4, 9, 9, device="meta"), w1, w2)
     with pytest.raises(ValueError, match="out: expected shape"):

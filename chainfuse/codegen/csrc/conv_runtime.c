@@ -136,16 +136,29 @@ static void cf_pack_weights(const float* W, const long* ws, long K, long C, long
     }
 }
 
-/* out[pix*ldo + k] = f(out[pix*ldo + k] + bias[k]) for pix < npx, k < K */
-static void cf_epilogue(float* out, long ldo, long npx, long K, const float* bias, int relu)
+/* out[pix*ldo + k] = f(out[pix*ldo + k] + bias[k]) for pix < npx, k < K; f is the chain's
+   activation between the convolutions (mid) or after the second (!mid), which the generated
+   code defines: ACT_MID / ACT_OUT (whether there is one), CF_ACT_MID(v) / CF_ACT_OUT(v) (its
+   expression of the float v). NaN stays NaN through each, as through PyTorch's. */
+static void cf_epilogue(float* out, long ldo, long npx, long K, const float* bias, int mid)
 {
     for (long i = 0; i < npx; ++i) {
         float* restrict o = out + i * ldo;
         if (bias) {
             for (long k = 0; k < K; ++k) o[k] += bias[k];
         }
-        if (relu) {
-            for (long k = 0; k < K; ++k) o[k] = o[k] < 0.0f ? 0.0f : o[k]; /* NaN kept */
+        if (mid && ACT_MID) {
+#pragma omp simd
+            for (long k = 0; k < K; ++k) {
+                const float v = o[k];
+                o[k] = CF_ACT_MID(v);
+            }
+        } else if (!mid && ACT_OUT) {
+#pragma omp simd
+            for (long k = 0; k < K; ++k) {
+                const float v = o[k];
+                o[k] = CF_ACT_OUT(v);
+            }
         }
     }
 }
