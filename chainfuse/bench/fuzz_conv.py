@@ -55,10 +55,25 @@ def _geometry(rng: np.random.Generator, alias: bool) -> tuple[int, ...]:
             return N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2
 
 
+#: what a conv chain may apply between and after its convolutions (relu drawn most: ResNet's)
+_ACTS = [None, "relu", "silu", "gelu", "gelu_tanh", "quick_gelu"]
+
+
+def _activation(f: Any, name: str | None, y: Any) -> Any:
+    """PyTorch's own `name` of y (`torch.nn.functional` as f): the unfused oracle's."""
+    if name is None:
+        return y
+    if name == "gelu_tanh":
+        return f.gelu(y, approximate="tanh")
+    if name == "quick_gelu":
+        return y * f.sigmoid(1.702 * y)
+    return getattr(f, name)(y)
+
+
 def conv_case(
     rng: np.random.Generator, dtype: str, entries: list[str], compact: bool = False
 ) -> Case:
-    """A random conv chain call: sizes, strides, paddings, biases, relu between and after,
+    """A random conv chain call: sizes, strides, paddings, biases, activations between and after,
     NCHW / channels-last / refused layouts, numpy-integer strides, out=, NaN/inf or large."""
     torch = _torch()
     features: list[str] = []
@@ -71,8 +86,8 @@ def conv_case(
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = _geometry(
         rng, out_mode == "out-alias"
     )
-    between = pick(rng, [None, "relu"])
-    after = None if entry == "compile" else pick(rng, [None, "relu"])
+    between = pick(rng, _ACTS, [3, 4, 2, 1, 1, 1])
+    after = None if entry == "compile" else pick(rng, _ACTS, [6, 2, 1, 1, 1, 1])
     features += [f"between-{between or 'none'}", f"after-{after or 'none'}"]
     if (st1, st2) != (1, 1):
         features.append("stride")
@@ -177,9 +192,9 @@ def conv_case(
             tx, t1, t2 = (t.from_numpy(values[x]) for x in ("x", "w1", "w2"))
             tb1, tb2 = (None if v is None else t.from_numpy(v) for v in (b1, b2))
             y = f.conv2d(tx, t1, tb1, stride=st1, padding=pad1)
-            y = t.relu(y) if between == "relu" else y
+            y = _activation(f, between, y)
             y = f.conv2d(y, t2, tb2, stride=st2, padding=pad2)
-            y = t.relu(y) if after == "relu" else y
+            y = _activation(f, after, y)
             return y[0] if unbatched else y
 
         oracle = oracle_torch(unfused)
