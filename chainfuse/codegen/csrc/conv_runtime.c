@@ -17,6 +17,10 @@ void uk_transpose(const float* src, long lds, float* dst, long ldd);
 #define UK_STRIDED uk_strided
 #define UK_GROUPED uk_grouped
 #define UK_TRANSPOSE uk_transpose
+#define ACT_MID 1
+#define ACT_OUT 1
+#define CF_ACT_MID(v) ((v) < 0.0f ? 0.0f : (v))
+#define CF_ACT_OUT(v) ((v) < 0.0f ? 0.0f : (v))
 /* ---- end of the standalone prologue ---- */
 #define CF_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define CF_MAX(a, b) ((a) > (b) ? (a) : (b))
