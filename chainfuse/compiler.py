@@ -40,7 +40,7 @@ from chainfuse.codegen.schedule import schedule_gemm_chain
 from chainfuse.compiled import AmxConvKernel, AmxKernel, ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType
-from chainfuse.kernels import Problem, select_weighted
+from chainfuse.kernels import Problem, available, select_weighted
 from chainfuse.kernels.amx import AMX_BF16_32X32, ENV_AMX, FP32_FMA, amx_absent, amx_path
 from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError
@@ -196,6 +196,7 @@ def compile_conv(
     tiles: Mapping[str, int] | None = None,
     halo: Halo | str | None = None,
     after: str | None = None,
+    micro: str | None = None,
 ) -> ConvKernel:
     """Plan a conv -> [activation] -> conv chain and build its one fused kernel (see
     `codegen.conv`).
@@ -203,7 +204,9 @@ def compile_conv(
     `tiles` overrides code tiles by loop name: `p2` (output rows per band), `c` and `k1` (the
     channel blocks of the two reductions). `halo` forces "keep" or "recompute" (default: the
     cost comparison of `choose_halo`). `after` ("relu", "gelu", "gelu_tanh", "quick_gelu",
-    "silu" or None) is an activation on the second convolution's result.
+    "silu" or None) is an activation on the second convolution's result. `micro` names the
+    fp32 micro-kernel to run on (weights packed for it: `ConvKernel.pack`), else the best one
+    for the chain's sizes.
     """
     if not isinstance(chain, Chain):
         raise TypeError(f"chain: expected a chainfuse Chain, got {type(chain).__name__}")
@@ -221,13 +224,16 @@ def compile_conv(
     # 64-wide block)
     px1, px2 = shape.P1 * shape.Q1, shape.P2 * shape.Q2
     red1, red2 = shape.C * shape.R1 * shape.S1, shape.K1 * shape.R2 * shape.S2
-    kernel = select_weighted(
-        [
-            (Problem(DType.FLOAT32, px1, shape.K1, red1), px1 * shape.K1 * red1),
-            (Problem(DType.FLOAT32, px2, shape.K2, red2), px2 * shape.K2 * red2),
-        ],
-        hw,
-    )
+    problems = [
+        (Problem(DType.FLOAT32, px1, shape.K1, red1), px1 * shape.K1 * red1),
+        (Problem(DType.FLOAT32, px2, shape.K2, red2), px2 * shape.K2 * red2),
+    ]
+    kernel = select_weighted(problems, hw)
+    if micro is not None and micro != kernel.name:
+        named = [k for k in available() if k.name == micro and k.applies(problems[0][0], hw)]
+        if not named:
+            raise ValueError(f"micro: no fp32 micro-kernel {micro!r} runs on {hw.name!r}")
+        kernel = named[0]
     chosen = _conv_plan(chain, shape, hw, threads)
     planned = chosen.tiles_at(code_level(hw)) or {}
     code = code_tiles(shape, planned, hw.levels[0].capacity, kernel.nr)

@@ -164,14 +164,15 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
     w.line("")
     w.line("/* g: conv.GEOMETRY; xs, w1s, w2s, ys: strides (elements) of X, W1, W2, Y along their")
     w.line("   four dims (N, C, H, W / K, C, R, S); b1, b2 may be NULL (no bias). Every array is")
-    w.line("   bf16; shared and work are float workspaces (64-byte aligned) */")
+    w.line("   bf16; shared and work are float workspaces (64-byte aligned); packed: NULL */")
     with w.block(
         f"void {name}(const uint16_t* X, const uint16_t* W1, const uint16_t* W2,\n"
         "    const uint16_t* b1, const uint16_t* b2, uint16_t* Y, const long* g, const long* xs,\n"
         "    const long* w1s, const long* w2s, const long* ys, float* shared,\n"
-        "    float* work, long work_per_thread, int nthreads)"
+        "    float* work, long work_per_thread, int nthreads, const float* packed)"
     ):
         w.line("CF_AMX_GEO(g)")
+        w.line("(void)packed; /* (the fp32 kernel's weights packed once; these pack per call) */")
         w.line("uint16_t* restrict W1v = (uint16_t*)shared;")
         w.line("uint16_t* restrict W2v = (uint16_t*)(shared + W1V);")
         w.line("/* the weights as VNNI tiles, once per call, shared by the threads */")

@@ -14,8 +14,8 @@ its `mr` rows and output channels on its `nr` columns::
 
     Y1[pix, k1] = im2col(X)[pix, (r1, s1, c)] . W1p[(r1, s1, c), k1]
 
-The weights (the vector operand) are packed once per call into `nr`-channel panels shared by
-the threads. The pixel operand is never gathered: a sliver of `mr` pixels of one output row
+The weights (the vector operand) are packed into `nr`-channel panels shared by the threads:
+once per call, or once for all calls by the caller (`<name>_pack`: frozen weights). The pixel operand is never gathered: a sliver of `mr` pixels of one output row
 whose windows lie inside the input is read in place by the strided micro-kernel,
 `A(i, p) = X[first pixel's tap + i*st*ws + p*ks]`; on channels-last data a whole row of taps
 is `S*C` consecutive floats per pixel, and one grouped call runs every row of taps whose input
@@ -337,26 +337,43 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
         )
         w.line("return ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C) + ALIGN16(G.LDK2 * G.R2 * G.S2 * G.K1);")
     w.line("")
-    w.line("/* g: GEOMETRY; xs, w1s, w2s, ys: strides (elements) of X, W1, W2, Y along their")
-    w.line("   four dims (N, C, H, W / K, C, R, S); b1, b2 may be NULL (no bias) */")
+    w.line("/* the weights packed as the kernel reads them (NR-channel panels: W1p, then W2p, the")
+    w.line(
+        "   shared part of the workspace), for a caller that packs them once (frozen weights) */"
+    )
     with w.block(
-        f"void {name}(const float* X, const float* W1, const float* W2,\n"
-        f"    const float* b1, const float* b2, float* Y, const long* g, const long* xs,\n"
-        f"    const long* w1s, const long* w2s, const long* ys, float* shared,\n"
-        f"    float* work, long work_per_thread, int nthreads)"
+        f"void {name}_pack(const float* W1, const float* W2, const long* g, const long* w1s,\n"
+        f"    const long* w2s, float* shared, int nthreads)"
     ):
         w.line("cf_geo G;")
         w.line("cf_geo_init(&G, g);")
         w.line("float* restrict W1p = shared;")
         w.line("float* restrict W2p = shared + ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C);")
         w.line("const long blocks1 = G.LDK1 / NR, wblocks = blocks1 + G.LDK2 / NR;")
-        w.line("/* the weights, packed once per call, shared by the threads */")
         w.line("#pragma omp parallel for schedule(static) num_threads(nthreads)")
         with w.block("for (long b = 0; b < wblocks; ++b)"):
             with w.block("if (b < blocks1)"):
                 w.line("cf_pack_weights(W1, w1s, G.K1, G.C, G.R1, G.S1, b * NR, W1p);")
             with w.block("else"):
                 w.line("cf_pack_weights(W2, w2s, G.K2, G.K1, G.R2, G.S2, (b - blocks1) * NR, W2p);")
+    w.line("")
+    w.line("/* g: GEOMETRY; xs, w1s, w2s, ys: strides (elements) of X, W1, W2, Y along their")
+    w.line("   four dims (N, C, H, W / K, C, R, S); b1, b2 may be NULL (no bias); packed: the")
+    w.line("   weights as `_pack` leaves them in shared (read only), or NULL: packed here, into")
+    w.line("   shared, once per call */")
+    with w.block(
+        f"void {name}(const float* X, const float* W1, const float* W2,\n"
+        f"    const float* b1, const float* b2, float* Y, const long* g, const long* xs,\n"
+        f"    const long* w1s, const long* w2s, const long* ys, float* shared,\n"
+        f"    float* work, long work_per_thread, int nthreads, const float* packed)"
+    ):
+        w.line("cf_geo G;")
+        w.line("cf_geo_init(&G, g);")
+        with w.block("if (!packed)"):
+            w.line(f"{name}_pack(W1, W2, g, w1s, w2s, shared, nthreads);")
+            w.line("packed = shared;")
+        w.line("const float* restrict W1p = packed;")
+        w.line("const float* restrict W2p = packed + ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C);")
         w.line("/* the result is written in place when its pixels are rows of K2 floats")
         w.line("   (channels-last), else through T and a transposing copy (NCHW) */")
         w.line("const int direct = (ys[1] == 1 || G.K2 == 1) && ys[2] == G.Q2 * ys[3];")

@@ -14,13 +14,14 @@ not a compile, and attention's key lengths share a plan per bucket.
 
 from chainfuse.ops.attention import attention
 from chainfuse.ops.calls import calls
-from chainfuse.ops.conv_chain import conv_chain
+from chainfuse.ops.conv_chain import PackedConvWeights, conv_chain, pack_conv_weights
 from chainfuse.ops.gated_mlp import gated_mlp, gated_mlp_shape
 from chainfuse.ops.gemm_chain import gemm_chain, gemm_chain_shape
 from chainfuse.ops.packed import pack_weights
 from chainfuse.ops.sdpa import attention_dims, attention_shape
 
 __all__ = [
+    "PackedConvWeights",
     "attention",
     "attention_dims",
     "attention_shape",
@@ -30,5 +31,6 @@ __all__ = [
     "gated_mlp_shape",
     "gemm_chain",
     "gemm_chain_shape",
+    "pack_conv_weights",
     "pack_weights",
 ]

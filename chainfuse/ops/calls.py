@@ -309,8 +309,11 @@ def replay_keys(
     return out
 
 
-def replay_conv(r: ConvReplay, operands: tuple[Any, ...], out: Any, threads: int) -> Any:
-    """Run a conv chain `conv_chain` ran before with operands like these."""
+def replay_conv(
+    r: ConvReplay, operands: tuple[Any, ...], out: Any, threads: int, packed: int | None = None
+) -> Any:
+    """Run a conv chain `conv_chain` ran before with operands like these (`packed`: the address
+    of the weights packed once, `ConvKernel.launch`'s)."""
     given = out is not None
     if out is None:
         assert r.channels_last is not None
@@ -320,7 +323,7 @@ def replay_conv(r: ConvReplay, operands: tuple[Any, ...], out: Any, threads: int
     if given:
         disjoint(ptr(out), pointers, r.layouts)
     pointers.append(ptr(out))
-    r.kernel.launch(pointers, r.strides, threads)
+    r.kernel.launch(pointers, r.strides, threads, packed)
     return out
 
 
@@ -379,9 +382,10 @@ def _compile_conv(
     after: str | None,
     dtype: str = "float32",
     amx: str | None = None,
+    micro: str | None = None,
 ) -> ConvKernel:
     """The compiled kernel of one conv chain, by its plain sizes (bf16: on AMX tiles; `amx`:
-    `amx_setting`, a key)."""
+    `amx_setting`, a key; `micro`: the fp32 micro-kernel to run on, else the best)."""
     del amx
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
     try:
@@ -394,7 +398,7 @@ def _compile_conv(
             f"padding: every window of the second convolution along a dim reads only its "
             f"padding ({err}); not supported"
         ) from None
-    return compile_conv(chain, after=after)
+    return compile_conv(chain, after=after, micro=micro)
 
 
 class CallCache:

@@ -7,10 +7,12 @@ y = chainfuse.ops.conv_chain(x, w1, w2, stride=(2, 1), padding=(1, 0), between="
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 from chainfuse import builders
 from chainfuse.codegen.conv import conv_activation
+from chainfuse.compiled import finite as _finite
 from chainfuse.ops.arguments import (
     dtype_name,
     inference_only,
@@ -23,7 +25,19 @@ from chainfuse.ops.arguments import (
 from chainfuse.ops.calls import ConvReplay, amx_setting, calls, replay_conv, signature
 from chainfuse.runtime import get_num_threads
 
-__all__ = ["conv_chain"]
+__all__ = ["PackedConvWeights", "conv_chain", "pack_conv_weights"]
+
+
+@dataclass(frozen=True)
+class PackedConvWeights:
+    """A conv chain's w1 and w2 packed once (`pack_conv_weights`), as the fp32 kernels of one
+    micro-kernel read them: `conv_chain(..., packed=...)` reads these instead of packing the
+    weights each call. They hold the weights' values when packed: pack again after the
+    weights change."""
+
+    data: Any  # float32, 64-byte aligned: a tensor (torch weights) or an array
+    micro: str  # the micro-kernel they are packed for
+    finite: bool  # every weight finite (no NaN a padded tap would spread: `padded_taps`)
 
 
 def conv_chain(
@@ -37,6 +51,7 @@ def conv_chain(
     between: str | None = None,
     after: str | None = None,
     out: Any = None,
+    packed: PackedConvWeights | None = None,
 ) -> Any:
     """`conv2d(between(conv2d(x, w1, b1, stride[0], padding[0])), w2, b2, stride[1], padding[1])`,
     fused into one kernel, then `after` on the result. `between` and `after` are None or one of
@@ -51,12 +66,17 @@ def conv_chain(
     channels-last buffer per thread. The result has `x`'s kind and memory order (numpy: NCHW),
     or is written into `out` (channels-last: in place; NCHW: a band of rows at a time through a
     channels-last buffer per thread). An unbatched `x` [C, H, W] gives [K2, P, Q], as PyTorch's
-    conv2d does.
+    conv2d does. `packed` (float32): w1 and w2 as `pack_conv_weights` packed them, read in
+    place of packing them in each call (which reads and writes every weight once: most of a
+    call's time where the images are small and the channels many).
     """
     if len(getattr(x, "shape", ())) == 3:  # unbatched: one image, as conv2d takes it
         one = conv_chain(x[None], w1, w2, b1, b2, stride, padding, between, after,
-                         None if out is None else out[None])  # fmt: skip
+                         None if out is None else out[None], packed)  # fmt: skip
         return one[0] if out is None else out
+    if packed is not None and not isinstance(packed, PackedConvWeights):
+        raise TypeError(f"packed: expected pack_conv_weights' result, got {type(packed).__name__}")
+    micro = None if packed is None else packed.micro
     threads = get_num_threads()
     key = None
     if (
@@ -67,17 +87,19 @@ def conv_chain(
     ):
         sig = signature((x, w1, w2, b1, b2, out))
         if sig is not None:
-            key = ("conv_chain", stride, padding, between, after, threads, amx_setting(), sig)
+            key = ("conv_chain", stride, padding, between, after, threads, amx_setting(), sig,
+                   micro)  # fmt: skip
             replays = calls.conv_replays
             hit = replays.get(key)
             if hit is not None:
                 replays.hits += 1
-                done = replay_conv(hit, (x, w1, w2, b1, b2), out, threads)
-                return hit.kernel.padded_taps(done, w1, w2)
+                at = None if packed is None else hit.kernel.check_packed(packed.data)
+                done = replay_conv(hit, (x, w1, w2, b1, b2), out, threads, at)
+                return hit.kernel.padded_taps(done, w1, w2, packed is not None and packed.finite)
             replays.misses += 1
     if subclassed(x, w1, w2, b1, b2, out):  # (np.memmap and such: plain arrays over their memory)
         found = conv_chain(plain(x), plain(w1), plain(w2), plain(b1), plain(b2), stride, padding,
-                           between, after, plain(out))  # fmt: skip
+                           between, after, plain(out), packed)  # fmt: skip
         return found if out is None else out
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
     on_cpu("x, w1, w2, b1, b2, out", x, w1, w2, b1, b2, out)
@@ -120,15 +142,18 @@ def conv_chain(
         )
         return no_work("x", x, (0, K2, P2, Q2), 0, out)
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
-    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting())
+    if packed is not None and dtype != "float32":
+        raise ValueError(f"packed: {dtype} conv chains pack their weights in each call")
+    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), micro)
+    at = None if packed is None else kernel.check_packed(packed.data)
     out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
-    kernel.launch(pointers, strides, threads)
+    kernel.launch(pointers, strides, threads, at)
     if key is not None:
         layouts = tuple(kernel.layouts((x, w1, w2, b1, b2, out)))
         calls.conv_replays.remember(
             key, ConvReplay(kernel, strides, kernel.out_shape, channels_last, layouts)
         )
-    return kernel.padded_taps(out, w1, w2)
+    return kernel.padded_taps(out, w1, w2, packed is not None and packed.finite)
 
 
 def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:
@@ -170,3 +195,36 @@ def _plain_pair(value: Any) -> bool:
     if value.__class__ is int:
         return True
     return value.__class__ is tuple and len(value) == 2 and all(v.__class__ is int for v in value)
+
+
+def pack_conv_weights(
+    x: Any,
+    w1: Any,
+    w2: Any,
+    stride: int | tuple[int, int] = (1, 1),
+    padding: int | tuple[int, int] = (0, 0),
+    between: str | None = None,
+    after: str | None = None,
+) -> PackedConvWeights:
+    """w1 and w2 packed once for `conv_chain` calls with these weights (float32), e.g. a model's
+    frozen weights: the micro-kernel a call with `x` (its shape: the images may differ later)
+    and these arguments runs on, and its panels of the weights. Pass the result as
+    `conv_chain(..., packed=...)`."""
+    if len(getattr(x, "shape", ())) == 3:
+        x = x[None]
+    N, C, H, W = _conv_operand("x", x, 4, batch=True)
+    K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
+    K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
+    if dtype_name(x.dtype) != "float32" or any(dtype_name(w.dtype) != "float32" for w in (w1, w2)):
+        raise TypeError("pack_conv_weights: float32 x, w1 and w2 (bf16 chains pack per call)")
+    if C1 != C or C2 != K1:
+        raise ValueError(f"w1, w2: expected [K1, {C}, R1, S1] and [K2, K1, R2, S2], got "
+                         f"{(K1, C1, R1, S1)} and {(K2, C2, R2, S2)}")  # fmt: skip
+    st1, st2 = _pair("stride", stride, 1)
+    pad1, pad2 = _pair("padding", padding, 0)
+    conv_activation(between, "between")
+    conv_activation(after, "after")
+    sizes = (max(N, 1), C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
+    kernel = calls.conv_kernels(sizes, between, after, "float32", amx_setting())
+    finite = _finite(w1) and _finite(w2)
+    return PackedConvWeights(kernel.pack(w1, w2), kernel.micro, finite)

@@ -512,13 +512,18 @@ def _conv_chain_op(
     padding: list[int],
     between: str | None,
     after: str | None,
+    packed: torch.Tensor | None = None,
+    micro: str | None = None,
+    finite: bool = False,
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.conv_chain` into a result laid out as `_conv_out` says
-    (`ops.conv_chain` checks every argument)."""
+    (`ops.conv_chain` checks every argument); `packed`, `micro`, `finite`: the fields of
+    `ops.PackedConvWeights` (weights packed once), or None."""
     out = _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
+    weights = None if packed is None else ops.PackedConvWeights(packed, micro or "", finite)
     _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
                       padding=(padding[0], padding[1]), between=between, after=after,
-                      out=out)  # fmt: skip
+                      out=out, packed=weights)  # fmt: skip
     return out
 
 
@@ -533,6 +538,9 @@ def _conv_chain_fake(
     padding: list[int],
     between: str | None,
     after: str | None,
+    packed: torch.Tensor | None = None,
+    micro: str | None = None,
+    finite: bool = False,
 ) -> torch.Tensor:
     return _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
 
@@ -561,7 +569,7 @@ def conv_chain(
     between: str | None = None,
     after: str | None = None,
 ) -> Any:
-    """`chainfuse.ops.conv_chain` for torch tensors (conv -> [bias, relu] -> conv, fused);
+    """`chainfuse.ops.conv_chain` for torch tensors (conv -> [bias, activation] -> conv, fused);
     inside `torch.compile`, the operator `torch.ops.chainfuse.conv_chain`, whose result is
     channels-last where x is."""
     if torch.compiler.is_compiling():

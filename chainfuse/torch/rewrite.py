@@ -339,10 +339,34 @@ class Emitter:
                         self._buffer(graph, f"_cf_bnb_{key}", functools.partial(_same, b))]  # fmt: skip
         first, second = p["first"], p["second"]
         x = _dense_image(graph, env, first["x"])
-        args = (x, weights[0], weights[2], weights[1], weights[3],
+        args: tuple[Any, ...] = (x, weights[0], weights[2], weights[1], weights[3],
                 [first["stride"], second["stride"]], [first["padding"], second["padding"]],
                 p["between"], p["after"])  # fmt: skip
-        return graph.call_function(torch.ops.chainfuse.conv_chain.default, args)
+        packed = self._conv_packed(found, graph, weights)
+        return graph.call_function(torch.ops.chainfuse.conv_chain.default, args + packed)
+
+    def _conv_packed(self, found: Found, graph: fx.Graph, weights: list[Any]) -> tuple[Any, ...]:
+        """A conv chain's frozen weights packed once as its kernel reads them (a constant of
+        the graph: `ops.pack_conv_weights`), as the operator's (packed, micro, finite); () for
+        weights that are not constants (packed in each call)."""
+        p = found.parts
+        first, second = p["first"], p["second"]
+        w1, w2 = weights[0], weights[2]
+        if not all(isinstance(w, fx.Node) and w.op == "get_attr" for w in (w1, w2)) or not (
+            self.frozen
+        ):
+            return ()
+        v1, v2 = (_attribute(self.gm, str(w.target)) for w in (w1, w2))
+        x = self.value(first["x"])
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+            return ()
+        made = ops.pack_conv_weights(
+            x.detach(), v1.detach(), v2.detach(), (first["stride"], second["stride"]),
+            (first["padding"], second["padding"]), p["between"], p["after"],
+        )  # fmt: skip
+        key = "_".join(str(w.target).replace(".", "_") for w in (w1, w2))
+        data = self._buffer(graph, f"_cf_cpk_{key}", functools.partial(_same, made.data))
+        return (data, made.micro, made.finite)
 
     def _folded(self, conv: dict[str, Any], bn: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv's weight and bias with the eval batch norm after it folded in."""
@@ -416,6 +440,11 @@ def nan_rows(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return out
     return out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), float("nan"))
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    """`module`'s attribute at a get_attr node's dotted `target`."""
+    return functools.reduce(getattr, target.split("."), module)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -449,3 +449,71 @@ def test_one_unbatched_image_as_conv2d_takes_it(kind: str) -> None:
         ours = ops.conv_chain(x, w1, w2, **kw)
     assert ours.shape == theirs.shape == (4, 6, 5)
     torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-5)
+
+
+# -- weights packed once ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weights_packed_once_give_the_same_result(kind: str) -> None:
+    # packed for one call's shapes, read by calls of other images (batch, height, width): the
+    # same arithmetic as packing them in the call, so the same bits
+    rng = np.random.default_rng(3)
+    w1 = rng.standard_normal((24, 13, 3, 3)).astype(np.float32)
+    w2 = rng.standard_normal((19, 24, 1, 3)).astype(np.float32)
+    b1, b2 = rng.standard_normal(24).astype(np.float32), rng.standard_normal(19).astype(np.float32)
+    kw: dict[str, Any] = {"stride": (2, 1), "padding": (1, 1), "between": "silu", "after": "relu"}
+    x0 = _as(kind, rng.standard_normal((1, 13, 17, 9)).astype(np.float32))
+    args = [_as(kind, a) for a in (w1, w2, b1, b2)]
+    packed = ops.pack_conv_weights(x0, args[0], args[1], **kw)
+    assert isinstance(packed, ops.PackedConvWeights) and packed.finite
+    for shape in ((1, 13, 17, 9), (3, 13, 8, 21)):
+        x = _as(kind, rng.standard_normal(shape).astype(np.float32))
+        want = ops.conv_chain(x, *args, **kw)
+        got = ops.conv_chain(x, *args, **kw, packed=packed)
+        again = ops.conv_chain(x, *args, **kw, packed=packed)  # (a replay)
+        assert np.array_equal(_numpy(got), _numpy(want)) and np.array_equal(_numpy(again), _numpy(want))
+
+
+def test_weights_packed_with_a_nan_place_it_as_unpacked() -> None:
+    # a NaN weight whose tap reads the padding: the same NaN positions packed or not
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 5, 7, 6)).astype(np.float32)
+    w1 = rng.standard_normal((8, 5, 3, 3)).astype(np.float32)
+    w2 = rng.standard_normal((6, 8, 3, 3)).astype(np.float32)
+    w2[2, 1, 0, 0] = np.nan
+    packed = ops.pack_conv_weights(x, w1, w2, padding=(1, 1), between="relu")
+    assert not packed.finite
+    want = ops.conv_chain(x, w1, w2, padding=(1, 1), between="relu")
+    got = ops.conv_chain(x, w1, w2, padding=(1, 1), between="relu", packed=packed)
+    assert np.isnan(want).any() and np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(np.nan_to_num(got), np.nan_to_num(want))
+
+
+def test_packed_weights_errors_name_the_argument() -> None:
+    x, w1, w2 = _args()
+    packed = ops.pack_conv_weights(x, w1, w2)
+    other = ops.pack_conv_weights(x, w1[:5], np.ascontiguousarray(w2[:, :5]))
+    with pytest.raises(ValueError, match=r"^packed: expected \d+ float32 values"):
+        ops.conv_chain(x, w1, w2, packed=other)
+    with pytest.raises(TypeError, match="packed: expected pack_conv_weights' result"):
+        ops.conv_chain(x, w1, w2, packed=packed.data)  # type: ignore[arg-type]
+    misaligned = ops.PackedConvWeights(np.empty(packed.data.size + 1, np.float32)[1:],
+                                       packed.micro, True)  # fmt: skip
+    with pytest.raises(ValueError, match="packed: expected 64-byte aligned"):
+        ops.conv_chain(x, w1, w2, packed=misaligned)
+    with pytest.raises(ValueError, match="micro: no fp32 micro-kernel 'nope'"):
+        ops.conv_chain(x, w1, w2, packed=ops.PackedConvWeights(packed.data, "nope", True))
+    with pytest.raises(TypeError, match="pack_conv_weights: float32"):
+        ops.pack_conv_weights(x.astype(np.float64), w1, w2)
+
+
+def test_packed_weights_are_what_the_call_reads() -> None:
+    # packed weights hold the values they were packed with: a call reads them, not w1 and w2
+    x, w1, w2 = _args()
+    want = ops.conv_chain(x, w1, w2, padding=(1, 0), between="gelu")
+    packed = ops.pack_conv_weights(x, w1, w2, padding=(1, 0), between="gelu")
+    w1 *= 2.0
+    got = ops.conv_chain(x, w1, w2, padding=(1, 0), between="gelu", packed=packed)
+    assert np.array_equal(got, want)
+    assert not np.allclose(ops.conv_chain(x, w1, w2, padding=(1, 0), between="gelu"), want)
