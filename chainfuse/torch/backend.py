@@ -210,7 +210,9 @@ class Backend:
             why = decision.why
             if decision.fuse:
                 _replace(gm, found, emitter)
-                why += "; weights packed once for the AMX kernels" if emitter.packs(found) else ""
+                if emitter.packs(found):
+                    amx = "" if found.kind is ChainKind.CONV else " for the AMX kernels"
+                    why += f"; weights packed once{amx}"
             self.report.chains.append(
                 ChainReport(found.name, found.form, decision.fuse, why, decision)
             )

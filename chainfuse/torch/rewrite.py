@@ -238,6 +238,11 @@ class Emitter:
         if found.kind is ChainKind.GATED_MLP:
             (g1, g3), g2 = p["up"], p["down"]
             return self._packable(g1, g2, g3) is not None
+        if found.kind is ChainKind.CONV:  # (`_conv_packed`: constants, a float32 chain)
+            convs = ((p["first"], p["bn1"]), (p["second"], p["bn2"]))
+            return _dtype(p["first"]["x"]) == torch.float32 and all(
+                bn is not None or self._constant(conv["w"]) for conv, bn in convs
+            )
         return False
 
     def _packable(self, g1: Gemm, g2: Gemm, g3: Gemm | None = None) -> list[torch.Tensor] | None:

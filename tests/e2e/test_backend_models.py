@@ -255,6 +255,34 @@ def test_model_matches_eager_with_its_chains_fused(name: str, dtype: str) -> Non
     assert len(fused) >= chains, [(c.name, c.why) for c in report.chains]
 
 
+@pytest.mark.parametrize("name", ["resnet", "yolo"])
+def test_frozen_conv_chains_read_their_weights_packed_once(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fused conv chain of frozen weights reads them packed at compile time (a constant of
+    the graph, batch norms folded in), never per call; the model's output within the rule."""
+    from chainfuse.torch import backend as backend_mod
+
+    graphs: list[Any] = []
+    real = backend_mod.Backend._compile
+
+    def kept(self: Any, gm: Any, *args: Any, **kwargs: Any) -> Any:
+        graphs.append(gm)
+        return real(self, gm, *args, **kwargs)
+
+    monkeypatch.setattr(backend_mod.Backend, "_compile", kept)
+    model, inputs, chains = _model(name)
+    report = Report()
+    _check_close(model, inputs, torch.float32, report)
+    fused = [c for c in report.chains if c.fused]
+    assert len(fused) >= chains and all("weights packed once" in c.why for c in fused)
+    (gm,) = graphs
+    packed = [n for n in gm.graph.nodes if n.op == "get_attr" and "_cf_cpk_" in str(n.target)]
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.chainfuse.conv_chain.default]
+    assert len(calls) == len(fused) and len(packed) == len(calls)
+    assert all(n.args[9] in packed for n in calls)
+
+
 def test_inductor_with_freezing_runs_the_fused_chains() -> None:
     """The default mode: the rewritten graph compiled by Inductor, parameters frozen (the MLP's
     weights packed once as constants)."""

@@ -235,6 +235,7 @@ def test_fused_chain_is_one_kernel_call() -> None:
     exported = [line for line in kernel.source.splitlines() if line.startswith(("void ", "long "))]
     assert [line.split("(")[0] for line in exported] == [
         f"long {kernel.name}_workspace",
+        f"void {kernel.name}_pack",  # (the weights packed once, for a caller that keeps them)
         f"void {kernel.name}",
     ]
     intermediate = chain.tensor("Y1").size
@@ -472,7 +473,9 @@ def test_weights_packed_once_give_the_same_result(kind: str) -> None:
         want = ops.conv_chain(x, *args, **kw)
         got = ops.conv_chain(x, *args, **kw, packed=packed)
         again = ops.conv_chain(x, *args, **kw, packed=packed)  # (a replay)
-        assert np.array_equal(_numpy(got), _numpy(want)) and np.array_equal(_numpy(again), _numpy(want))
+        assert np.array_equal(_numpy(got), _numpy(want)) and np.array_equal(
+            _numpy(again), _numpy(want)
+        )
 
 
 def test_weights_packed_with_a_nan_place_it_as_unpacked() -> None:
