@@ -244,6 +244,8 @@ def compile_conv(
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiles[{loop!r}] must be a positive integer, got {t!r}")
         picks[loop] = t
+    if "p2" not in (tiles or {}):
+        picks["p2"] = spread_bands(shape, picks["p2"], chosen.threads)
     code = ConvTiles(picks["p2"], picks["c"], picks["k1"], code.k_steps)
     decided, reason = choose_halo(shape, code.band_rows, chosen.threads)
     if halo is not None:
@@ -254,6 +256,17 @@ def compile_conv(
     spec = ConvChainSpec(kernel, shape.between, conv_activation(after, "after"), decided)
     header = _conv_header(spec)
     return ConvKernel(chain, chosen, spec, shape, code, reason, header)
+
+
+def spread_bands(shape: ConvChainShape, band_rows: int, threads: int) -> int:
+    """Rows per band with a block for every thread where the images are fewer than the
+    threads (blocks are (image, band) pairs): one 7x7 image in one band of 7 rows ran on one
+    thread of two. Smaller bands recompute or carry more rows of the intermediate
+    (`choose_halo`), which costs less than an idle thread."""
+    per_image = -(-threads // shape.N)
+    if per_image <= 1 or -(-shape.P2 // band_rows) >= per_image:
+        return band_rows
+    return max(1, -(-shape.P2 // per_image))
 
 
 def _conv_plan(chain: Chain, shape: ConvChainShape, hw: Hardware, threads: int | None) -> Plan:

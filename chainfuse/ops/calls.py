@@ -383,9 +383,11 @@ def _compile_conv(
     dtype: str = "float32",
     amx: str | None = None,
     micro: str | None = None,
+    threads: int | None = None,
 ) -> ConvKernel:
     """The compiled kernel of one conv chain, by its plain sizes (bf16: on AMX tiles; `amx`:
-    `amx_setting`, a key; `micro`: the fp32 micro-kernel to run on, else the best)."""
+    `amx_setting`, a key; `micro`: the fp32 micro-kernel to run on, else the best; `threads`:
+    the threads it runs on, which its bands are cut for)."""
     del amx
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
     try:
@@ -398,7 +400,7 @@ def _compile_conv(
             f"padding: every window of the second convolution along a dim reads only its "
             f"padding ({err}); not supported"
         ) from None
-    return compile_conv(chain, after=after, micro=micro)
+    return compile_conv(chain, threads=threads, after=after, micro=micro)
 
 
 class CallCache:

@@ -144,7 +144,7 @@ def conv_chain(
     sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
     if packed is not None and dtype != "float32":
         raise ValueError(f"packed: {dtype} conv chains pack their weights in each call")
-    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), micro)
+    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), micro, threads)
     at = None if packed is None else kernel.check_packed(packed.data)
     out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
     kernel.launch(pointers, strides, threads, at)
@@ -225,6 +225,7 @@ def pack_conv_weights(
     conv_activation(between, "between")
     conv_activation(after, "after")
     sizes = (max(N, 1), C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
-    kernel = calls.conv_kernels(sizes, between, after, "float32", amx_setting())
+    kernel = calls.conv_kernels(sizes, between, after, "float32", amx_setting(), None,
+                                get_num_threads())  # fmt: skip
     finite = _finite(w1) and _finite(w2)
     return PackedConvWeights(kernel.pack(w1, w2), kernel.micro, finite)

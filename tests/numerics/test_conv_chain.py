@@ -8,6 +8,7 @@ user's call would).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -520,3 +521,26 @@ def test_packed_weights_are_what_the_call_reads() -> None:
     got = ops.conv_chain(x, w1, w2, padding=(1, 0), between="gelu", packed=packed)
     assert np.array_equal(got, want)
     assert not np.allclose(ops.conv_chain(x, w1, w2, padding=(1, 0), between="gelu"), want)
+
+
+@pytest.mark.parametrize("halo", ["keep", "recompute"])
+def test_one_small_image_is_cut_into_a_band_for_each_thread(halo: str) -> None:
+    # one 7x7 image on two threads: two bands (4 and 3 rows), the halo kept or recomputed
+    from chainfuse.compiler import spread_bands
+    from chainfuse.runtime import requested_num_threads, set_num_threads
+
+    chain = chainfuse.conv_chain_spec(1, 40, 7, 7, 24, 1, 1, 20, 3, 3, padding=(0, 1),
+                                      between="relu")  # fmt: skip
+    before = requested_num_threads()
+    set_num_threads(2)
+    try:
+        kernel = compile_conv(chain, threads=2, halo=halo)
+        inputs = reference.random_inputs(chain, seed=5)
+        y = kernel(inputs["X"], inputs["W1"], inputs["W2"])
+    finally:
+        set_num_threads(before)
+    assert kernel.tiles.band_rows == 4
+    reference.assert_close(y, reference.run(chain, inputs)["Y2"], chain)
+    shape = kernel.shape
+    assert spread_bands(shape, 7, 1) == 7 and spread_bands(shape, 2, 2) == 2
+    assert spread_bands(dataclasses.replace(shape, N=2), 7, 2) == 7
