@@ -44,17 +44,23 @@ class _Block(nn.Module):
         return torch.relu(x + y)
 
 
-def _resnet() -> Any:
-    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                        _Block(16), _Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                        nn.Linear(16, 10))  # fmt: skip
-    for m in net.modules():  # (running statistics other than 0 and 1, so folding is tested)
+def _with_statistics(net: Any) -> Any:
+    """`net` with batch norms whose running statistics and affine terms are not 0 and 1, so
+    that folding them into the convolutions is tested."""
+    for m in net.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 2.0)
             m.weight.data.uniform_(0.5, 1.5)
             m.bias.data.uniform_(-0.5, 0.5)
     return net
+
+
+def _resnet() -> Any:
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                        _Block(16), _Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(16, 10))  # fmt: skip
+    return _with_statistics(net)
 
 
 class _ConvBnSiLU(nn.Module):
@@ -97,13 +103,7 @@ class _C2f(nn.Module):
 def _yolo() -> Any:
     net = nn.Sequential(_ConvBnSiLU(3, 16, 3, 2), _Bottleneck(16), _ConvBnSiLU(16, 24, 3, 2),
                         _C2f(24))  # fmt: skip
-    for m in net.modules():  # (running statistics other than 0 and 1, so folding is tested)
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
-    return net
+    return _with_statistics(net)
 
 
 CAPS = Capabilities.detect()
