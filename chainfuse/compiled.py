@@ -52,7 +52,7 @@ from chainfuse.operands import (
 from chainfuse.planner import Plan
 from chainfuse.runtime import build_recipe, get_num_threads, load
 
-__all__ = ["ALONE_S", "AmxConvKernel", "AmxKernel", "ConvKernel", "Kernel"]
+__all__ = ["ALONE_S", "AmxConvKernel", "AmxKernel", "ConvKernel", "Kernel", "finite"]
 
 _A, _B, _D, _E = PACKED["A"], PACKED["B"], PACKED["D"], PACKED["E"]
 _STRIDES = slice(PACKED["strides"], PACKED["strides"] + 12)

@@ -55,6 +55,7 @@ __all__ = [
     "arithmetic",
     "compile",
     "compile_conv",
+    "spread_bands",
 ]
 
 

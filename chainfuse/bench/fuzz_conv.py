@@ -59,15 +59,11 @@ def _geometry(rng: np.random.Generator, alias: bool) -> tuple[int, ...]:
 _ACTS = [None, "relu", "silu", "gelu", "gelu_tanh", "quick_gelu"]
 
 
-def _activation(f: Any, name: str | None, y: Any) -> Any:
-    """PyTorch's own `name` of y (`torch.nn.functional` as f): the unfused oracle's."""
-    if name is None:
-        return y
-    if name == "gelu_tanh":
-        return f.gelu(y, approximate="tanh")
-    if name == "quick_gelu":
-        return y * f.sigmoid(1.702 * y)
-    return getattr(f, name)(y)
+def _activation(name: str | None, y: Any) -> Any:
+    """PyTorch's own `name` of y: the unfused oracle's."""
+    from chainfuse.torch.kinds import TORCH_ACTIVATIONS
+
+    return y if name is None else TORCH_ACTIVATIONS[name](y)
 
 
 def conv_case(
@@ -192,9 +188,9 @@ def conv_case(
             tx, t1, t2 = (t.from_numpy(values[x]) for x in ("x", "w1", "w2"))
             tb1, tb2 = (None if v is None else t.from_numpy(v) for v in (b1, b2))
             y = f.conv2d(tx, t1, tb1, stride=st1, padding=pad1)
-            y = _activation(f, between, y)
+            y = _activation(between, y)
             y = f.conv2d(y, t2, tb2, stride=st2, padding=pad2)
-            y = _activation(f, after, y)
+            y = _activation(after, y)
             return y[0] if unbatched else y
 
         oracle = oracle_torch(unfused)

@@ -39,7 +39,14 @@ from chainfuse.torch.decide import Decision, decide, predicted_time
 from chainfuse.torch.finder import ChainKind, Found, find
 from chainfuse.torch.guard import GraphCheck, check_graph, compile_graph, describe, plain_copy
 from chainfuse.torch.kinds import value_of
-from chainfuse.torch.rewrite import Capabilities, Emitter, external_inputs, nan_rows, score_terms
+from chainfuse.torch.rewrite import (
+    Capabilities,
+    Emitter,
+    attribute,
+    external_inputs,
+    nan_rows,
+    score_terms,
+)
 from chainfuse.torch.unfold import unfold, unfoldable
 
 __all__ = ["Backend", "ChainReport", "Options", "Report", "backend", "compile"]
@@ -163,7 +170,7 @@ class Backend:
         (where `plain` is kept, the graph's `chains` are reported unfused)."""
         # (a symbolic size is timed at the value it was traced with)
         concrete = [a.node.hint if isinstance(a, torch.SymInt) else a for a in inputs]
-        constants = [describe(_attribute(plain, str(n.target)))
+        constants = [describe(attribute(plain, str(n.target)))
                      for n in plain.graph.nodes if n.op == "get_attr"]  # fmt: skip
         key = [plain.code, gm.code, torch.get_num_threads(), constants,
                *[describe(a) for a in concrete]]  # fmt: skip
@@ -309,11 +316,6 @@ def _has_torch_ops(graph: fx.Graph) -> bool:
     """Whether a fused chain's graph computes anything besides chainfuse's call and views of
     its operands (`rewrite.score_terms`, `rewrite.nan_rows`)."""
     return any(n.target in (score_terms, nan_rows) for n in graph.nodes)
-
-
-def _attribute(module: torch.nn.Module, target: str) -> Any:
-    """`module`'s attribute at the dotted `target` (a get_attr node's)."""
-    return functools.reduce(getattr, target.split("."), module)
 
 
 def _writes_state(graph: fx.Graph) -> bool:

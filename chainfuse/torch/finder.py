@@ -29,7 +29,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from chainfuse.torch.kinds import Kind, activation_at, constant_of, kind_of, value_of
+from chainfuse.torch.kinds import (
+    TORCH_ACTIVATIONS,
+    Kind,
+    activation_at,
+    constant_of,
+    kind_of,
+    value_of,
+)
 
 __all__ = ["ChainKind", "Finding", "Found", "Gemm", "find"]
 
@@ -604,8 +611,9 @@ def _batch_norm(node: fx.Node) -> fx.Node | None:
     return bn if training is False else None
 
 
-#: the activations a conv chain takes between its convolutions and after the second
-CONV_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "quick_gelu", "silu")
+#: the activations a conv chain takes between its convolutions and after the second: every
+#: one the finder recognises
+CONV_ACTIVATIONS = tuple(TORCH_ACTIVATIONS)
 
 
 def _conv(c1: fx.Node) -> Found | str | None:

@@ -160,7 +160,8 @@ _LOOK_AHEAD = 48  # graph nodes past x searched for them (they sit next to each 
 _PROBE = torch.cat([torch.linspace(-9.0, 9.0, 1441, dtype=torch.float64),
                     torch.tensor([1e1, 2e1, 5e1, 1e2, 1e3, 1e4], dtype=torch.float64).repeat(2)
                     * torch.tensor([1.0] * 6 + [-1.0] * 6, dtype=torch.float64)])  # fmt: skip
-_CANDIDATES: dict[str, Any] = {
+#: PyTorch's own function of each activation chainfuse's chains take, by its name
+TORCH_ACTIVATIONS: dict[str, Any] = {
     "relu": torch.relu,
     "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
@@ -237,7 +238,7 @@ def _identify(x: fx.Node, run: list[fx.Node]) -> str | None:
     if not isinstance(got, torch.Tensor) or got.shape != _PROBE.shape:
         return None
     got = got.double()
-    for name, fn in _CANDIDATES.items():
+    for name, fn in TORCH_ACTIVATIONS.items():
         want = fn(_PROBE)
         if bool(((got - want).abs() <= _MATCH * want.abs().clamp(min=1.0)).all()):
             return name

@@ -31,7 +31,7 @@ from chainfuse.operands import dense_in
 from chainfuse.torch.finder import ChainKind, Found, Gemm
 from chainfuse.torch.kinds import value_of
 
-__all__ = ["Capabilities", "Emitter", "external_inputs"]
+__all__ = ["Capabilities", "Emitter", "attribute", "external_inputs"]
 
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "quick_gelu", "silu")
 
@@ -126,6 +126,7 @@ class Emitter:
     ) -> None:
         self.gm, self.caps, self.frozen, self.value = gm, caps, frozen, value
         self.added: list[str] = []  # buffers registered on gm (packed or folded weights)
+        self._conv_packs: dict[str, ops.PackedConvWeights] = {}  # (by the weights' names)
 
     def refusal(self, found: Found) -> str | None:
         """Why this build cannot call a chainfuse operator for `found` (None: it can)."""
@@ -361,15 +362,17 @@ class Emitter:
             self.frozen
         ):
             return ()
-        v1, v2 = (_attribute(self.gm, str(w.target)) for w in (w1, w2))
         x = self.value(first["x"])
         if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
             return ()
-        made = ops.pack_conv_weights(
-            x.detach(), v1.detach(), v2.detach(), (first["stride"], second["stride"]),
-            (first["padding"], second["padding"]), p["between"], p["after"],
-        )  # fmt: skip
         key = "_".join(str(w.target).replace(".", "_") for w in (w1, w2))
+        made = self._conv_packs.get(key)  # (emitted for the decision, then for the graph)
+        if made is None:
+            v1, v2 = (attribute(self.gm, str(w.target)) for w in (w1, w2))
+            made = self._conv_packs[key] = ops.pack_conv_weights(
+                x.detach(), v1.detach(), v2.detach(), (first["stride"], second["stride"]),
+                (first["padding"], second["padding"]), p["between"], p["after"],
+            )  # fmt: skip
         data = self._buffer(graph, f"_cf_cpk_{key}", functools.partial(_same, made.data))
         return (data, made.micro, made.finite)
 
@@ -447,7 +450,7 @@ def nan_rows(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.masked_fill((mask == float("-inf")).all(-1, keepdim=True), float("nan"))
 
 
-def _attribute(module: torch.nn.Module, target: str) -> Any:
+def attribute(module: torch.nn.Module, target: str) -> Any:
     """`module`'s attribute at a get_attr node's dotted `target`."""
     return functools.reduce(getattr, target.split("."), module)
 
