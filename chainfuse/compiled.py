@@ -189,7 +189,7 @@ class Kernel(_Built):
             local.buf = np.empty(threads * self._per + 16, dtype=np.float32)
             address = int(local.buf.ctypes.data)
             args = (ctypes.c_long * PACKED["end"])()
-            args[PACKED["work"]] = address + 4 * ((-address % 64) // 4)
+            args[PACKED["work"]] = address + 4 * _to_64(address)
             args[PACKED["work_per_thread"]] = self._per
             args[PACKED["nthreads"]] = threads
             args[PACKED["outer_m"]] = self._outer_m
@@ -556,7 +556,7 @@ class ConvKernel(_Built):
         if getattr(local, "threads", None) != threads:
             local.buf = np.empty(self._shared + threads * self._per + 32, dtype=np.float32)
             address = int(local.buf.ctypes.data)
-            local.address = address + 4 * ((-address % 64) // 4)
+            local.address = address + 4 * _to_64(address)
             local.strides = (ctypes.c_long * 16)()
             local.threads = threads
         return local.address, local.strides
@@ -679,7 +679,7 @@ class ConvKernel(_Built):
         else:
             out = np.empty(self._shared + 16, dtype=np.float32)
             address = int(out.ctypes.data)
-        skip = (-address % 64) // 4  # (to a 64-byte boundary)
+        skip = _to_64(address)
         out = out[skip : skip + self._shared]
         strides = (ctypes.c_long * 8)(*a1[1], *a2[1])
         at = ctypes.addressof(strides)
@@ -745,6 +745,11 @@ class AmxConvKernel(ConvKernel):
     def padded_taps(self, out: Any, w1: Any, w2: Any, known: bool = False) -> Any:
         """`out` as it is: the tiles multiply the padding's zeros too (0 * inf is NaN there)."""
         return out
+
+
+def _to_64(address: int) -> int:
+    """Floats from a float buffer's `address` to the next 64-byte boundary."""
+    return (-address % 64) // 4
 
 
 def finite(w: Any) -> bool:

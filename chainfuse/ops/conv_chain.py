@@ -101,6 +101,35 @@ def conv_chain(
         found = conv_chain(plain(x), plain(w1), plain(w2), plain(b1), plain(b2), stride, padding,
                            between, after, plain(out), packed)  # fmt: skip
         return found if out is None else out
+    sizes, dtype = _checked(x, w1, w2, b1, b2, out, stride, padding, between, after)
+    N, _, H, W, _, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
+    if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
+        P1, Q1 = builders.conv_out_size(H, R1, st1, pad1), builders.conv_out_size(W, S1, st1, pad1)
+        P2, Q2 = (
+            builders.conv_out_size(P1, R2, st2, pad2),
+            builders.conv_out_size(Q1, S2, st2, pad2),
+        )
+        return no_work("x", x, (0, K2, P2, Q2), 0, out)
+    if packed is not None and dtype != "float32":
+        raise ValueError(f"packed: {dtype} conv chains pack their weights in each call")
+    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), micro, threads)
+    at = None if packed is None else kernel.check_packed(packed.data)
+    out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
+    kernel.launch(pointers, strides, threads, at)
+    if key is not None:
+        layouts = tuple(kernel.layouts((x, w1, w2, b1, b2, out)))
+        calls.conv_replays.remember(
+            key, ConvReplay(kernel, strides, kernel.out_shape, channels_last, layouts)
+        )
+    return kernel.padded_taps(out, w1, w2, packed is not None and packed.finite)
+
+
+def _checked(
+    x: Any, w1: Any, w2: Any, b1: Any, b2: Any, out: Any, stride: Any, padding: Any,
+    between: str | None, after: str | None,
+) -> tuple[tuple[int, ...], str]:  # fmt: skip
+    """A conv chain call's checks of its operands and arguments (each error names one): its
+    sizes `(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)` and its dtype."""
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
     on_cpu("x, w1, w2, b1, b2, out", x, w1, w2, b1, b2, out)
     inference_only("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
@@ -135,25 +164,7 @@ def conv_chain(
             f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
             f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
         )
-    if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
-        P2, Q2 = (
-            builders.conv_out_size(P1, R2, st2, pad2),
-            builders.conv_out_size(Q1, S2, st2, pad2),
-        )
-        return no_work("x", x, (0, K2, P2, Q2), 0, out)
-    sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
-    if packed is not None and dtype != "float32":
-        raise ValueError(f"packed: {dtype} conv chains pack their weights in each call")
-    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), micro, threads)
-    at = None if packed is None else kernel.check_packed(packed.data)
-    out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
-    kernel.launch(pointers, strides, threads, at)
-    if key is not None:
-        layouts = tuple(kernel.layouts((x, w1, w2, b1, b2, out)))
-        calls.conv_replays.remember(
-            key, ConvReplay(kernel, strides, kernel.out_shape, channels_last, layouts)
-        )
-    return kernel.padded_taps(out, w1, w2, packed is not None and packed.finite)
+    return (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2), dtype
 
 
 def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:
@@ -212,19 +223,10 @@ def pack_conv_weights(
     `conv_chain(..., packed=...)`."""
     if len(getattr(x, "shape", ())) == 3:
         x = x[None]
-    N, C, H, W = _conv_operand("x", x, 4, batch=True)
-    K1, C1, R1, S1 = _conv_operand("w1", w1, 4)
-    K2, C2, R2, S2 = _conv_operand("w2", w2, 4)
-    if dtype_name(x.dtype) != "float32" or any(dtype_name(w.dtype) != "float32" for w in (w1, w2)):
+    if any(dtype_name(getattr(a, "dtype", None)) != "float32" for a in (x, w1, w2)):
         raise TypeError("pack_conv_weights: float32 x, w1 and w2 (bf16 chains pack per call)")
-    if C1 != C or C2 != K1:
-        raise ValueError(f"w1, w2: expected [K1, {C}, R1, S1] and [K2, K1, R2, S2], got "
-                         f"{(K1, C1, R1, S1)} and {(K2, C2, R2, S2)}")  # fmt: skip
-    st1, st2 = _pair("stride", stride, 1)
-    pad1, pad2 = _pair("padding", padding, 0)
-    conv_activation(between, "between")
-    conv_activation(after, "after")
-    sizes = (max(N, 1), C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)
+    sizes, _ = _checked(x, w1, w2, None, None, None, stride, padding, between, after)
+    sizes = (max(sizes[0], 1), *sizes[1:])  # (no images: packed for one)
     kernel = calls.conv_kernels(sizes, between, after, "float32", amx_setting(), None,
                                 get_num_threads())  # fmt: skip
     finite = _finite(w1) and _finite(w2)
