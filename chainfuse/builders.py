@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from chainfuse.ir import (
+    ACTIVATION_NAMES,
+    POINTWISE,
     Access,
     Activation,
     Affine,
@@ -58,10 +60,8 @@ def _between_op(
     try:
         fn = Activation(between)
     except ValueError:
-        raise ValueError(
-            "between: expected None, 'relu', 'gelu', 'gelu_tanh', 'quick_gelu', 'silu' or"
-            f" 'softmax', got {between!r}"
-        ) from None
+        names = ", ".join(repr(n) for n in ACTIVATION_NAMES)
+        raise ValueError(f"between: expected None, {names} or 'softmax', got {between!r}") from None
     if fn in (Activation.BIAS, Activation.SCALE, Activation.MUL):
         raise ValueError(
             f"between: {fn.value!r} needs an operand; build the chain with from_einsum"
@@ -183,8 +183,9 @@ def gemm_chain(
     return Chain(name, loops, tensors, tuple(ops)).verify()
 
 
-#: the activations a gated MLP's gate takes
-GATES = (Activation.SILU, Activation.GELU, Activation.GELU_TANH)
+#: the activations a gated MLP's gate takes: every one (SwiGLU's silu, GeGLU's gelus, ReGLU's
+#: relu, ...)
+GATES = POINTWISE
 
 
 def gated_mlp_chain(
@@ -201,7 +202,7 @@ def gated_mlp_chain(
 ) -> Chain:
     """Llama's SwiGLU MLP, `E = (act(A @ B) * (A @ B3)) @ D`: A [b, M, K], the gate's and the
     up projection's weights B, B3 [b, K, L] (or [b, L, K] with `b_transposed`, both alike), D
-    [b, L, N] (or [b, N, L]); `act` is "silu", "gelu" or "gelu_tanh". Three GEMMs; the fused
+    [b, L, N] (or [b, N, L]); `act` is one of `ir.ACTIVATION_NAMES`. Three GEMMs; the fused
     kernel computes both score tiles of an l block, combines them and runs the last GEMM on
     the product (`planned_part` says how it is planned)."""
     for value, what in ((batch, "batch"), (M, "M"), (N, "N"), (K, "K"), (L, "L")):
@@ -212,7 +213,7 @@ def gated_mlp_chain(
     except ValueError:
         fn = None
     if fn not in GATES:
-        raise ValueError(f"act: expected 'silu', 'gelu' or 'gelu_tanh', got {act!r}")
+        raise ValueError(f"act: expected one of {list(ACTIVATION_NAMES)}, got {act!r}")
     assert fn is not None
     loops = (Loop("b", batch), Loop("m", M), Loop("n", N), Loop("k", K), Loop("l", L))
     b_idx = ("b", "l", "k") if b_transposed else ("b", "k", "l")

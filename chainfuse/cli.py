@@ -20,7 +20,7 @@ from chainfuse.bench import workloads
 from chainfuse.builders import conv_chain_spec, gemm_chain
 from chainfuse.gpu_plan import TritonPlan, plan_triton
 from chainfuse.hardware import DeviceKind, Hardware, presets, resolve
-from chainfuse.ir import Chain, DType
+from chainfuse.ir import ACTIVATION_NAMES, Chain, DType
 from chainfuse.kernels.amx import amx_path, amx_report
 from chainfuse.planner import Plan, PlanningError, timed_plan
 from chainfuse.simulate import simulate
@@ -143,8 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--conv", metavar="C,H,W,K1,K2,s1,s2", help="an explicit conv chain")
     p.add_argument("--kernels", default="3,1", metavar="R1,R2", help="conv kernel sizes")
     p.add_argument("--between", default="none",
-                   choices=["none", "relu", "gelu", "gelu_tanh", "quick_gelu", "silu",
-                            "softmax"])  # fmt: skip
+                   choices=["none", *ACTIVATION_NAMES, "softmax"])  # fmt: skip
     p.add_argument(
         "--dtype",
         default="float32",

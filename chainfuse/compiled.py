@@ -22,7 +22,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from chainfuse.codegen.amx_chain import amx_arithmetic, amx_describe, emit_amx_chain
-from chainfuse.codegen.amx_conv import AmxConvSpec, amx_conv_arithmetic, emit_amx_conv_chain
+from chainfuse.codegen.amx_conv import (
+    AMX_PACKED,
+    AmxConvSpec,
+    amx_conv_arithmetic,
+    emit_amx_conv_chain,
+)
 from chainfuse.codegen.conv import (
     GEOMETRY,
     ConvChainShape,
@@ -510,11 +515,10 @@ class ConvKernel(_Built):
                 ctypes.c_void_p,
             ]
         )
-        self._pack = getattr(lib, f"{name}_pack", None)  # (the fp32 kernels')
-        if self._pack is not None:
-            self._pack.restype = None
-            self._pack.argtypes = [ctypes.c_void_p] * 2 + [longs] + [ctypes.c_void_p] * 3 + [
-                ctypes.c_int]  # fmt: skip
+        self._pack = getattr(lib, f"{name}_pack")
+        self._pack.restype = None
+        self._pack.argtypes = [ctypes.c_void_p] * 2 + [longs] + [ctypes.c_void_p] * 3 + [
+            ctypes.c_int]  # fmt: skip
         workspace = getattr(lib, f"{name}_workspace")
         workspace.restype = ctypes.c_long
         workspace.argtypes = [longs, longs]
@@ -661,13 +665,11 @@ class ConvKernel(_Built):
         return self.spec.kernel.name if isinstance(self.spec, ConvChainSpec) else ""
 
     def pack(self, w1: Any, w2: Any) -> Any:
-        """w1 and w2 packed as this kernel reads them (`nr`-channel panels), once: a float32
-        tensor (torch weights) or array, 64-byte aligned, that `launch` reads in place of
-        packing them per call. The panels depend on the weights' shapes and the micro-kernel
-        (`micro`), not on the images' sizes. Raises TypeError for a kernel that packs per call
-        (the AMX conv kernel)."""
-        if self._pack is None:
-            raise TypeError(f"{self.name}: this conv kernel packs its weights per call")
+        """w1 and w2 packed as this kernel reads them (`nr`-channel panels; the AMX kernel's:
+        VNNI tiles, bf16 pairs in each float), once: a float32 tensor (torch weights) or array,
+        64-byte aligned, that `launch` reads in place of packing them per call. The panels
+        depend on the weights' shapes and the micro-kernel (`micro`), not on the images'
+        sizes."""
         shapes, dt = self._shapes, self._dtype
         a1 = dense_strides("w1", w1, shapes["w1"], dtype=dt)
         a2 = dense_strides("w2", w2, shapes["w2"], dtype=dt)
@@ -741,6 +743,11 @@ class AmxConvKernel(ConvKernel):
 
     def __repr__(self) -> str:
         return f"AmxConvKernel({self.name}, {self.amx_path.value}, T_P2={self.tiles.band_rows})"
+
+    @property
+    def micro(self) -> str:
+        """ "amx": the VNNI tiles `pack` makes are the same for every AMX path and image size."""
+        return AMX_PACKED
 
     def padded_taps(self, out: Any, w1: Any, w2: Any, known: bool = False) -> Any:
         """`out` as it is: the tiles multiply the padding's zeros too (0 * inf is NaN there)."""

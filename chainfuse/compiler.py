@@ -204,8 +204,7 @@ def compile_conv(
 
     `tiles` overrides code tiles by loop name: `p2` (output rows per band), `c` and `k1` (the
     channel blocks of the two reductions). `halo` forces "keep" or "recompute" (default: the
-    cost comparison of `choose_halo`). `after` ("relu", "gelu", "gelu_tanh", "quick_gelu",
-    "silu" or None) is an activation on the second convolution's result. `micro` names the
+    cost comparison of `choose_halo`). `after` (one of `ir.ACTIVATION_NAMES`, or None) is an activation on the second convolution's result. `micro` names the
     fp32 micro-kernel to run on (weights packed for it: `ConvKernel.pack`), else the best one
     for the chain's sizes.
     """

@@ -26,6 +26,8 @@ from functools import cached_property
 from typing import Any
 
 __all__ = [
+    "ACTIVATION_NAMES",
+    "POINTWISE",
     "Access",
     "Activation",
     "Affine",
@@ -87,9 +89,21 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # PyTorch's approximate="tanh" (GPT-2)
     QUICK_GELU = "quick_gelu"  # x * sigmoid(1.702 x) (CLIP)
     SILU = "silu"  # x * sigmoid(x)
+    RELU6 = "relu6"  # min(max(x, 0), 6) (MobileNet)
+    HARDSWISH = "hardswish"  # x * relu6(x + 3) / 6 (MobileNet-V3, LeViT)
+    MISH = "mish"  # x * tanh(softplus(x)) (YOLOv4)
+    SQUARED_RELU = "squared_relu"  # relu(x)^2 (Primer, Nemotron)
     SCALE = "scale"
     BIAS = "bias"
     MUL = "mul"  # x * operand: a gated MLP's gate times its up projection
+
+
+#: the activations of x alone that a chain may apply between its ops or after them: the one
+#: list every layer (kernels, reference, torch finder, fuzzers, CLI) reads its choices from
+POINTWISE = (Activation.RELU, Activation.GELU, Activation.GELU_TANH, Activation.QUICK_GELU,
+             Activation.SILU, Activation.RELU6, Activation.HARDSWISH, Activation.MISH,
+             Activation.SQUARED_RELU)  # fmt: skip
+ACTIVATION_NAMES = tuple(a.value for a in POINTWISE)
 
 
 class MaskKind(enum.Enum):

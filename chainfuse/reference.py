@@ -15,7 +15,8 @@ checked against them:
   so a 64-channel 56x56 convolution takes well under a second.
 - `Pointwise`: identity, relu, exact-erf gelu (`torch.nn.functional.gelu`'s default), tanh
   gelu (`approximate="tanh"`), quick gelu `x * sigmoid(1.702 x)`, silu `x * sigmoid(x)`,
-  `alpha * x` (scale), `x + operand` (bias, broadcast over the loops the operand lacks) and
+  relu6 `min(max(x, 0), 6)`, hardswish `x * relu6(x + 3) / 6`, mish `x * tanh(softplus(x))`,
+  squared relu `relu(x)^2`, `alpha * x` (scale), `x + operand` (bias, broadcast over the loops the operand lacks) and
   `x * operand` (mul: a gated MLP's gate times its up projection).
 - `Softmax` over loop `axis`: `scale * x` (soft-capped to `cap * tanh(x / cap)` when it has a
   cap), plus an additive mask, or plus -inf where a bool mask
@@ -41,6 +42,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from chainfuse.ir import (
+    ACTIVATION_NAMES,
+    POINTWISE,
     Access,
     Activation,
     Affine,
@@ -146,12 +149,10 @@ def run_conv_chain(
 ) -> NDArray[np.float64]:
     """`run` of a `conv_chain_spec` chain with what its IR does not hold: per-channel biases
     added to each convolution's result (`b1` before the op between them) and an optional
-    activation after the second one (`after`: "relu", "gelu", "gelu_tanh", "quick_gelu" or
-    "silu"). Returns the output (float64). Kept apart from `run`: the IR has no
+    activation after the second one (`after`: one of `ir.ACTIVATION_NAMES`). Returns the output (float64). Kept apart from `run`: the IR has no
     bias-after-contraction op for convolutions (yet)."""
-    names = ("relu", "gelu", "gelu_tanh", "quick_gelu", "silu")
-    if after is not None and after not in names:
-        raise ValueError(f"after: expected None or one of {list(names)}, got {after!r}")
+    if after is not None and after not in ACTIVATION_NAMES:
+        raise ValueError(f"after: expected None or one of {list(ACTIVATION_NAMES)}, got {after!r}")
     env = _check_inputs(chain, inputs)
     first = chain.contractions[0]
     for op in chain.ops:
@@ -347,8 +348,7 @@ def _pointwise(
 
 
 #: the activations that take x alone
-_OWN = (Activation.IDENTITY, Activation.RELU, Activation.GELU, Activation.GELU_TANH,
-        Activation.QUICK_GELU, Activation.SILU)  # fmt: skip
+_OWN = (Activation.IDENTITY, *POINTWISE)
 
 
 def activate(fn: Activation, x: F64) -> F64:
@@ -366,6 +366,15 @@ def activate(fn: Activation, x: F64) -> F64:
         return x * _sigmoid(1.702 * x)
     if fn is Activation.SILU:
         return x * _sigmoid(x)
+    if fn is Activation.RELU6:
+        return np.clip(x, 0.0, 6.0)
+    with np.errstate(invalid="ignore"):  # (-inf times a zero gate: NaN, as PyTorch's)
+        if fn is Activation.HARDSWISH:
+            return x * np.clip(x + 3.0, 0.0, 6.0) / 6.0
+        if fn is Activation.MISH:
+            return x * np.tanh(np.logaddexp(0.0, x))
+    if fn is Activation.SQUARED_RELU:
+        return np.maximum(x, 0.0) ** 2
     raise ValueError(f"activate: {fn.value} needs an operand")
 
 

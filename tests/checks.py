@@ -46,6 +46,10 @@ def torch_activation(name: str | None) -> Callable[[Any], Any]:
         "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
         "quick_gelu": lambda h: h * torch.sigmoid(1.702 * h),
         "silu": F.silu,
+        "relu6": F.relu6,
+        "hardswish": F.hardswish,
+        "mish": F.mish,
+        "squared_relu": lambda h: F.relu(h).square(),
         "softmax": lambda h: h.softmax(-1),
     }
     return acts[name]

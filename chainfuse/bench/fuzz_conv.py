@@ -15,6 +15,7 @@ from chainfuse.bench.fuzz_cases import Case, describe_operand, oracle_torch, pic
 from chainfuse.bench.fuzz_gemm import subclassed
 from chainfuse.bench.fuzz_values import Kind, Layout, Operand, inject, place, rounded, size
 from chainfuse.bench.fuzz_values import torch_or_none as _torch
+from chainfuse.ir import ACTIVATION_NAMES
 
 __all__ = ["conv_case"]
 
@@ -56,14 +57,14 @@ def _geometry(rng: np.random.Generator, alias: bool) -> tuple[int, ...]:
 
 
 #: what a conv chain may apply between and after its convolutions (relu drawn most: ResNet's)
-_ACTS = [None, "relu", "silu", "gelu", "gelu_tanh", "quick_gelu"]
+_ACTS = [None, "relu", "silu", *(a for a in ACTIVATION_NAMES if a not in ("relu", "silu"))]
 
 
 def _activation(name: str | None, y: Any) -> Any:
     """PyTorch's own `name` of y: the unfused oracle's."""
-    from chainfuse.torch.kinds import TORCH_ACTIVATIONS
+    from chainfuse.ops.activations import torch_activations
 
-    return y if name is None else TORCH_ACTIVATIONS[name](y)
+    return y if name is None else torch_activations()[name](y)
 
 
 def conv_case(
@@ -82,8 +83,8 @@ def conv_case(
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = _geometry(
         rng, out_mode == "out-alias"
     )
-    between = pick(rng, _ACTS, [3, 4, 2, 1, 1, 1])
-    after = None if entry == "compile" else pick(rng, _ACTS, [6, 2, 1, 1, 1, 1])
+    between = pick(rng, _ACTS, [3, 4, 2] + [1] * (len(_ACTS) - 3))
+    after = None if entry == "compile" else pick(rng, _ACTS, [6, 2] + [1] * (len(_ACTS) - 2))
     features += [f"between-{between or 'none'}", f"after-{after or 'none'}"]
     if (st1, st2) != (1, 1):
         features.append("stride")

@@ -19,6 +19,7 @@ from chainfuse.bench.fuzz_cases import (
     special,
 )
 from chainfuse.bench.fuzz_values import Kind, Layout, Operand, inject, place, rounded, size
+from chainfuse.ir import ACTIVATION_NAMES
 
 __all__ = ["gated_case"]
 
@@ -31,7 +32,9 @@ def gated_case(
     """A random gated MLP call: sizes, leading dims of x, the weights' storage, NaN/inf or large
     values, numpy (float32) or torch, `ops` or the torch operator."""
     features: list[str] = []
-    act = str(pick(rng, ["silu", "gelu", "gelu_tanh"], [3, 1, 1]))
+    act = str(
+        pick(rng, list(ACTIVATION_NAMES), [6 if a == "silu" else 1 for a in ACTIVATION_NAMES])
+    )
     entry = str(pick(rng, [e for e in entries if e in ("ops", "torch")]))
     torch_too = "torch" in entries  # (entries without "torch": no torch here)
     if entry == "torch" or dtype != "float32":
@@ -97,6 +100,6 @@ def gated_case(
 def _unfused(torch: Any, values: dict[str, np.ndarray], act: str, dtype: str) -> Any:
     """PyTorch's unfused ops in the same dtype: (act(X @ W1) * (X @ W3)) @ W2."""
     X, W1, W3, W2 = (torch.from_numpy(values[n]).to(getattr(torch, dtype)) for n in values)
-    f = torch.nn.functional
-    gate = {"silu": f.silu, "gelu": f.gelu, "gelu_tanh": lambda x: f.gelu(x, approximate="tanh")}
-    return (gate[act](X @ W1) * (X @ W3)) @ W2
+    from chainfuse.ops.activations import torch_activations
+
+    return (torch_activations()[act](X @ W1) * (X @ W3)) @ W2

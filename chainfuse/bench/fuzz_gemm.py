@@ -33,12 +33,14 @@ from chainfuse.bench.fuzz_values import (
     size,
     torch_or_none,
 )
+from chainfuse.ir import ACTIVATION_NAMES
 
 __all__ = ["gemm_case", "subclassed"]
 
 _NAMES = frozenset({"A", "B", "D", "E", "between", "out", "bias1", "bias2"})
-#: the activations between the GEMMs, the model forms (tanh / quick GELU, SiLU) drawn less often
-_BETWEEN = [None, "relu", "gelu", "softmax", "gelu_tanh", "quick_gelu", "silu"]
+#: the activations between the GEMMs, the model forms (every activation past relu and gelu)
+#: drawn less often
+_BETWEEN = [None, "relu", "gelu", "softmax", *ACTIVATION_NAMES[2:]]
 
 
 class _Subclass(np.ndarray):
@@ -78,7 +80,7 @@ def gemm_case(
     or large values, numpy or torch, one of the entry points in `entries`."""
     torch = torch_or_none()
     features: list[str] = []
-    between = pick(rng, _BETWEEN, [3, 3, 3, 3, 1, 1, 1])
+    between = pick(rng, _BETWEEN, [3, 3, 3, 3] + [1] * (len(_BETWEEN) - 4))
     features.append(between or "none")
     entry = str(pick(rng, entries, [{"ops": 6, "torch": 2, "compile": 2}[e] for e in entries]))
     features.append(entry)
@@ -234,16 +236,15 @@ def _unfused(torch: Any, full: dict[str, np.ndarray], between: str | None, dtype
     between(A @ B + bias1) @ D + bias2."""
     dt = getattr(torch, dtype)
     A, B, D = (torch.from_numpy(full[x]).to(dt) for x in "ABD")
-    f = torch.nn.functional
+    from chainfuse.ops.activations import torch_activations
+
     C = A @ B
     if "bias1" in full:
         C = C + torch.from_numpy(full["bias1"]).to(dt)
-    act = {"relu": torch.relu, "gelu": f.gelu, "silu": f.silu,
-           "gelu_tanh": lambda x: f.gelu(x, approximate="tanh"),
-           "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-           "softmax": lambda x: torch.softmax(x, dim=-1)}  # fmt: skip
-    if between is not None:
-        C = act[between](C)
+    if between == "softmax":
+        C = torch.softmax(C, dim=-1)
+    elif between is not None:
+        C = torch_activations()[between](C)
     E = C @ D
     if "bias2" in full:
         E = E + torch.from_numpy(full["bias2"]).to(dt)

@@ -9,7 +9,8 @@ input channels::
 
     Y1[pix, k1] = sum over taps (r, s), blocks of 32 c:  Xpad[pix @ (r, s), c] . W1v[(r, s, c), k1]
 
-The weights are packed once per call as VNNI tiles (zeros past C and K), shared by the threads.
+The weights are packed as VNNI tiles (zeros past C and K), shared by the threads: by each call,
+or once by `<name>_pack` (frozen weights: `ops.pack_conv_weights`), read in their place.
 The pixels are never gathered: the input rows a band reads are copied once, from any layout
 (NCHW or channels-last, through its strides), into a zero-padded channels-last bf16 buffer
 `Xpad` (channels to whole 32s, the padding columns and rows as zeros), so a tile of pixels of
@@ -46,6 +47,7 @@ from chainfuse.kernels.amx import AMX_BF16_32X32, AmxPath, emit_tap_block
 __all__ = [
     "AMX_CONV_BUFFER",
     "AMX_CONV_LIMIT",
+    "AMX_PACKED",
     "AmxConvSpec",
     "amx_conv_arithmetic",
     "amx_conv_band_rows",
@@ -53,6 +55,10 @@ __all__ = [
     "amx_conv_unsupported",
     "emit_amx_conv_chain",
 ]
+
+#: the `micro` of weights packed for this kernel (`ConvKernel.pack`): its VNNI tiles depend on
+#: the weights' shapes alone
+AMX_PACKED = "amx"
 
 #: Bytes a thread's padded input and intermediate rows take at most where a band has more than
 #: one output row: the band's rows are chosen to fit
@@ -162,9 +168,27 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
         w.line("*per_thread = XPAD + ZPAD + ACC + TOFF;")
         w.line("return W1V + W2V;")
     w.line("")
+    w.line("/* W1 and W2 as VNNI tiles into `shared` (W1V + W2V floats: the workspace's shared")
+    w.line("   part), for a caller that packs them once (frozen weights); they depend on the")
+    w.line("   weights' shapes alone */")
+    with w.block(
+        f"void {name}_pack(const uint16_t* W1, const uint16_t* W2, const long* g,\n"
+        "    const long* w1s, const long* w2s, float* shared, int nthreads)"
+    ):
+        w.line("CF_AMX_GEO(g)")
+        w.line("uint16_t* restrict W1v = (uint16_t*)shared;")
+        w.line("uint16_t* restrict W2v = (uint16_t*)(shared + W1V);")
+        w.line("#pragma omp parallel for schedule(static) num_threads(nthreads)")
+        with w.block("for (long ct = 0; ct < K1T + K2T; ++ct)"):
+            with w.block("if (ct < K1T)"):
+                w.line("cf_amx_pack_conv_weights(W1, w1s, K1, C, R1, S1, ct, W1v);")
+            with w.block("else"):
+                w.line("cf_amx_pack_conv_weights(W2, w2s, K2, K1, R2, S2, ct - K1T, W2v);")
+    w.line("")
     w.line("/* g: conv.GEOMETRY; xs, w1s, w2s, ys: strides (elements) of X, W1, W2, Y along their")
     w.line("   four dims (N, C, H, W / K, C, R, S); b1, b2 may be NULL (no bias). Every array is")
-    w.line("   bf16; shared and work are float workspaces (64-byte aligned); packed: NULL */")
+    w.line("   bf16; shared and work are float workspaces (64-byte aligned); packed: the weights")
+    w.line("   as `_pack` leaves them (read only), or NULL: packed here, into shared */")
     with w.block(
         f"void {name}(const uint16_t* X, const uint16_t* W1, const uint16_t* W2,\n"
         "    const uint16_t* b1, const uint16_t* b2, uint16_t* Y, const long* g, const long* xs,\n"
@@ -172,16 +196,11 @@ def emit_amx_conv_chain(spec: AmxConvSpec, header: str, path: AmxPath) -> str:
         "    float* work, long work_per_thread, int nthreads, const float* packed)"
     ):
         w.line("CF_AMX_GEO(g)")
-        w.line("(void)packed; /* (the fp32 kernel's weights packed once; these pack per call) */")
-        w.line("uint16_t* restrict W1v = (uint16_t*)shared;")
-        w.line("uint16_t* restrict W2v = (uint16_t*)(shared + W1V);")
-        w.line("/* the weights as VNNI tiles, once per call, shared by the threads */")
-        w.line("#pragma omp parallel for schedule(static) num_threads(nthreads)")
-        with w.block("for (long ct = 0; ct < K1T + K2T; ++ct)"):
-            with w.block("if (ct < K1T)"):
-                w.line("cf_amx_pack_conv_weights(W1, w1s, K1, C, R1, S1, ct, W1v);")
-            with w.block("else"):
-                w.line("cf_amx_pack_conv_weights(W2, w2s, K2, K1, R2, S2, ct - K1T, W2v);")
+        with w.block("if (!packed) /* the weights as VNNI tiles, shared by the threads */"):
+            w.line(f"{name}_pack(W1, W2, g, w1s, w2s, shared, nthreads);")
+            w.line("packed = shared;")
+        w.line("const uint16_t* restrict W1v = (const uint16_t*)packed;")
+        w.line("const uint16_t* restrict W2v = (const uint16_t*)(packed + W1V);")
         w.line("const long bands = (P2 + TP2 - 1) / TP2, blocks = N * bands;")
         w.line("long next_blk = 0; /* the next block to claim: see cf_claim */")
         with per_thread(w):

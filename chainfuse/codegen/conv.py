@@ -6,8 +6,7 @@ conv, which the call supplies)::
     Y1 = conv(X, W1, stride st1, padding pad1) [+ b1]   Z = f(Y1) or Y1
     Y2 = conv(Z, W2, stride st2, padding pad2) [+ b2]   [g(Y2)]
 
-f and g are any of the pointwise activations of the GEMM chains (relu, gelu, gelu_tanh,
-quick_gelu, silu: `gemm_spec.ACTIVATIONS`).
+f and g are any of the pointwise activations of the GEMM chains (`gemm_spec.ACTIVATIONS`).
 
 Both convolutions run as implicit GEMMs on the micro-kernel of the registry, output pixels on
 its `mr` rows and output channels on its `nr` columns::

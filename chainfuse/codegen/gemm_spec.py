@@ -8,7 +8,16 @@ import enum
 from dataclasses import dataclass, replace
 
 from chainfuse.codegen.common import name_hash
-from chainfuse.ir import Activation, Chain, Contraction, DType, MaskKind, Pointwise, Softmax
+from chainfuse.ir import (
+    POINTWISE,
+    Activation,
+    Chain,
+    Contraction,
+    DType,
+    MaskKind,
+    Pointwise,
+    Softmax,
+)
 from chainfuse.kernels import MicroKernel
 
 __all__ = [
@@ -46,17 +55,15 @@ class Epilogue(enum.Enum):
     GELU_TANH = "gelu_tanh"
     QUICK_GELU = "quick_gelu"
     SILU = "silu"
+    RELU6 = "relu6"
+    HARDSWISH = "hardswish"
+    MISH = "mish"
+    SQUARED_RELU = "squared_relu"
     SOFTMAX = "softmax"
 
 
 #: the pointwise activations between the GEMMs and the epilogue each one compiles to
-ACTIVATIONS = {
-    Activation.RELU: Epilogue.RELU,
-    Activation.GELU: Epilogue.GELU,
-    Activation.GELU_TANH: Epilogue.GELU_TANH,
-    Activation.QUICK_GELU: Epilogue.QUICK_GELU,
-    Activation.SILU: Epilogue.SILU,
-}
+ACTIVATIONS = {a: Epilogue(a.value) for a in POINTWISE}
 
 
 @dataclass(frozen=True)

@@ -452,7 +452,7 @@ def _row_block(w: Writer, spec: GemmChainSpec) -> None:
                 )
                 if spec.kernel.part_cols and in_place:
                     w.line("const int nw = CF_NW(mc - j * NR); /* (a tail strip: its columns) */")
-                if spec.epilogue is Epilogue.RELU and not spec.bias1:
+                if spec.epilogue is Epilogue.RELU and not spec.bias1 and not spec.gated:
                     w.line("/* the relu as each block of the last k block is stored */")
                     w.line("const int acc = (k0 > 0) | (k0 + kc >= K ? RELU_AT_STORE : 0);")
                 else:

@@ -239,6 +239,14 @@ def activation_c(epilogue: Epilogue, x: str) -> str:
         return f"{x} * cf_sigmoid(1.702f * {x})"
     if epilogue is Epilogue.SILU:
         return f"{x} * cf_sigmoid({x})"
+    if epilogue is Epilogue.RELU6:
+        return f"({x} < 0.0f ? 0.0f : {x} > 6.0f ? 6.0f : {x})"
+    if epilogue is Epilogue.HARDSWISH:  # (as PyTorch's: -inf gives -inf * 0, NaN)
+        return f"{x} * ({x} < -3.0f ? 0.0f : {x} > 3.0f ? 6.0f : {x} + 3.0f) * (1.0f / 6.0f)"
+    if epilogue is Epilogue.MISH:
+        return f"{x} * cf_tanh_softplus({x})"
+    if epilogue is Epilogue.SQUARED_RELU:
+        return f"({x} < 0.0f ? 0.0f : {x}) * ({x} < 0.0f ? 0.0f : {x})"
     raise ValueError(f"activation_c: {epilogue.value} is not pointwise")
 
 

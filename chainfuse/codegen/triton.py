@@ -3,7 +3,8 @@
 The structure `gpu_plan` plans (docs/design.md, "The GPU target"): the grid is the batch loops
 (batch x heads) x ⌈M / BLOCK_M⌉ x ⌈N / BLOCK_N⌉, flattened batch-major into one axis; a program
 loops over `l` by BLOCK_L, computes its block of `C = A·B` over `k` by BLOCK_K in registers,
-applies `f` (none, relu, gelu, silu, a gated silu/gelu, or the online softmax with its masks),
+applies `f` (none, an activation of `ir.ACTIVATION_NAMES`, a gated one, or the online softmax
+with its masks),
 and accumulates `E += f(C)·D` in fp32 registers; E is written once. One source serves
 GEMM chains, MLPs and attention: every operand comes with four strides (batch, head, row, col),
 stride 0 broadcasts, and key/value heads are `h // GROUP` (grouped-query attention).
@@ -34,7 +35,13 @@ class Between(enum.Enum):
     NONE = "none"
     RELU = "relu"
     GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+    QUICK_GELU = "quick_gelu"
     SILU = "silu"
+    RELU6 = "relu6"
+    HARDSWISH = "hardswish"
+    MISH = "mish"
+    SQUARED_RELU = "squared_relu"
     SOFTMAX = "softmax"
 
 
@@ -54,7 +61,7 @@ class TritonSpec:
     causal: bool = False
     bias1: bool = False  # added to C = A·B (per column l) before `between`
     bias2: bool = False  # added to E (per column n)
-    gated: bool = False  # f(A·B) * (A·G): SwiGLU / GeGLU, `between` silu or gelu
+    gated: bool = False  # f(A·B) * (A·G): SwiGLU / GeGLU, `between` an activation
     tf32: bool = False  # fp32 chains: tl.dot in tf32 (opt-in) instead of IEEE fp32
     interpret: bool = False  # widen bf16 before tl.dot (the interpreter's bf16 dot is wrong)
     softcap: float | None = None  # softmax: scores soft-capped, cap tanh(s / cap)
@@ -68,8 +75,8 @@ class TritonSpec:
             raise ValueError("masks and causal need the softmax between")
         if self.softcap is not None and self.between is not Between.SOFTMAX:
             raise ValueError("softcap needs the softmax between")
-        if self.gated and self.between not in (Between.SILU, Between.GELU):
-            raise ValueError("a gated MLP needs silu or gelu between")
+        if self.gated and self.between in (Between.NONE, Between.SOFTMAX):
+            raise ValueError("a gated MLP needs an activation between")
 
     @property
     def dot_f32(self) -> bool:
@@ -95,15 +102,14 @@ def kernel_name(spec: TritonSpec) -> str:
 
 
 def _header(spec: TritonSpec, name: str) -> list[str]:
-    f = {
-        Between.NONE: "C",
-        Between.RELU: "relu(C)",
-        Between.GELU: "gelu(C)",
-        Between.SILU: "silu(C)",
-        Between.SOFTMAX: "softmax_l(scale * C + mask)"
-        if spec.softcap is None
-        else f"softmax_l({spec.softcap!r} tanh(scale * C / {spec.softcap!r}) + mask)",
-    }[spec.between]
+    if spec.between is Between.NONE:
+        f = "C"
+    elif spec.between is not Between.SOFTMAX:
+        f = f"{spec.between.value}(C)"
+    elif spec.softcap is None:
+        f = "softmax_l(scale * C + mask)"
+    else:
+        f = f"softmax_l({spec.softcap!r} tanh(scale * C / {spec.softcap!r}) + mask)"
     if spec.gated:
         f = f"{f} * (A·G)"
     return [
@@ -215,18 +221,34 @@ def emit(spec: TritonSpec) -> str:
     return "\n".join(out) + "\n"
 
 
+def _activation(between: Between) -> list[str]:
+    """Lines setting `f` to the activation of the fp32 block `c`; NaN stays NaN and -inf gives
+    what PyTorch's op gives (NaN where a zero gate multiplies it: silu, hardswish, mish)."""
+    relu = "tl.where(c > 0.0, c, tl.where(c != c, c, 0.0))"  # (NaN stays, as torch)
+    # tanh(softplus(c)) from t = exp(-|c|), which cannot overflow (as `cf_tanh_softplus`)
+    mish = ["t = tl.exp(-tl.abs(c))", "n = t * (t + 2.0)",
+            "f = c * tl.where(c >= 0.0, (1.0 + 2.0 * t) / (1.0 + 2.0 * t + 2.0 * t * t),"
+            " n / (n + 2.0))"]  # fmt: skip
+    exprs = {
+        Between.NONE: "c",
+        Between.RELU: relu,
+        Between.GELU: "0.5 * c * (1.0 + tl.erf(c * 0.7071067811865476))",
+        Between.GELU_TANH: "c * tl.sigmoid(1.5957691216057308 * (c + 0.044715 * c * c * c))",
+        Between.QUICK_GELU: "c * tl.sigmoid(1.702 * c)",
+        Between.SILU: "c / (1.0 + tl.exp(-c))",
+        Between.RELU6: "tl.where(c > 6.0, 6.0, " + relu + ")",
+        Between.HARDSWISH: "c * tl.where(c < -3.0, 0.0, tl.where(c > 3.0, 6.0, c + 3.0))"
+        " * (1.0 / 6.0)",
+        Between.SQUARED_RELU: f"({relu}) * ({relu})",
+    }
+    return mish if between is Between.MISH else [f"f = {exprs[between]}"]
+
+
 def _between(spec: TritonSpec) -> list[str]:
     """f on the block `c` (fp32), giving `p` in the dtype of the second dot's inputs."""
     to_d = "" if spec.dot_f32 else ".to(d_head.dtype.element_ty)"
-    fn = {
-        Between.NONE: "c",
-        Between.RELU: "tl.where(c > 0.0, c, tl.where(c != c, c, 0.0))",  # NaN stays, as torch
-        Between.GELU: "0.5 * c * (1.0 + tl.erf(c * 0.7071067811865476))",
-        Between.SILU: "c / (1.0 + tl.exp(-c))",
-    }
     if spec.between is not Between.SOFTMAX:
-        expr = fn[spec.between]
-        lines = [f"f = {expr}"]
+        lines = _activation(spec.between)
         if spec.gated:
             lines.append("f = f * gate")
         return [*lines, f"p = f{to_d}"]

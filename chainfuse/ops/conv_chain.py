@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chainfuse import builders
+from chainfuse.codegen.amx_conv import AMX_PACKED
 from chainfuse.codegen.conv import conv_activation
 from chainfuse.compiled import finite as _finite
 from chainfuse.ops.arguments import (
@@ -31,12 +32,12 @@ __all__ = ["PackedConvWeights", "conv_chain", "pack_conv_weights"]
 @dataclass(frozen=True)
 class PackedConvWeights:
     """A conv chain's w1 and w2 packed once (`pack_conv_weights`), as the fp32 kernels of one
-    micro-kernel read them: `conv_chain(..., packed=...)` reads these instead of packing the
-    weights each call. They hold the weights' values when packed: pack again after the
-    weights change."""
+    micro-kernel read them, or the bf16 AMX kernel (VNNI tiles): `conv_chain(..., packed=...)`
+    reads these instead of packing the weights each call. They hold the weights' values when
+    packed: pack again after the weights change."""
 
-    data: Any  # float32, 64-byte aligned: a tensor (torch weights) or an array
-    micro: str  # the micro-kernel they are packed for
+    data: Any  # float32 (bf16 pairs, for AMX), 64-byte aligned: a tensor or an array
+    micro: str  # the micro-kernel they are packed for ("amx": the AMX kernel)
     finite: bool  # every weight finite (no NaN a padded tap would spread: `padded_taps`)
 
 
@@ -55,7 +56,8 @@ def conv_chain(
 ) -> Any:
     """`conv2d(between(conv2d(x, w1, b1, stride[0], padding[0])), w2, b2, stride[1], padding[1])`,
     fused into one kernel, then `after` on the result. `between` and `after` are None or one of
-    "relu", "gelu" (erf), "gelu_tanh", "quick_gelu" and "silu" (YOLO's conv -> BN -> SiLU).
+    `ir.ACTIVATION_NAMES` (relu, the gelus, silu as YOLO's conv -> BN -> SiLU, relu6, hardswish,
+    mish as YOLOv4's, squared_relu).
 
     `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
     float32 numpy arrays or torch CPU tensors (or bf16 tensors: AMX kernels, `CHAINFUSE_AMX`),
@@ -66,7 +68,7 @@ def conv_chain(
     channels-last buffer per thread. The result has `x`'s kind and memory order (numpy: NCHW),
     or is written into `out` (channels-last: in place; NCHW: a band of rows at a time through a
     channels-last buffer per thread). An unbatched `x` [C, H, W] gives [K2, P, Q], as PyTorch's
-    conv2d does. `packed` (float32): w1 and w2 as `pack_conv_weights` packed them, read in
+    conv2d does. `packed`: w1 and w2 as `pack_conv_weights` packed them (for x's dtype), read in
     place of packing them in each call (which reads and writes every weight once: most of a
     call's time where the images are small and the channels many).
     """
@@ -110,8 +112,9 @@ def conv_chain(
             builders.conv_out_size(Q1, S2, st2, pad2),
         )
         return no_work("x", x, (0, K2, P2, Q2), 0, out)
-    if packed is not None and dtype != "float32":
-        raise ValueError(f"packed: {dtype} conv chains pack their weights in each call")
+    if packed is not None and (packed.micro == AMX_PACKED) != (dtype == "bfloat16"):
+        for_amx = "the bf16 AMX kernel" if packed.micro == AMX_PACKED else "float32 kernels"
+        raise ValueError(f"packed: weights packed for {for_amx}, got {dtype} x, w1, w2")
     kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), micro, threads)
     at = None if packed is None else kernel.check_packed(packed.data)
     out, pointers, strides, channels_last = kernel.bind(x, w1, w2, b1, b2, out)
@@ -217,17 +220,16 @@ def pack_conv_weights(
     between: str | None = None,
     after: str | None = None,
 ) -> PackedConvWeights:
-    """w1 and w2 packed once for `conv_chain` calls with these weights (float32), e.g. a model's
-    frozen weights: the micro-kernel a call with `x` (its shape: the images may differ later)
-    and these arguments runs on, and its panels of the weights. Pass the result as
+    """w1 and w2 packed once for `conv_chain` calls with these weights, e.g. a model's frozen
+    weights: float32, for the micro-kernel a call with `x` (its shape: the images may differ
+    later) and these arguments runs on, as its panels; bfloat16, as the AMX kernel's VNNI tiles
+    (which depend on the weights' shapes alone). Pass the result as
     `conv_chain(..., packed=...)`."""
     if len(getattr(x, "shape", ())) == 3:
         x = x[None]
-    if any(dtype_name(getattr(a, "dtype", None)) != "float32" for a in (x, w1, w2)):
-        raise TypeError("pack_conv_weights: float32 x, w1 and w2 (bf16 chains pack per call)")
-    sizes, _ = _checked(x, w1, w2, None, None, None, stride, padding, between, after)
+    sizes, dtype = _checked(x, w1, w2, None, None, None, stride, padding, between, after)
     sizes = (max(sizes[0], 1), *sizes[1:])  # (no images: packed for one)
-    kernel = calls.conv_kernels(sizes, between, after, "float32", amx_setting(), None,
+    kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), None,
                                 get_num_threads())  # fmt: skip
     finite = _finite(w1) and _finite(w2)
     return PackedConvWeights(kernel.pack(w1, w2), kernel.micro, finite)

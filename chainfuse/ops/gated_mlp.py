@@ -39,7 +39,8 @@ def gated_mlp(
 ) -> Any:
     """`(act(X @ W1) * (X @ W3)) @ W2` for X [..., M, K], W1 and W3 [K, L], W2 [L, N] (2-D
     weights: X's leading dims are rows of one call), or X [b, M, K] with weights [b, K, L],
-    [b, L, N]. `act` is "silu" (Llama's SwiGLU), "gelu" (erf) or "gelu_tanh".
+    [b, L, N]. `act` is "silu" (Llama's SwiGLU), "gelu" (erf), "gelu_tanh" (GeGLU) or another of
+    `ir.ACTIVATION_NAMES` ("relu": ReGLU).
 
     float32, bfloat16 or float16 in and out (fp32 arithmetic inside). The weights are read as
     stored: row-major, or the transposes of row-major matrices (nn.Linear's `weight.T`); W1 and

@@ -53,8 +53,9 @@ def gemm_chain(
 
     float32, or bfloat16 or float16 in and out (fp32 arithmetic inside; `Kernel.arithmetic`
     says so).
-    `between` is None, "relu", "gelu" (erf), "gelu_tanh", "quick_gelu" (x sigmoid(1.702 x)),
-    "silu" or "softmax" (over L). `bias1` [L] and `bias2` [N] (1-D, the inputs' dtype) are
+    `between` is None, an activation of `ir.ACTIVATION_NAMES` ("relu", "gelu" (erf),
+    "gelu_tanh", "quick_gelu" (x sigmoid(1.702 x)), "silu", "relu6", "hardswish", "mish",
+    "squared_relu") or "softmax" (over L). `bias1` [L] and `bias2` [N] (1-D, the inputs' dtype) are
     optional; bias1 is added before `between` (with a softmax, to the scores). Returns
     [b, M, N] ([M, N] for 2-D inputs) of the inputs' kind; `out=` writes into a preallocated
     result. Zero-size dimensions give what numpy's matmul gives (an empty result, or zeros for

@@ -24,8 +24,9 @@ import numpy as np
 from chainfuse import builders, config
 from chainfuse.codegen.triton import Between, Mask, TritonSpec, emit, kernel_name
 from chainfuse.gpu_plan import TritonPlan, plan_triton
-from chainfuse.ir import DType
+from chainfuse.ir import ACTIVATION_NAMES, DType
 from chainfuse.operands import is_torch
+from chainfuse.ops.activations import torch_activations
 from chainfuse.ops.sdpa import attention_dims, check_flags
 from chainfuse.runtime.triton import INSTALL_HINT, launch, load_triton, triton_available
 
@@ -167,14 +168,15 @@ def mlp(
 ) -> Any:
     """`act(x @ w1 + b1) @ w2 + b2` (weights in x @ w form) as one Triton kernel; with `gate`
     (w3, shaped as w1) the gated form `(act(x @ w1 + b1) * (x @ w3)) @ w2 + b2` (SwiGLU with
-    silu). `activation`: None, "relu", "gelu", "silu", "softmax" (over the hidden dim). Batch
-    dims broadcast as numpy's matmul's."""
+    silu). `activation`: None, one of `ir.ACTIVATION_NAMES`, or "softmax" (over the hidden dim,
+    not gated). Batch dims broadcast as numpy's matmul's."""
     names = _name.split(", ")
     word = "none" if activation is None else str(getattr(activation, "value", activation))
     if word not in {b.value for b in Between}:
+        choices = ", ".join(repr(b.value) for b in Between if b.value in ACTIVATION_NAMES)
         raise ValueError(
-            f"{'between' if _name.startswith('A') else 'activation'}: expected None, 'relu', "
-            f"'gelu', 'silu' or 'softmax', got {activation!r}"
+            f"{'between' if _name.startswith('A') else 'activation'}: expected None, {choices}"
+            f" or 'softmax', got {activation!r}"
         )
     between = Between(word)
     dtype, interpret = _checked(f"{_name}, b1, b2, gate, out", x, w1, w2, b1, b2, gate, out)
@@ -198,8 +200,8 @@ def mlp(
     for name, bias, n in (("b1", b1, L), ("b2", b2, N)):
         if bias is not None and tuple(bias.shape) != (n,):
             raise ValueError(f"{name}: expected shape ({n},), got {tuple(bias.shape)}")
-    if gate is not None and between not in (Between.SILU, Between.GELU):
-        raise ValueError(f"gate: a gated MLP needs activation 'silu' or 'gelu', got {activation!r}")
+    if gate is not None and between in (Between.NONE, Between.SOFTMAX):
+        raise ValueError(f"gate: a gated MLP needs an activation, got {activation!r}")
     try:
         lead = torch.broadcast_shapes(
             *(t.shape[:-2] for t in (x, w1, w2) + ((gate,) if gate is not None else ()))
@@ -216,14 +218,13 @@ def mlp(
     if K == 0 or L == 0:  # a sum over nothing: no kernel, the same arithmetic on zeros
         c = torch.zeros((*lead, M, L), dtype=torch.float32, device=x.device)
         c = c + (b1.float() if b1 is not None else 0)
-        f = {
-            Between.NONE: c,
-            Between.RELU: torch.relu(c),
-            Between.SOFTMAX: c.softmax(-1),
-            Between.GELU: torch.nn.functional.gelu(c),
-            Between.SILU: torch.nn.functional.silu(c),
-        }
-        h = f[between] * 0 if gate is not None else f[between]  # (x @ gate: zeros)
+        if between is Between.SOFTMAX:
+            h = c.softmax(-1)
+        elif between is not Between.NONE:
+            h = torch_activations()[between.value](c)
+        else:
+            h = c
+        h = h * 0 if gate is not None else h  # (x @ gate: zeros)
         e = h @ w2.float() + (b2.float() if b2 is not None else 0)
         result.copy_(torch.broadcast_to(e, shape))
         return result

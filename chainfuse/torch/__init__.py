@@ -404,7 +404,7 @@ def gemm_chain(
     packed: Any = None,
 ) -> Any:
     """`chainfuse.ops.gemm_chain` for torch tensors: `between(A @ B + bias1) @ D + bias2` in one
-    kernel (`between`: None, "relu", "gelu", "gelu_tanh", "quick_gelu", "silu" or "softmax";
+    kernel (`between`: None, an activation of `ir.ACTIVATION_NAMES` or "softmax";
     B and D may be nn.Linear weights' transposes, `W.T`, read as stored; `packed`: bf16 weights
     packed once by `ops.pack_weights`, for the AMX kernels); inside `torch.compile`, the
     operator `torch.ops.chainfuse.gemm_chain`."""

@@ -216,7 +216,9 @@ class Backend:
             decision = self._decide(gm, found, emitter, values)
             why = decision.why
             if decision.fuse:
-                _replace(gm, found, emitter)
+                new = _replace(gm, found, emitter)
+                # (a later chain may read this one's result: its value, for that decision)
+                values[new], emitter.replaced[found.output] = values[found.output], new
                 if emitter.packs(found):
                     amx = "" if found.kind is ChainKind.CONV else " for the AMX kernels"
                     why += f"; weights packed once{amx}"
@@ -378,8 +380,9 @@ def _predicted(found: Found, values: dict[fx.Node, Any]) -> float | None:
     return None
 
 
-def _replace(gm: fx.GraphModule, found: Found, emitter: Emitter) -> None:
-    """`found`'s nodes replaced by its fused call, written just before its last node."""
+def _replace(gm: fx.GraphModule, found: Found, emitter: Emitter) -> fx.Node:
+    """`found`'s nodes replaced by its fused call, written just before its last node; returns
+    the call's node."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(found.nodes, key=order.__getitem__)
@@ -390,6 +393,7 @@ def _replace(gm: fx.GraphModule, found: Found, emitter: Emitter) -> None:
     for node in sorted(found.nodes, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
+    return new
 
 
 def _freeze(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[int]:

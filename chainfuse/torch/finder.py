@@ -3,7 +3,7 @@
 Walks from every compute op (`kinds.Kind`) through what may sit between two compute ops
 (one-to-one elementwise ops, eval dropout, views) to the next compute op:
 
-    linear(+bias) -> relu | gelu | gelu_tanh | quick_gelu | silu -> [dropout] -> linear(+bias)
+    linear(+bias) -> act -> [dropout] -> linear(+bias)          (act: `ir.ACTIVATION_NAMES`)
     act(x W1) * (x W3) -> W2                                     (gated MLP, no biases)
     a, b = (x W13).chunk(2, -1); act(a) * b -> W2                (the same, W1 and W3 fused)
     scaled_dot_product_attention(q, k, v, ...)                   (dropout_p = 0)
@@ -11,7 +11,6 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
               | max(., min)]... -> softmax(-1) -> [dropout] -> @ v
     baddbmm(bias, q, kᵀ) -> [+ mask] -> softmax(-1) -> @ v        (ALiBi, as Bloom's)
     conv2d(+bias) -> [eval batch_norm] -> act -> conv2d(+bias) -> [batch_norm] -> [act]
-                                                       (act: relu | gelu | gelu_tanh | quick_gelu | silu)
 
 `linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()`
 (also `W.T`) / `x @ W` followed by `+ b`. Every compute op left out gets a reason

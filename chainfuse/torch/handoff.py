@@ -28,6 +28,7 @@ from chainfuse.ops import dispatch, gpu
 from chainfuse.ops.calls import Memo, key_bucket
 from chainfuse.ops.dispatch import torch_faster
 from chainfuse.runtime.threads import threads_for
+from chainfuse.torch.kinds import TORCH_ACTIVATIONS
 
 __all__ = ["attention_reason", "count", "fallbacks", "gemm_chain_reason", "torch_gemm_chain"]
 
@@ -151,21 +152,15 @@ def torch_gemm_chain(
     """`between(A @ B + bias1) @ D + bias2` in PyTorch's own ops, as an unfused 16-bit model
     runs it (the intermediate in the operands' dtype)."""
     name = between.value if isinstance(between, Activation) else between
-    F = torch.nn.functional
+    if name not in (None, "identity", "softmax", *TORCH_ACTIVATIONS):
+        choices = ", ".join(repr(n) for n in TORCH_ACTIVATIONS)
+        raise ValueError(f"between: expected None, {choices} or 'softmax', got {between!r}")
     C = torch.matmul(A, B)
     if bias1 is not None:
         C = C + bias1
-    if name == "relu":
-        C = torch.relu(C)
-    elif name == "gelu":
-        C = F.gelu(C)
-    elif name == "gelu_tanh":
-        C = F.gelu(C, approximate="tanh")
-    elif name == "quick_gelu":
-        C = C * torch.sigmoid(1.702 * C)
-    elif name == "silu":
-        C = F.silu(C)
-    elif name == "softmax":
+    if name == "softmax":
         C = torch.softmax(C, dim=-1)
+    elif name in TORCH_ACTIVATIONS:
+        C = TORCH_ACTIVATIONS[name](C)
     E = torch.matmul(C, D)
     return E if bias2 is None else E + bias2

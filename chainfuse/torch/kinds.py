@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from chainfuse.ops.activations import torch_activations
+
 __all__ = ["Activation", "Kind", "activation_at", "constant_of", "kind_of", "value_of"]
 
 F = torch.nn.functional
@@ -76,8 +78,10 @@ _TABLE: dict[Any, Kind] = {
     F.multi_head_attention_forward: Kind.OPAQUE,
 }
 for _fn in (F.relu, torch.relu, F.gelu, F.silu, torch.tanh, torch.sigmoid, F.sigmoid, torch.pow,
-            operator.add, operator.mul, operator.truediv, operator.sub, operator.neg, torch.rsqrt,
-            "relu", "gelu", "silu", "tanh", "sigmoid", "pow", "float", "to", "mul", "add"):  # fmt: skip
+            F.relu6, F.hardtanh, F.hardswish, F.mish, F.softplus, torch.square, torch.clamp,
+            torch.clip, operator.add, operator.mul, operator.truediv, operator.sub, operator.neg,
+            torch.rsqrt, "relu", "gelu", "silu", "tanh", "sigmoid", "pow", "square", "clamp",
+            "clip", "float", "to", "mul", "add"):  # fmt: skip
     _TABLE[_fn] = Kind.ONE_TO_ONE
 
 
@@ -132,10 +136,14 @@ def _call(node: Any, *targets: Any) -> bool:
 
 
 def activation_at(x: fx.Node) -> Activation | None:
-    """The activation applied to `x` by its users, where `x` has no other use: a call
-    (relu, gelu, gelu(approximate="tanh"), silu) or a written-out form (`_written_out`: GPT-2's
-    tanh-GELU, quick-GELU `x * sigmoid(1.702 x)`, SiLU `x * sigmoid(x)`, ...). None when `x`'s
-    users are not exactly one activation."""
+    """The activation applied to `x` by its users, where `x` has no other use: a call (relu,
+    gelu, relu6, hardswish, mish, ...: told apart by what it computes, so `hardtanh(x, 0, 6)`
+    is relu6) or a written-out form (`_written_out`: GPT-2's tanh-GELU, quick-GELU
+    `x * sigmoid(1.702 x)`, `relu(x) ** 2`, ...). None when `x`'s users are not exactly one
+    activation."""
+    written = _written_out(x)
+    if written is not None:
+        return written
     users = list(x.users)
     if len(users) == 1:
         u = users[0]
@@ -161,13 +169,7 @@ _PROBE = torch.cat([torch.linspace(-9.0, 9.0, 1441, dtype=torch.float64),
                     torch.tensor([1e1, 2e1, 5e1, 1e2, 1e3, 1e4], dtype=torch.float64).repeat(2)
                     * torch.tensor([1.0] * 6 + [-1.0] * 6, dtype=torch.float64)])  # fmt: skip
 #: PyTorch's own function of each activation chainfuse's chains take, by its name
-TORCH_ACTIVATIONS: dict[str, Any] = {
-    "relu": torch.relu,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-    "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t),
-    "silu": F.silu,
-}
+TORCH_ACTIVATIONS: dict[str, Any] = torch_activations()
 _MATCH = 1e-6  # largest difference from a candidate, relative to max(1, |f|): the candidates
 # differ from each other by 4.7e-4 or more (gelu and gelu_tanh), a rounded constant by ~1e-9
 
@@ -198,15 +200,18 @@ def _written_out(x: fx.Node) -> Activation | None:
             region.append(node)
             inside.add(node)
         node = node.next
+    found: Activation | None = None
     for i, end in enumerate(region):
         run = [n for n in region[: i + 1] if n is end or _feeds(n, end, inside)]
         nodes = {x, *run}
         if any(set(n.users) - nodes for n in (x, *run) if n is not end):
             continue
         name = _identify(x, run)
-        if name is not None:
-            return Activation(name, end, tuple(run))
-    return None
+        # the first run that computes an activation, unless a longer one computes another:
+        # relu then a square is squared_relu (a longer run of the same one adds a dropout)
+        if name is not None and (found is None or name != found.name):
+            found = Activation(name, end, tuple(run))
+    return found
 
 
 def _feeds(node: fx.Node, end: fx.Node, inside: set[fx.Node]) -> bool:

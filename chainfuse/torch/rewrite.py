@@ -25,15 +25,13 @@ import torch.fx as fx
 
 from chainfuse import ops
 from chainfuse.codegen.amx_chain import AMX_MAX_WORKSPACE, amx_workspace_bytes
-from chainfuse.ir import Activation, DType
-from chainfuse.kernels.amx import amx_path
+from chainfuse.ir import ACTIVATION_NAMES, Activation, DType
+from chainfuse.kernels.amx import amx_absent, amx_path
 from chainfuse.operands import dense_in
 from chainfuse.torch.finder import ChainKind, Found, Gemm
 from chainfuse.torch.kinds import value_of
 
 __all__ = ["Capabilities", "Emitter", "attribute", "external_inputs"]
-
-_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "quick_gelu", "silu")
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,7 @@ class Capabilities:
         op = torch.ops.chainfuse.gemm_chain.default
         schema = {a.name for a in op._schema.arguments}
         bias = "bias1" in params and "bias1" in schema
-        known = {a.value for a in Activation} & set(_ACTIVATIONS)
+        known = {a.value for a in Activation} & set(ACTIVATION_NAMES)
         gated = hasattr(ops, "gated_mlp") and hasattr(torch.ops.chainfuse, "gated_mlp")
         return cls(bias, bias, frozenset(known), gated)
 
@@ -127,6 +125,9 @@ class Emitter:
         self.gm, self.caps, self.frozen, self.value = gm, caps, frozen, value
         self.added: list[str] = []  # buffers registered on gm (packed or folded weights)
         self._conv_packs: dict[str, ops.PackedConvWeights] = {}  # (by the weights' names)
+        # a fused chain's result node for the node it replaced: a later chain's parts may
+        # still name the old one (a conv chain whose input is the previous chain's result)
+        self.replaced: dict[fx.Node, fx.Node] = {}
 
     def refusal(self, found: Found) -> str | None:
         """Why this build cannot call a chainfuse operator for `found` (None: it can)."""
@@ -146,7 +147,8 @@ class Emitter:
             ChainKind.ATTENTION: self._attention,
             ChainKind.CONV: self._conv,
         }[found.kind]
-        return emit(found, graph, env)
+        moved = self.replaced
+        return emit(found, graph, lambda a: env(moved.get(a, a) if isinstance(a, fx.Node) else a))
 
     # -- checks -----------------------------------------------------------------------------
 
@@ -182,9 +184,14 @@ class Emitter:
                 raise _Refused("a scale computed at run time")
         elif found.kind is ChainKind.CONV:
             first, second = p["first"], p["second"]
-            if _dtype(first["x"]) != torch.float32:
+            dtype = _dtype(first["x"])
+            if dtype == torch.bfloat16 and amx_path(DType.BFLOAT16) is None:
                 raise _Refused(
-                    f"chainfuse's conv chain is float32; this one is {_dtype(first['x'])}"
+                    f"a bfloat16 conv chain runs on AMX tiles only: {amx_absent(DType.BFLOAT16)}"
+                )
+            if dtype not in (torch.float32, torch.bfloat16):
+                raise _Refused(
+                    f"chainfuse's conv chain is float32 or bfloat16; this one is {dtype}"
                 )
             if (p["bn1"] or p["bn2"]) and not self.frozen:
                 raise _Refused("batch norms are folded only into frozen weights")
@@ -239,9 +246,9 @@ class Emitter:
         if found.kind is ChainKind.GATED_MLP:
             (g1, g3), g2 = p["up"], p["down"]
             return self._packable(g1, g2, g3) is not None
-        if found.kind is ChainKind.CONV:  # (`_conv_packed`: constants, a float32 chain)
+        if found.kind is ChainKind.CONV:  # (`_conv_packed`: frozen constants)
             convs = ((p["first"], p["bn1"]), (p["second"], p["bn2"]))
-            return _dtype(p["first"]["x"]) == torch.float32 and all(
+            return self.frozen and all(
                 bn is not None or self._constant(conv["w"]) for conv, bn in convs
             )
         return False
@@ -363,7 +370,7 @@ class Emitter:
         ):
             return ()
         x = self.value(first["x"])
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        if not isinstance(x, torch.Tensor):
             return ()
         key = "_".join(str(w.target).replace(".", "_") for w in (w1, w2))
         made = self._conv_packs.get(key)  # (emitted for the decision, then for the graph)
@@ -383,13 +390,19 @@ class Emitter:
         bound.update({"mean": bn.kwargs.get("running_mean", bound.get("mean")),
                       "var": bn.kwargs.get("running_var", bound.get("var"))})  # fmt: skip
         bound.update({k: v for k, v in bn.kwargs.items() if k in names})
-        w = self.value(conv["w"]).detach()
-        b = self.value(conv["b"]).detach() if conv["b"] is not None else torch.zeros(w.shape[0])
-        mean, var = self.value(bound["mean"]).detach(), self.value(bound["var"]).detach()
-        gamma = self.value(bound["weight"]).detach() if bound.get("weight") is not None else 1.0
-        beta = self.value(bound["bias"]).detach() if bound.get("bias") is not None else 0.0
+
+        def f32(name: str) -> Any:  # (bf16 weights: folded in float32, rounded once)
+            node = bound.get(name) if name in bound else conv[name]
+            return None if node is None else self.value(node).detach().float()
+
+        w, dtype = f32("w"), self.value(conv["w"]).dtype
+        b = f32("b") if conv["b"] is not None else torch.zeros(w.shape[0])
+        mean, var = f32("mean"), f32("var")
+        gamma = f32("weight") if bound.get("weight") is not None else 1.0
+        beta = f32("bias") if bound.get("bias") is not None else 0.0
         scale = gamma * torch.rsqrt(var + float(bound.get("eps", 1e-5)))
-        return w * scale.reshape(-1, 1, 1, 1), (b - mean) * scale + beta
+        folded = w * scale.reshape(-1, 1, 1, 1), (b - mean) * scale + beta
+        return folded[0].to(dtype), folded[1].to(dtype)
 
 
 def _step(step: tuple[Any, ...], env: Callable[[Any], Any]) -> tuple[Any, ...]:

@@ -63,6 +63,21 @@ X = torch.randn(2, 5, 32)
          "linear -> silu -> linear"),
         (lambda x: torch.addmm(B2, F.relu(torch.addmm(B1, x[0], W1.t())), W2.t()),
          "addmm -> relu -> addmm"),
+        # the modules' calls, told apart by what they compute: ReLU6 is hardtanh(x, 0, 6)
+        (lambda x: nn.ReLU6(inplace=True)(x @ W1.t()) @ W2.t(),
+         "x @ W.t() -> relu6 -> x @ W.t()"),
+        (lambda x: F.linear(nn.Hardswish()(F.linear(x, W1, B1)), W2),
+         "linear+bias -> hardswish -> linear"),
+        (lambda x: F.linear(nn.Mish()(F.linear(x, W1)), W2), "linear -> mish -> linear"),
+        (lambda x: F.linear(F.relu(F.linear(x, W1)) ** 2, W2), "linear -> squared_relu -> linear"),
+        (lambda x: F.linear(torch.square(torch.relu(F.linear(x, W1))), W2),
+         "linear -> squared_relu -> linear"),
+        (lambda x: F.linear(F.dropout(F.relu(F.linear(x, W1)).pow(2), 0.1, False), W2),
+         "linear -> squared_relu -> dropout -> linear"),
+        (lambda x: F.linear((lambda h: h * torch.tanh(F.softplus(h)))(F.linear(x, W1)), W2),
+         "linear -> mish -> linear"),
+        (lambda x: F.linear((lambda h: h * (h + 3).clamp(0, 6) / 6)(F.linear(x, W1)), W2),
+         "linear -> hardswish -> linear"),
     ],
 )  # fmt: skip
 def test_mlp_forms(fn: Any, form: str) -> None:
@@ -70,12 +85,20 @@ def test_mlp_forms(fn: Any, form: str) -> None:
     assert [c.form for c in found.chains] == [form]
 
 
+def test_finder_knows_every_activation_the_kernels_have() -> None:
+    from chainfuse.ir import ACTIVATION_NAMES
+    from chainfuse.torch.kinds import TORCH_ACTIVATIONS
+
+    assert tuple(TORCH_ACTIVATIONS) == ACTIVATION_NAMES
+
+
 @pytest.mark.parametrize(
     "act",
     [lambda h: h * torch.sigmoid(1.5 * h),  # no activation chainfuse has
      lambda h: torch.tanh(h) * 2.0,
      lambda h: h * 0.5 * (1.0 + torch.erf(h / 1.5)),
-     lambda h: F.gelu(h) * 2.0],  # a GELU, then an op that is not one
+     lambda h: F.gelu(h) * 2.0,  # a GELU, then an op that is not one
+     lambda h: F.hardtanh(h, 0.0, 5.0)],  # relu6's op with other bounds
 )  # fmt: skip
 def test_written_out_functions_that_are_no_activation_end_no_chain(act: Any) -> None:
     found = find(_graph(lambda x: F.linear(act(F.linear(x, W1)), W2), X))

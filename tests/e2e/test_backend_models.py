@@ -64,12 +64,13 @@ def _resnet() -> Any:
 
 
 class _ConvBnSiLU(nn.Module):
-    """YOLOv5/v8's `Conv`: conv (no bias) -> batch norm -> SiLU in place."""
+    """YOLOv5/v8's `Conv`: conv (no bias) -> batch norm -> SiLU in place (or `act`: YOLOv4's
+    Mish, MobileNet's ReLU6 and hardswish)."""
 
-    def __init__(self, c1: int, c2: int, k: int, s: int = 1) -> None:
+    def __init__(self, c1: int, c2: int, k: int, s: int = 1, act: Any = None) -> None:
         super().__init__()
         self.conv = nn.Conv2d(c1, c2, k, s, k // 2, bias=False)
-        self.bn, self.act = nn.BatchNorm2d(c2), nn.SiLU(inplace=True)
+        self.bn, self.act = nn.BatchNorm2d(c2), act or nn.SiLU(inplace=True)
 
     def forward(self, x: Any) -> Any:
         return self.act(self.bn(self.conv(x)))
@@ -103,6 +104,15 @@ class _C2f(nn.Module):
 def _yolo() -> Any:
     net = nn.Sequential(_ConvBnSiLU(3, 16, 3, 2), _Bottleneck(16), _ConvBnSiLU(16, 24, 3, 2),
                         _C2f(24))  # fmt: skip
+    return _with_statistics(net)
+
+
+def _conv_acts() -> Any:
+    """Conv-BN-act blocks with the other activations: two chains, mish between and hardswish
+    after, relu6 between and squared relu after."""
+    net = nn.Sequential(_ConvBnSiLU(3, 16, 3, 2, nn.Mish()), _ConvBnSiLU(16, 24, 3, 1, nn.Hardswish()),
+                        _ConvBnSiLU(24, 24, 1, 1, nn.ReLU6(inplace=True)),
+                        _ConvBnSiLU(24, 16, 3, 1, transformers.activations.ReLUSquaredActivation()))  # fmt: skip
     return _with_statistics(net)
 
 
@@ -142,6 +152,13 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         cfg = transformers.LlamaConfig(vocab_size=100, num_key_value_heads=2, **small)
         gated = 2 * (CAPS.gated_mlp and "silu" in CAPS.activations)
         return transformers.LlamaForCausalLM(cfg), (ids,), 2 + gated
+    if name == "nemotron":  # squared relu between the MLP's linears
+        cfg = transformers.NemotronConfig(vocab_size=100, num_key_value_heads=2, **small)
+        return (
+            transformers.NemotronForCausalLM(cfg),
+            (ids,),
+            2 + 2 * ("squared_relu" in CAPS.activations),
+        )
     if name == "phi3":  # the gated MLP's gate and up weights are one (its result chunked)
         cfg = transformers.Phi3Config(vocab_size=100, num_key_value_heads=2, pad_token_id=0,
                                       **small)  # fmt: skip
@@ -186,6 +203,12 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
     if name == "yolo":  # conv -> BN -> SiLU -> conv -> BN -> SiLU three times; channels-last
         x = torch.randn(2, 3, 33, 30).contiguous(memory_format=torch.channels_last)
         return _yolo(), (x,), 3
+    if name == "mlp-stack":  # the second MLP reads the first's result (replaced when fused)
+        net = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU6(), nn.Linear(256, 64),
+                            nn.Linear(64, 96, bias=False), nn.Mish(), nn.Linear(96, 64))  # fmt: skip
+        return net, (torch.randn(2, 17, 64),), 2
+    if name == "conv-acts":
+        return _conv_acts(), (torch.randn(2, 3, 19, 22),), 2
     if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses
         net = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Dropout(0.1),
                             nn.Linear(256, 64))  # fmt: skip
@@ -236,7 +259,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
          ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("mpnet", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
@@ -255,13 +278,19 @@ def test_model_matches_eager_with_its_chains_fused(name: str, dtype: str) -> Non
     assert len(fused) >= chains, [(c.name, c.why) for c in report.chains]
 
 
-@pytest.mark.parametrize("name", ["resnet", "yolo"])
+@pytest.mark.parametrize(("name", "dtype"), [("resnet", "float32"), ("yolo", "float32"),
+                                           ("conv-acts", "float32"), ("resnet", "bfloat16"),
+                                           ("conv-acts", "bfloat16")])  # fmt: skip
 def test_frozen_conv_chains_read_their_weights_packed_once(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fused conv chain of frozen weights reads them packed at compile time (a constant of
-    the graph, batch norms folded in), never per call; the model's output within the rule."""
+    the graph, batch norms folded in), never per call; the model's output within the rule.
+    bf16: the AMX conv kernel (emulated here), its VNNI tiles packed once."""
+    from chainfuse.kernels.amx import ENV_AMX
     from chainfuse.torch import backend as backend_mod
+
+    monkeypatch.setenv(ENV_AMX, "emulate")
 
     graphs: list[Any] = []
     real = backend_mod.Backend._compile
@@ -273,7 +302,7 @@ def test_frozen_conv_chains_read_their_weights_packed_once(
     monkeypatch.setattr(backend_mod.Backend, "_compile", kept)
     model, inputs, chains = _model(name)
     report = Report()
-    _check_close(model, inputs, torch.float32, report)
+    _check_close(model, inputs, getattr(torch, dtype), report)
     fused = [c for c in report.chains if c.fused]
     assert len(fused) >= chains and all("weights packed once" in c.why for c in fused)
     (gm,) = graphs

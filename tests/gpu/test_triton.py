@@ -60,6 +60,23 @@ GEMM_SHAPES = [(1, 1, 1, 1, 1), (2, 17, 7, 19, 33), (1, 131, 5, 130, 67), (3, 2,
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("between", [None, "relu", "gelu", "softmax"])
 def test_gemm_chain(between: str | None, dtype: str) -> None:
+    _gemm_chain_shapes(between, dtype)
+
+
+@pytest.mark.parametrize("between", ["gelu_tanh", "quick_gelu", "silu", "relu6", "hardswish",
+                                     "mish", "squared_relu"])  # fmt: skip
+def test_gemm_chain_other_activations(between: str) -> None:
+    _gemm_chain_shapes(between, "float32")
+
+
+def test_activation_list_is_the_c_kernels() -> None:
+    from chainfuse.codegen.triton import Between
+    from chainfuse.ir import ACTIVATION_NAMES
+
+    assert [b.value for b in Between] == ["none", *ACTIVATION_NAMES, "softmax"]
+
+
+def _gemm_chain_shapes(between: str | None, dtype: str) -> None:
     for i, shape in enumerate(GEMM_SHAPES[: 2 if dtype != "float32" else None]):
         chain = builders.gemm_chain(*shape, between=between, dtype=dtype)
         kernel = _on_host(lambda a, b, d: ops.gemm_chain(a, b, d, between=between))
@@ -214,10 +231,12 @@ def test_mlp_bias_silu_gated(dtype: str) -> None:
     t = [a.to(TORCH[dtype]).to(DEVICE) for a in (x, w1, w2, b1, b2, w3)]
     x, w1, w2, b1, b2, w3 = (a.cpu().double() for a in t)  # the values the kernel reads
     chain = builders.mlp_chain(10, 20, 37, 9, "gelu", dtype)
-    for act, gate in (("silu", t[5]), ("gelu", None)):
+    F = torch.nn.functional
+    for act, gate in (("silu", t[5]), ("gelu", None), ("mish", t[5]), ("relu", t[5])):
         got = gpu.mlp(*t[:5], activation=act, gate=gate).cpu().double()
         h = x @ w1 + b1
-        h = h * torch.sigmoid(h) * (x @ w3) if gate is not None else torch.nn.functional.gelu(h)
+        h = {"silu": F.silu, "gelu": F.gelu, "mish": F.mish, "relu": F.relu}[act](h)
+        h = h * (x @ w3) if gate is not None else h
         reference.assert_close(got.numpy(), (h @ w2 + b2).numpy(), chain)
 
 

@@ -81,7 +81,8 @@ def test_amx_conv_chain_matches_reference(case: tuple[Any, ...], channels_last: 
     K1=st.sampled_from([1, 15, 17, 32]), K2=st.sampled_from([1, 16, 19]),
     window=st.sampled_from([(1, 1, 1, 1), (3, 3, 1, 1), (1, 1, 3, 3), (3, 3, 3, 3), (2, 3, 3, 1)]),
     stride=st.sampled_from([(1, 1), (2, 1), (1, 2)]),
-    between=st.sampled_from([None, "relu", "silu", "gelu", "gelu_tanh", "quick_gelu"]),
+    between=st.sampled_from([None, "relu", "silu", "gelu", "gelu_tanh", "quick_gelu", "relu6",
+                             "hardswish", "mish", "squared_relu"]),
     channels_last=st.booleans(),
 )  # fmt: skip
 def test_amx_conv_chain_of_drawn_sizes(
@@ -101,7 +102,7 @@ def test_amx_conv_chain_of_drawn_sizes(
 
 @pytest.mark.parametrize(
     ("between", "after"), [(None, None), (None, "relu"), ("silu", "silu"), ("gelu", "gelu_tanh"),
-                           ("quick_gelu", None)],
+                           ("quick_gelu", None), ("mish", "hardswish"), ("relu6", "squared_relu")],
 )  # fmt: skip
 def test_amx_conv_chain_with_biases(between: str | None, after: str | None) -> None:
     y, want, chain = _run((*CASES[1][:-1], between), True, bias=True, after=after, seed=4)
@@ -219,6 +220,36 @@ def test_ops_conv_chain_runs_bf16_tensors_on_the_amx_kernel(
     with pytest.raises(TypeError, match=ENV_AMX):
         ops.conv_chain(*args, stride=stride, padding=padding, between=between)
     calls.clear()
+
+
+def test_amx_conv_weights_packed_once_are_read_in_place_of_the_weights() -> None:
+    """`ops.pack_conv_weights` of bf16 weights: the AMX kernel's tiles, the same bits as a call
+    that packs them itself, for other image sizes and layouts too; the packed values are what
+    is read (zeros packed give zeros); packing made for the other dtype is an error naming
+    `packed`."""
+    from chainfuse import ops
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 33, 13, 11, generator=g).bfloat16()
+    w1 = (torch.randn(40, 33, 3, 3, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(17, 40, 1, 1, generator=g) / 6).bfloat16()
+    b1, b2 = torch.randn(40, generator=g).bfloat16(), torch.randn(17, generator=g).bfloat16()
+    args = {"padding": (1, 0), "between": "mish", "after": "hardswish"}
+    packed = ops.pack_conv_weights(x, w1, w2, **args)
+    assert packed.micro == "amx"
+    for image in (
+        x,
+        torch.randn(1, 33, 29, 7).bfloat16().contiguous(memory_format=torch.channels_last),
+    ):
+        want = ops.conv_chain(image, w1, w2, b1, b2, **args)
+        assert torch.equal(ops.conv_chain(image, w1, w2, b1, b2, **args, packed=packed), want)
+    zeros = ops.pack_conv_weights(x, w1 * 0, w2 * 0, padding=(1, 0))
+    assert not ops.conv_chain(x, w1, w2, padding=(1, 0), packed=zeros).any()
+    with pytest.raises(ValueError, match="packed: weights packed for the bf16 AMX kernel"):
+        ops.conv_chain(x.float(), w1.float(), w2.float(), padding=(1, 0), packed=packed)
+    fp32 = ops.pack_conv_weights(x.float(), w1.float(), w2.float(), padding=(1, 0))
+    with pytest.raises(ValueError, match="packed: weights packed for float32 kernels"):
+        ops.conv_chain(x, w1, w2, padding=(1, 0), packed=fp32)
 
 
 @pytest.mark.skipif(not amx_status()[0], reason=f"no AMX here: {amx_status()[1]}")

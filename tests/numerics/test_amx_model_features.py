@@ -19,6 +19,7 @@ import chainfuse
 from chainfuse import builders, ops
 from chainfuse.codegen.amx_chain import AMX_MAX_L, AMX_MAX_M, amx_workspace_bytes
 from chainfuse.compiler import AmxKernel, compile
+from chainfuse.ir import ACTIVATION_NAMES
 from chainfuse.kernels.amx import ENV_AMX, AmxPath
 from chainfuse.runtime import requested_num_threads, set_num_threads
 from tests.checks import check_against_reference, torch_activation
@@ -38,16 +39,17 @@ STRUCTURES = [
     ("gelu_tanh", True, True, True, True),
     ("quick_gelu", True, True, True, True),
     ("silu", True, True, True, True),
+    ("relu6", True, True, True, True),
+    ("hardswish", True, True, True, True),
+    ("mish", True, True, True, True),
+    ("squared_relu", True, True, True, True),
     ("gelu", False, True, False, True),
     ("silu", True, False, True, False),
     ("softmax", False, True, False, True),
     ("softmax", True, True, True, True),  # (bias1 before a softmax: an additive mask over l)
 ]
 
-ACTS = {
-    name: torch_activation(name)
-    for name in (None, "relu", "gelu", "gelu_tanh", "quick_gelu", "silu", "softmax")
-}
+ACTS = {name: torch_activation(name) for name in (None, *ACTIVATION_NAMES, "softmax")}
 
 
 @pytest.fixture(autouse=True)

@@ -102,7 +102,17 @@ SPATIAL = st.one_of(st.sampled_from([1, 2, 7, 13, 17, 31, 53, 59, 60]), st.integ
 CHANNELS = st.one_of(st.sampled_from([1, 3, 7, 16, 17, 63, 65, 127, 130]), st.integers(1, 130))
 KERNEL = st.sampled_from([1, 3, 5])
 #: the activations a conv chain takes (relu drawn most: ResNet's)
-ACTS = ["relu", "silu", "gelu", "gelu_tanh", "quick_gelu"]
+ACTS = [
+    "relu",
+    "silu",
+    "gelu",
+    "gelu_tanh",
+    "quick_gelu",
+    "relu6",
+    "hardswish",
+    "mish",
+    "squared_relu",
+]
 BETWEEN = [None, "relu", *ACTS]
 STRIDE = st.integers(1, 4)
 PAD = st.integers(0, 2)
@@ -391,7 +401,9 @@ def test_errors_bias_stride_padding_between_device() -> None:
         ops.conv_chain(x, w1, w2, stride=(1, 0))
     with pytest.raises(ValueError, match="padding: expected integers >= 0"):
         ops.conv_chain(x, w1, w2, padding=(-1, 0))
-    with pytest.raises(ValueError, match=r"between: expected None or one of \['relu', .*'silu'\]"):
+    with pytest.raises(
+        ValueError, match=r"between: expected None or one of \['relu', .*'squared_relu'\]"
+    ):
         ops.conv_chain(x, w1, w2, between="tanh")
     with pytest.raises(ValueError, match=r"after: expected None or one of \['relu'"):
         ops.conv_chain(x, w1, w2, after="softmax")
@@ -508,7 +520,7 @@ def test_packed_weights_errors_name_the_argument() -> None:
         ops.conv_chain(x, w1, w2, packed=misaligned)
     with pytest.raises(ValueError, match="micro: no fp32 micro-kernel 'nope'"):
         ops.conv_chain(x, w1, w2, packed=ops.PackedConvWeights(packed.data, "nope", True))
-    with pytest.raises(TypeError, match="pack_conv_weights: float32"):
+    with pytest.raises(TypeError, match=r"x: expected dtype float32 \(or bfloat16"):
         ops.pack_conv_weights(x.astype(np.float64), w1, w2)
 
 

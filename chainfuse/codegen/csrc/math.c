@@ -74,6 +74,18 @@ static inline float cf_tanh(float x)
     return ax < 0.625f ? small : x < 0.0f ? -big : big;
 }
 
+/* tanh(softplus(x)) = tanh(log(1 + e^x)) = n / (n + 2) with n = e^x (e^x + 2), written in
+   t = exp(-|x|), which cannot overflow: (1 + 2t) / (1 + 2t + 2t^2) for x >= 0, and
+   t (t + 2) / (t (t + 2) + 2) below. mish's gate: +inf gives 1, -inf 0 (so x times it is NaN,
+   as PyTorch's mish), NaN stays. Selects only: loops over it vectorise. */
+static inline float cf_tanh_softplus(float x)
+{
+    const float t = cf_exp_neg(-fabsf(x));
+    const float up = 1.0f + 2.0f * t;
+    const float n = t * (t + 2.0f);
+    return x >= 0.0f ? up / (up + 2.0f * t * t) : n / (n + 2.0f);
+}
+
 /* soft-capping (Gemma 2's scores): cap tanh(s / cap) times w (w = log2(e) for base-2 scores,
    1 for natural ones; capw = cap w) of u = s / cap. */
 static inline float cf_softcap(float u, float capw)
