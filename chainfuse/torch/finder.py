@@ -10,7 +10,7 @@ Walks from every compute op (`kinds.Kind`) through what may sit between two comp
     q @ kᵀ -> [* or / scale] -> [+ or += mask | masked_fill(m, -inf) | where(keep, ., min)
               | max(., min)]... -> softmax(-1) -> [dropout] -> @ v
     baddbmm(bias, q, kᵀ) -> [+ mask] -> softmax(-1) -> @ v        (ALiBi, as Bloom's)
-    conv2d(+bias) -> [eval batch_norm] -> act -> conv2d(+bias) -> [batch_norm] -> [act]
+    conv2d(+bias) -> [eval batch_norm] -> [act] -> conv2d(+bias) -> [batch_norm] -> [act]
 
 `linear` is `F.linear(x, W, b)`, `torch.addmm(b, x, W)` (GPT-2's Conv1D) or `x @ W.t()`
 (also `W.T`) / `x @ W` followed by `+ b`. Every compute op left out gets a reason
@@ -622,22 +622,26 @@ def _conv(c1: fx.Node) -> Found | str | None:
     bn1 = _batch_norm(c1)
     end = bn1 or c1
     act = activation_at(end)
-    if act is None or act.name not in CONV_ACTIVATIONS:
-        return f"not followed by an activation ({', '.join(CONV_ACTIVATIONS)}) then a conv2d"
-    mid = act.end
+    if act is not None and act.name not in CONV_ACTIVATIONS:
+        act = None
+    mid = act.end if act is not None else end  # (no activation: MobileNet-V2's projection)
     c2 = _single_user(mid)
     second = conv_at(c2) if c2 is not None else None
     if c2 is None or second is None or second["x"] is not mid:
+        if act is None:
+            return f"not followed by an activation ({', '.join(CONV_ACTIVATIONS)}) or a conv2d"
         return f"its {act.name} does not feed a conv2d chainfuse can run"
     bn2 = _batch_norm(c2)
-    nodes: list[fx.Node] = [c1, *([bn1] if bn1 else []), *act.nodes, c2, *([bn2] if bn2 else [])]
+    taken = act.nodes if act is not None else ()
+    nodes: list[fx.Node] = [c1, *([bn1] if bn1 else []), *taken, c2, *([bn2] if bn2 else [])]
     last = activation_at(nodes[-1])
     after = last.name if last is not None and last.name in CONV_ACTIVATIONS else None
     if last is not None and after:
         nodes.extend(last.nodes)
-    form = "conv2d" + (" -> batch_norm" if bn1 else "") + f" -> {act.name} -> conv2d"
-    form += (" -> batch_norm" if bn2 else "") + (f" -> {after}" if after else "")
-    parts = {"first": first, "second": second, "bn1": bn1, "bn2": bn2, "between": act.name,
+    between = act.name if act is not None else None
+    form = "conv2d" + (" -> batch_norm" if bn1 else "") + (f" -> {between}" if between else "")
+    form += " -> conv2d" + (" -> batch_norm" if bn2 else "") + (f" -> {after}" if after else "")
+    parts = {"first": first, "second": second, "bn1": bn1, "bn2": bn2, "between": between,
              "after": after}  # fmt: skip
     return Found(ChainKind.CONV, form, tuple(nodes), parts)
 

@@ -109,10 +109,13 @@ def _yolo() -> Any:
 
 def _conv_acts() -> Any:
     """Conv-BN-act blocks with the other activations: two chains, mish between and hardswish
-    after, relu6 between and squared relu after."""
+    after, relu6 between and squared relu after; then MobileNet-V2's projection (a 1x1 conv and
+    batch norm, no activation) into the next block's expansion (1x1, BN, ReLU6): a third."""
     net = nn.Sequential(_ConvBnSiLU(3, 16, 3, 2, nn.Mish()), _ConvBnSiLU(16, 24, 3, 1, nn.Hardswish()),
                         _ConvBnSiLU(24, 24, 1, 1, nn.ReLU6(inplace=True)),
-                        _ConvBnSiLU(24, 16, 3, 1, transformers.activations.ReLUSquaredActivation()))  # fmt: skip
+                        _ConvBnSiLU(24, 16, 3, 1, transformers.activations.ReLUSquaredActivation()),
+                        nn.Conv2d(16, 8, 1, bias=False), nn.BatchNorm2d(8),
+                        _ConvBnSiLU(8, 48, 1, 1, nn.ReLU6(inplace=True)))  # fmt: skip
     return _with_statistics(net)
 
 
@@ -208,7 +211,7 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
                             nn.Linear(64, 96, bias=False), nn.Mish(), nn.Linear(96, 64))  # fmt: skip
         return net, (torch.randn(2, 17, 64),), 2
     if name == "conv-acts":
-        return _conv_acts(), (torch.randn(2, 3, 19, 22),), 2
+        return _conv_acts(), (torch.randn(2, 3, 19, 22),), 3
     if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses
         net = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Dropout(0.1),
                             nn.Linear(256, 64))  # fmt: skip
