@@ -3,7 +3,8 @@
 # bit-exact tests (TDPBF16PS vectors on the unit, generated kernels on the unit against their
 # emulated build), the AMX micro-kernel against the TDPBF16PS probe, then the AMX speed lines
 # (bf16 GEMM chains vs torch.bmm x 2, attention vs SDPA, BERT/ViT-base MLPs vs F.linear/gelu/
-# F.linear; 1 and 2 threads, interleaved, % of the AMX peak) as one table. Elsewhere: says there is
+# F.linear, ResNet-50's 1x1 -> 3x3 chains vs F.conv2d/relu/F.conv2d, weights packed once and per
+# call; 1 and 2 threads, interleaved, % of the AMX peak) as one table. Elsewhere: says there is
 # no AMX, runs the emulated correctness smoke and exits 0. Arguments go to the speed lines.
 #
 #   bash scripts/amx_check.sh                      # everything this host can run

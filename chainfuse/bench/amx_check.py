@@ -11,7 +11,10 @@ process, on 1 and 2 threads (``--threads``):
   ``F.gelu``, ``F.linear``;
 - the same MLPs as a model holds them (``linear-mlp``): nn.Linear's ``[out, in]`` weights and
   biases, chainfuse's with the weights packed once (``ops.pack_weights``, as the torch backend
-  packs frozen weights) and packed per call, against ``F.linear`` with biases (oneDNN's).
+  packs frozen weights) and packed per call, against ``F.linear`` with biases (oneDNN's);
+- ResNet-50's bottleneck chains (1x1 -> relu -> 3x3, one image, channels-last) on the AMX conv
+  kernel, its weights packed once (``ops.pack_conv_weights``, as the backend packs a frozen
+  model's) and per call, against bf16 ``F.conv2d``, ``relu``, ``F.conv2d`` (oneDNN's).
 
 Every chainfuse result is checked against the float64 reference first (the project's one
 tolerance rule). % of peak is of the AMX probe (TDPBF16PS throughput, measured before and after
@@ -39,7 +42,7 @@ from chainfuse.bench import amx, workloads
 from chainfuse.bench.harness import set_threads
 from chainfuse.bench.results import geomean
 from chainfuse.bench.timing import interleave
-from chainfuse.compiler import compile
+from chainfuse.compiler import compile, compile_conv
 from chainfuse.ir import Chain
 from chainfuse.kernels.amx import amx_mode, amx_status
 
@@ -51,11 +54,14 @@ TARGETS = {
     "attention": (3.0, 1.5),
     "mlp": (1.5, None),
     "linear-mlp": (1.3, None),
+    "conv-chain": (1.0, None),
 }
 #: share of the AMX peak at least half of the GEMM-chain and attention cases should reach
 PEAK_SHARE = 0.40
 MLP_TOKENS = (128, 197, 256, 512, 577, 1024, 2048)
 MLP_DIMS = (768, 3072)  # BERT-base and ViT-base: 768 -> 3072 -> 768
+#: ResNet-50's bottlenecks' 1x1 -> 3x3 (input channels, width, image side), one image
+RESNET_CHAINS = ((256, 64, 56), (512, 128, 28), (1024, 256, 14), (2048, 512, 7))
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ def cases(smoke: bool) -> list[Case]:
                  builders.attention_chain(1, 2, 40, 40, 32, 32, dtype=bf16)),
             Case("mlp", "tiny-33", "gelu", builders.gemm_chain(1, 33, 64, 64, 128, "gelu", bf16)),
             Case("linear-mlp", "tiny-33", "packed", _linear_mlp(33, 64, 128)),
+            Case("conv-chain", "tiny-9", "packed", _bottleneck(40, 24, 9)),
         ]  # fmt: skip
     shaped = [w for w in workloads.GEMM if w.attention_shaped]
     out = [
@@ -118,7 +125,18 @@ def cases(smoke: bool) -> list[Case]:
         for t in MLP_TOKENS
         for variant in ("packed", "per-call")
     ]
+    out += [
+        Case("conv-chain", f"resnet50-{side}x{side}", variant, _bottleneck(c, width, side))
+        for c, width, side in RESNET_CHAINS
+        for variant in ("packed", "per-call")
+    ]
     return out
+
+
+def _bottleneck(channels: int, width: int, side: int) -> Chain:
+    """A ResNet bottleneck's 1x1 -> relu -> 3x3 (padding 1) on one bf16 image."""
+    return builders.conv_chain_spec(1, channels, side, side, width, 1, 1, width, 3, 3,
+                                    padding=(0, 1), between="relu", dtype="bfloat16")  # fmt: skip
 
 
 def _linear_mlp(tokens: int, dim: int, hidden: int) -> Chain:
@@ -139,6 +157,9 @@ def _torch_fn(case: Case, args: Sequence[Any]) -> Callable[[], Any]:
         x, w1, w2, b1, b2 = args  # (x [1, M, K], W1 [1, L, K], W2 [1, N, L]: as stored)
         W1, W2 = w1[0], w2[0]
         return lambda: F.linear(F.gelu(F.linear(x[0], W1, b1)), W2, b2)
+    if case.suite == "conv-chain":
+        x, w1, w2 = args
+        return lambda: F.conv2d(torch.relu(F.conv2d(x, w1)), w2, padding=1)
     if case.suite == "mlp":
         x, w1, w2 = args
         W1, W2 = w1[0].t().contiguous(), w2[0].t().contiguous()  # (nn.Linear's weights)
@@ -159,6 +180,18 @@ def _linear_mlp_fn(case: Case, args: Sequence[Any]) -> Callable[[], Any]:
     return lambda: ops.gemm_chain(x[0], B, D, "gelu", bias1=b1, bias2=b2, packed=packed)
 
 
+def _conv_fn(case: Case, args: Sequence[Any]) -> Callable[[], Any]:
+    """chainfuse's conv chain on the images and weights, the weights packed once (variant
+    "packed") or per call ("per-call")."""
+    from chainfuse import ops
+
+    x, w1, w2 = args
+    packed = None
+    if case.variant == "packed":
+        packed = ops.pack_conv_weights(x, w1, w2, padding=(0, 1), between="relu")
+    return lambda: ops.conv_chain(x, w1, w2, padding=(0, 1), between="relu", packed=packed)
+
+
 def _line(case: Case, threads: int, rounds: int, peak: float | None) -> Line:
     import torch
 
@@ -166,13 +199,21 @@ def _line(case: Case, threads: int, rounds: int, peak: float | None) -> Line:
     chain = case.chain
     inputs = reference.random_inputs(chain, seed=0)
     args = [torch.from_numpy(inputs[t.name]).to(torch.bfloat16) for t in chain.inputs]
-    kernel = compile(chain, threads=threads)
+    conv = case.suite == "conv-chain"
+    if conv:  # (channels-last images: what a compiled conv net runs)
+        args[0] = args[0].contiguous(memory_format=torch.channels_last)
+    kernel = compile_conv(chain, threads=threads) if conv else compile(chain, threads=threads)
     ours: Callable[[], Any] = lambda: kernel(*args)  # noqa: E731
     if case.suite == "linear-mlp":
         ours = _linear_mlp_fn(case, args)
+    elif conv:
+        ours = _conv_fn(case, args)
     got = ours()
     widened = {t.name: a.float().numpy().astype(np.float64) for t, a in zip(chain.inputs, args, strict=True)}  # fmt: skip
-    want = reference.run(chain, widened)[chain.outputs[0].name]
+    if conv:
+        want = reference.run_conv_chain(chain, widened)
+    else:
+        want = reference.run(chain, widened)[chain.outputs[0].name]
     reference.assert_close(got.float().numpy().reshape(want.shape), want, chain)
     timing = interleave({"chainfuse": ours, "torch": _torch_fn(case, args)}, rounds,
                         best=threads > 1)  # fmt: skip

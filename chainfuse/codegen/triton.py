@@ -226,9 +226,10 @@ def _activation(between: Between) -> list[str]:
     what PyTorch's op gives (NaN where a zero gate multiplies it: silu, hardswish, mish)."""
     relu = "tl.where(c > 0.0, c, tl.where(c != c, c, 0.0))"  # (NaN stays, as torch)
     # tanh(softplus(c)) from t = exp(-|c|), which cannot overflow (as `cf_tanh_softplus`)
-    mish = ["t = tl.exp(-tl.abs(c))", "n = t * (t + 2.0)",
-            "f = c * tl.where(c >= 0.0, (1.0 + 2.0 * t) / (1.0 + 2.0 * t + 2.0 * t * t),"
-            " n / (n + 2.0))"]  # fmt: skip
+    mish = ["mish_t = tl.exp(-tl.abs(c))", "mish_n = mish_t * (mish_t + 2.0)",
+            "mish_u = 1.0 + 2.0 * mish_t",
+            "f = c * tl.where(c >= 0.0, mish_u / (mish_u + 2.0 * mish_t * mish_t),"
+            " mish_n / (mish_n + 2.0))"]  # fmt: skip
     exprs = {
         Between.NONE: "c",
         Between.RELU: relu,

@@ -56,7 +56,10 @@ class Gemm:
     [out, in] as nn.Linear keeps it), else W itself ([in, out], as addmm's). `half`: 0 or 1
     where the chain takes only that half of the GEMM's outputs (W' split in two along its
     output features: a gated MLP whose W1 and W3 are one weight, its result `chunk`ed).
-    `view`: the `W.t()` node the GEMM reads (a written-out `x @ W.t()`), an input of its chain."""
+    `view`: the `W.t()` node the GEMM reads (a written-out `x @ W.t()`), an input of its chain.
+    `bn`: an eval batch norm over the GEMM's output features after `end` (`nn.BatchNorm1d` of
+    a `[rows, features]` result, as tabular MLPs and LeViT have it), folded into the weight and
+    bias; `out` is then the batch norm's node."""
 
     node: fx.Node
     x: fx.Node
@@ -67,6 +70,17 @@ class Gemm:
     words: str  # "linear+bias", "addmm", "x @ W.t() + b"
     half: int | None = None
     view: fx.Node | None = None  # the graph's own `W.t()` node, where the GEMM reads one
+    bn: fx.Node | None = None
+
+    @property
+    def out(self) -> fx.Node:
+        """The node whose value the GEMM's result is (after its batch norm, if any)."""
+        return self.bn if self.bn is not None else self.end
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        """The GEMM's own nodes: the product, its bias add, its batch norm."""
+        return tuple(dict.fromkeys((self.node, self.end, self.out)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,11 +227,22 @@ def _why(nxt: fx.Node) -> str:
     return f"followed by {label}"
 
 
+def _with_bn(g: Gemm) -> Gemm:
+    """g with the eval batch norm its result feeds where that normalizes its output features
+    (a 2-D result: BatchNorm1d's channels are its columns); else g."""
+    bn = _batch_norm(g.end)
+    value = value_of(g.end)
+    if bn is None or g.half is not None or not isinstance(value, torch.Tensor) or value.dim() != 2:
+        return g
+    return dataclasses.replace(g, bn=bn, words=f"{g.words} -> batch_norm")
+
+
 def _mlp(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | str:
     taken: list[fx.Node] = []
-    act = activation_at(g1.end)  # (a written-out activation has several users of g1's result)
+    g1 = _with_bn(g1)
+    act = activation_at(g1.out)  # (a written-out activation has several users of g1's result)
     if act is None:
-        node, why = _walk(g1.end, taken)
+        node, why = _walk(g1.out, taken)
         # (through a view: a written-out activation's several users are the view's)
         act = activation_at(taken[-1]) if taken else None
         if act is None:
@@ -227,8 +252,8 @@ def _mlp(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | str:
     g2 = gemms.get(node)
     if why or g2 is None or g2.x is not (taken[-1] if taken else act.end):
         return why or f"its {act.name} is {_why(node)}, not by a GEMM with a weight"
-    nodes = [g1.node, *([g1.end] if g1.end is not g1.node else []), *taken, g2.node]
-    nodes += [g2.end] if g2.end is not g2.node else []
+    g2 = _with_bn(g2)
+    nodes = [*g1.nodes, *taken, *g2.nodes]
     dropout = " -> dropout" if any(n.target is F.dropout for n in taken) else ""
     form = f"{g1.words} -> {act.name}{dropout} -> {g2.words}"
     parts = {"first": g1, "second": g2, "between": act.name}

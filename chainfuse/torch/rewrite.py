@@ -163,8 +163,14 @@ class Emitter:
                                "chainfuse")  # fmt: skip
             self._operands(g1.x, g1.weight, g2.weight)
             self._readable(g1, g2)
-            if (value_of(g1.x).dim() != value_of(g2.end).dim()) and value_of(g2.end).dim() != 2:
+            if (value_of(g1.x).dim() != value_of(g2.out).dim()) and value_of(g2.out).dim() != 2:
                 raise _Refused("views between the GEMMs change the rows' layout")
+            for g in (g1, g2):
+                if g.bn is not None and not self._constant(g.weight):
+                    raise _Refused("batch norms are folded only into frozen weights")
+                if g.bn is not None and not self.caps.bias:
+                    raise _Refused("a folded batch norm's bias (gemm_chain's biases) is not in "
+                                   "this chainfuse")  # fmt: skip
         elif found.kind is ChainKind.GATED_MLP:
             if not self.caps.gated_mlp:
                 raise _Refused("the gated MLP (three GEMMs) is not in this chainfuse")
@@ -226,7 +232,11 @@ class Emitter:
         return node
 
     def _weight(self, g: Gemm, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:
-        """g's weight as the [in, out] operand of a chain (a view: its half where `g.half`)."""
+        """g's weight as the [in, out] operand of a chain (a view: its half where `g.half`; with
+        a batch norm, the folded weight, a constant of the graph stored as the weight is)."""
+        if g.bn is not None:
+            kept = self._buffer(graph, f"_cf_bnlw_{_name(g)}", lambda: self._linear_folded(g)[0])
+            return graph.call_method("t", (kept,)) if g.transposed else kept
         if g.transposed and not self.caps.weight_views:
             return self._buffer(graph, f"_cf_t_{_name(g)}", lambda: self._matrix(g))
         if g.view is not None:  # x @ W.t(): the graph's own [in, out] view
@@ -278,8 +288,41 @@ class Emitter:
         names = "_".join(_name(g) for g in gemms)
         return self._buffer(graph, f"_cf_pk_{names}", lambda: ops.pack_weights(*mats))
 
+    def _bias(self, g: Gemm, graph: fx.Graph, env: Callable[[Any], Any]) -> Any:
+        """g's bias (with a batch norm: the folded one, a constant of the graph), or None."""
+        if g.bn is not None:
+            return self._buffer(graph, f"_cf_bnlb_{_name(g)}", lambda: self._linear_folded(g)[1])
+        return env(g.bias) if g.bias is not None else None
+
+    def _linear_folded(self, g: Gemm) -> tuple[torch.Tensor, torch.Tensor]:
+        """g's frozen weight (as stored) and bias with the eval batch norm after it folded in:
+        its output features scaled by gamma / sqrt(var + eps), shifted to (b - mean) * scale
+        + beta; in float32, rounded once to the weight's dtype."""
+        assert g.bn is not None
+        bn = g.bn
+        names = ("x", "mean", "var", "weight", "bias", "training", "momentum", "eps")
+        bound: dict[str, Any] = dict(zip(names, bn.args, strict=False))
+        bound.update({"mean": bn.kwargs.get("running_mean", bound.get("mean")),
+                      "var": bn.kwargs.get("running_var", bound.get("var"))})  # fmt: skip
+        bound.update({k: v for k, v in bn.kwargs.items() if k in names})
+        stored = attribute(self.gm, str(g.weight.target)).detach()
+        w = stored.float()
+        b = self.value(g.bias).detach().float() if g.bias is not None else 0.0
+        mean, var = (self.value(bound[k]).detach().float() for k in ("mean", "var"))
+        gamma = (
+            self.value(bound["weight"]).detach().float() if bound.get("weight") is not None else 1.0
+        )
+        beta = self.value(bound["bias"]).detach().float() if bound.get("bias") is not None else 0.0
+        scale = gamma * torch.rsqrt(var + float(bound.get("eps", 1e-5)))
+        folded = w * (scale[:, None] if g.transposed else scale[None, :])  # (output features)
+        return folded.to(stored.dtype), ((b - mean) * scale + beta).to(stored.dtype)
+
     def _matrix(self, g: Gemm) -> torch.Tensor:
-        """g's frozen weight as the [in, out] matrix of a chain (a view)."""
+        """g's frozen weight as the [in, out] matrix of a chain (a view; with a batch norm, the
+        folded weight)."""
+        if g.bn is not None:
+            folded = self._linear_folded(g)[0]
+            return folded.t() if g.transposed else folded
         w: torch.Tensor = getattr(self.gm, str(g.weight.target)).detach()
         if g.half is not None:
             w = w[_half_of(g)] if g.transposed else w[:, _half_of(g)]
@@ -289,7 +332,7 @@ class Emitter:
         g1, g2, between = found.parts["first"], found.parts["second"], found.parts["between"]
         B, D = self._weight(g1, graph, env), self._weight(g2, graph, env)
         op = torch.ops.chainfuse.gemm_chain.default
-        b1, b2 = env(g1.bias) if g1.bias else None, env(g2.bias) if g2.bias else None
+        b1, b2 = self._bias(g1, graph, env), self._bias(g2, graph, env)
         if self.caps.bias:
             packed = self._packed(graph, g1, g2)
             args = (env(g1.x), B, D, between, b1, b2)
@@ -298,8 +341,8 @@ class Emitter:
             out = graph.call_function(op, (env(g1.x), B, D, between))
             if b2 is not None:
                 out = graph.call_function(operator.add, (out, b2))
-        if value_of(g1.x).dim() != value_of(g2.end).dim():
-            out = graph.call_method("reshape", (out, -1, value_of(g2.end).shape[-1]))
+        if value_of(g1.x).dim() != value_of(g2.out).dim():
+            out = graph.call_method("reshape", (out, -1, value_of(g2.out).shape[-1]))
         return out
 
     def _gated(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:

@@ -85,6 +85,20 @@ def test_mlp_forms(fn: Any, form: str) -> None:
     assert [c.form for c in found.chains] == [form]
 
 
+def test_linear_batch_norm_mlp_is_found_with_its_norms() -> None:
+    """A tabular MLP's `Linear -> BatchNorm1d -> act -> Linear -> BatchNorm1d`: one chain, the
+    norms in it (folded into frozen weights when emitted); a norm over another dim than the
+    features (a 3-D result: BatchNorm1d's channels are its rows) ends the chain."""
+    bn1, bn2 = nn.BatchNorm1d(48).eval(), nn.BatchNorm1d(32).eval()
+    flat = torch.randn(7, 32)
+    found = find(_graph(lambda x: bn2(F.linear(F.relu(bn1(F.linear(x, W1, B1))), W2)), flat))
+    assert [c.form for c in found.chains] == [
+        "linear+bias -> batch_norm -> relu -> linear -> batch_norm"
+    ]
+    rows = nn.BatchNorm1d(5).eval()  # ([2, 5, 48]: normalizes the 5 rows)
+    assert not find(_graph(lambda x: F.linear(F.relu(rows(F.linear(x, W1))), W2), X)).chains
+
+
 def test_finder_knows_every_activation_the_kernels_have() -> None:
     from chainfuse.ir import ACTIVATION_NAMES
     from chainfuse.torch.kinds import TORCH_ACTIVATIONS

@@ -210,6 +210,11 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         net = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU6(), nn.Linear(256, 64),
                             nn.Linear(64, 96, bias=False), nn.Mish(), nn.Linear(96, 64))  # fmt: skip
         return net, (torch.randn(2, 17, 64),), 2
+    if name == "tabular":  # Linear -> BatchNorm1d -> ReLU -> Dropout twice: the norms folded
+        net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1),
+                            nn.Linear(64, 48, bias=False), nn.BatchNorm1d(48), nn.ReLU(),
+                            nn.Linear(48, 1))  # fmt: skip
+        return _with_statistics(net), (torch.randn(37, 32),), 1
     if name == "conv-acts":
         return _conv_acts(), (torch.randn(2, 3, 19, 22),), 3
     if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses
@@ -262,7 +267,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("tabular", "float32"), ("tabular", "bfloat16"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
          ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("mpnet", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
@@ -313,6 +318,16 @@ def test_frozen_conv_chains_read_their_weights_packed_once(
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.chainfuse.conv_chain.default]
     assert len(calls) == len(fused) and len(packed) == len(calls)
     assert all(n.args[9] in packed for n in calls)
+
+
+def test_batch_norms_after_linears_fold_only_into_frozen_weights() -> None:
+    """Unfrozen, the tabular MLP's chain is reported, not fused, with the reason; the model
+    still gives eager's output."""
+    model, inputs, _ = _model("tabular")
+    report = Report()
+    _check_close(model, inputs, torch.float32, report, freeze=False)
+    (chain,) = report.chains
+    assert not chain.fused and "folded only into frozen weights" in chain.why
 
 
 def test_inductor_with_freezing_runs_the_fused_chains() -> None:
