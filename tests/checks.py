@@ -36,20 +36,10 @@ def check_against_reference(
 
 def torch_activation(name: str | None) -> Callable[[Any], Any]:
     """PyTorch's op for a GEMM chain's `between` (None: identity): what a model's MLP runs."""
-    import torch
+    from chainfuse.ops.activations import torch_activations
 
-    F = torch.nn.functional
-    acts: dict[str | None, Callable[[Any], Any]] = {
-        None: lambda h: h,
-        "relu": F.relu,
-        "gelu": F.gelu,
-        "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-        "quick_gelu": lambda h: h * torch.sigmoid(1.702 * h),
-        "silu": F.silu,
-        "relu6": F.relu6,
-        "hardswish": F.hardswish,
-        "mish": F.mish,
-        "squared_relu": lambda h: F.relu(h).square(),
-        "softmax": lambda h: h.softmax(-1),
-    }
-    return acts[name]
+    if name is None:
+        return lambda h: h
+    if name == "softmax":
+        return lambda h: h.softmax(-1)
+    return torch_activations()[name]
