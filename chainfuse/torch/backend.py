@@ -38,7 +38,7 @@ import torch.fx as fx
 from chainfuse.torch.decide import Decision, decide, predicted_time
 from chainfuse.torch.finder import ChainKind, Found, find
 from chainfuse.torch.guard import GraphCheck, check_graph, compile_graph, describe, plain_copy
-from chainfuse.torch.kinds import value_of
+from chainfuse.torch.kinds import NUMBER, value_of
 from chainfuse.torch.rewrite import (
     Capabilities,
     Emitter,
@@ -200,6 +200,8 @@ class Backend:
         values = interp.env
         for node, value in values.items():  # (the unfolded nodes have no traced values)
             node.meta.setdefault("example_value", value)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                node.meta[NUMBER] = float(value)
         finding = find(gm.graph)
         self.report.skipped += kept_whole + finding.skipped
         emitter = Emitter(gm, Capabilities.detect(), self.options.freeze, values.__getitem__)

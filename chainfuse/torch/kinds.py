@@ -19,7 +19,16 @@ import torch.fx as fx
 
 from chainfuse.ops.activations import torch_activations
 
-__all__ = ["Activation", "Kind", "activation_at", "constant_of", "kind_of", "value_of"]
+__all__ = [
+    "NUMBER",
+    "Activation",
+    "Kind",
+    "activation_at",
+    "constant_of",
+    "kind_of",
+    "number_of",
+    "value_of",
+]
 
 F = torch.nn.functional
 
@@ -117,6 +126,17 @@ def constant_of(arg: Any) -> float | None:
     return float(arg)
 
 
+#: `node.meta` key of a number a node computed when the backend ran the graph on its example
+#: inputs (under `dynamic=True` a module's float attribute, as ReLU6's 6.0, is a graph input
+#: read with `item()`, not a constant of the call)
+NUMBER = "chainfuse_number"
+
+
+def number_of(node: Any) -> float | None:
+    """The number a graph node computed on the example inputs (`NUMBER`), or None."""
+    return node.meta.get(NUMBER) if isinstance(node, fx.Node) else None
+
+
 @dataclass(frozen=True)
 class Activation:
     """An activation found in a graph: its name in chainfuse's vocabulary and the node whose
@@ -196,7 +216,12 @@ def _written_out(x: fx.Node) -> Activation | None:
         if len(region) == _MAX_WRITTEN_OPS or node.op == "output":
             break
         args = node.all_input_nodes
-        if args and all(a in inside for a in args) and _elementwise(node):
+        fed = any(a in inside for a in args)
+        if (
+            fed
+            and all(a in inside or number_of(a) is not None for a in args)
+            and _elementwise(node)
+        ):
             region.append(node)
             inside.add(node)
         node = node.next
@@ -231,9 +256,9 @@ def _feeds(node: fx.Node, end: fx.Node, inside: set[fx.Node]) -> bool:
 def _identify(x: fx.Node, run: list[fx.Node]) -> str | None:
     """The candidate activation that `run` (elementwise ops of x) computes, or None."""
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {x: graph.placeholder("x")}
+    env: dict[fx.Node, Any] = {x: graph.placeholder("x")}
     for n in run:
-        env[n] = graph.node_copy(n, env.__getitem__)
+        env[n] = graph.node_copy(n, lambda a: env[a] if a in env else number_of(a))
     graph.output(env[run[-1]])
     try:
         with torch.no_grad():

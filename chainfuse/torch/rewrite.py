@@ -295,27 +295,15 @@ class Emitter:
         return env(g.bias) if g.bias is not None else None
 
     def _linear_folded(self, g: Gemm) -> tuple[torch.Tensor, torch.Tensor]:
-        """g's frozen weight (as stored) and bias with the eval batch norm after it folded in:
-        its output features scaled by gamma / sqrt(var + eps), shifted to (b - mean) * scale
-        + beta; in float32, rounded once to the weight's dtype."""
+        """g's frozen weight (as stored) and bias with the eval batch norm after it folded in
+        (`_norm`: each output feature scaled and shifted); in float32, rounded once to the
+        weight's dtype."""
         assert g.bn is not None
-        bn = g.bn
-        names = ("x", "mean", "var", "weight", "bias", "training", "momentum", "eps")
-        bound: dict[str, Any] = dict(zip(names, bn.args, strict=False))
-        bound.update({"mean": bn.kwargs.get("running_mean", bound.get("mean")),
-                      "var": bn.kwargs.get("running_var", bound.get("var"))})  # fmt: skip
-        bound.update({k: v for k, v in bn.kwargs.items() if k in names})
         stored = attribute(self.gm, str(g.weight.target)).detach()
-        w = stored.float()
         b = self.value(g.bias).detach().float() if g.bias is not None else 0.0
-        mean, var = (self.value(bound[k]).detach().float() for k in ("mean", "var"))
-        gamma = (
-            self.value(bound["weight"]).detach().float() if bound.get("weight") is not None else 1.0
-        )
-        beta = self.value(bound["bias"]).detach().float() if bound.get("bias") is not None else 0.0
-        scale = gamma * torch.rsqrt(var + float(bound.get("eps", 1e-5)))
-        folded = w * (scale[:, None] if g.transposed else scale[None, :])  # (output features)
-        return folded.to(stored.dtype), ((b - mean) * scale + beta).to(stored.dtype)
+        scale, shift = self._norm(g.bn)
+        folded = stored.float() * (scale[:, None] if g.transposed else scale[None, :])
+        return folded.to(stored.dtype), (b * scale + shift).to(stored.dtype)
 
     def _matrix(self, g: Gemm) -> torch.Tensor:
         """g's frozen weight as the [in, out] matrix of a chain (a view; with a batch norm, the
@@ -427,25 +415,33 @@ class Emitter:
         return (data, made.micro, made.finite)
 
     def _folded(self, conv: dict[str, Any], bn: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
-        """The conv's weight and bias with the eval batch norm after it folded in."""
+        """The conv's weight and bias with the eval batch norm after it folded in (in float32,
+        rounded once to the weight's dtype: bf16 weights too)."""
+        w = self.value(conv["w"]).detach()
+        b = self.value(conv["b"]).detach().float() if conv["b"] is not None else 0.0
+        scale, shift = self._norm(bn)
+        folded = w.float() * scale.reshape(-1, 1, 1, 1)
+        return folded.to(w.dtype), (b * scale + shift).to(w.dtype)
+
+    def _norm(self, bn: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
+        """An eval batch norm as the (scale, shift) per channel it applies, y = x scale + shift:
+        gamma / sqrt(var + eps) and beta - mean scale, in float32. A number the graph takes as
+        an input (eps under `dynamic=True`) is read at its traced value, as the weights are."""
         names = ("x", "mean", "var", "weight", "bias", "training", "momentum", "eps")
         bound: dict[str, Any] = dict(zip(names, bn.args, strict=False))
         bound.update({"mean": bn.kwargs.get("running_mean", bound.get("mean")),
                       "var": bn.kwargs.get("running_var", bound.get("var"))})  # fmt: skip
         bound.update({k: v for k, v in bn.kwargs.items() if k in names})
 
-        def f32(name: str) -> Any:  # (bf16 weights: folded in float32, rounded once)
-            node = bound.get(name) if name in bound else conv[name]
+        def f32(name: str) -> Any:
+            node = bound.get(name)
             return None if node is None else self.value(node).detach().float()
 
-        w, dtype = f32("w"), self.value(conv["w"]).dtype
-        b = f32("b") if conv["b"] is not None else torch.zeros(w.shape[0])
-        mean, var = f32("mean"), f32("var")
-        gamma = f32("weight") if bound.get("weight") is not None else 1.0
-        beta = f32("bias") if bound.get("bias") is not None else 0.0
-        scale = gamma * torch.rsqrt(var + float(bound.get("eps", 1e-5)))
-        folded = w * scale.reshape(-1, 1, 1, 1), (b - mean) * scale + beta
-        return folded[0].to(dtype), folded[1].to(dtype)
+        gamma, beta = f32("weight"), f32("bias")
+        eps = bound.get("eps", 1e-5)
+        eps = float(self.value(eps) if isinstance(eps, fx.Node) else eps)
+        scale = (1.0 if gamma is None else gamma) * torch.rsqrt(f32("var") + eps)
+        return scale, (0.0 if beta is None else beta) - f32("mean") * scale
 
 
 def _step(step: tuple[Any, ...], env: Callable[[Any], Any]) -> tuple[Any, ...]:

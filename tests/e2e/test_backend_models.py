@@ -320,6 +320,30 @@ def test_frozen_conv_chains_read_their_weights_packed_once(
     assert all(n.args[9] in packed for n in calls)
 
 
+@pytest.mark.parametrize("name", ["conv-acts", "tabular"])
+def test_dynamic_shapes_keep_every_chain(name: str) -> None:
+    """`dynamic=True`: the same chains as with static shapes, though Dynamo then passes a
+    module's float attributes (ReLU6's bounds, a norm's eps) as graph inputs; every size's
+    output within the rule, one graph for the sizes past the first."""
+    model, inputs, chains = _model(name)
+    model = model.eval()
+    torch._dynamo.reset()
+    report = Report()
+    options = Options(mode="eager", measure=False)
+    compiled = torch.compile(model, backend=Backend(options, report), dynamic=True)
+    x = inputs[0]
+    for rows in (x.shape[0], x.shape[0] + 3, x.shape[0] + 9):
+        sized = torch.randn(rows, *x.shape[1:])
+        with torch.no_grad():
+            got, want, eager = compiled(sized).double(), model.double()(sized.double()), None
+            model.float()
+            eager = model(sized).double()
+        scale, eager_err = float(want.abs().max()), float((eager - want).abs().max())
+        assert float((got - want).abs().max()) <= 4 * eager_err + 1e-6 * max(1.0, scale)
+    assert len([c for c in report.chains if c.fused]) == chains == len(report.chains)
+    assert report.graphs == 1
+
+
 def test_batch_norms_after_linears_fold_only_into_frozen_weights() -> None:
     """Unfrozen, the tabular MLP's chain is reported, not fused, with the reason; the model
     still gives eager's output."""
