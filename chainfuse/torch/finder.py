@@ -58,8 +58,9 @@ class Gemm:
     output features: a gated MLP whose W1 and W3 are one weight, its result `chunk`ed).
     `view`: the `W.t()` node the GEMM reads (a written-out `x @ W.t()`), an input of its chain.
     `bn`: an eval batch norm over the GEMM's output features after `end` (`nn.BatchNorm1d` of
-    a `[rows, features]` result, as tabular MLPs and LeViT have it), folded into the weight and
-    bias; `out` is then the batch norm's node."""
+    a `[rows, features]` result, as tabular MLPs have it, or of the result's rows flattened and
+    viewed back, as LeViT's `flatten(0, 1)` and `reshape_as`: `bn_views`), folded into the
+    weight and bias; `out` is then the batch norm's node, or the view back."""
 
     node: fx.Node
     x: fx.Node
@@ -71,16 +72,21 @@ class Gemm:
     half: int | None = None
     view: fx.Node | None = None  # the graph's own `W.t()` node, where the GEMM reads one
     bn: fx.Node | None = None
+    bn_views: tuple[fx.Node, ...] = ()  # (the flattening view before the norm, the one after)
 
     @property
     def out(self) -> fx.Node:
         """The node whose value the GEMM's result is (after its batch norm, if any)."""
+        if self.bn_views:
+            return self.bn_views[-1]
         return self.bn if self.bn is not None else self.end
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
-        """The GEMM's own nodes: the product, its bias add, its batch norm."""
-        return tuple(dict.fromkeys((self.node, self.end, self.out)))
+        """The GEMM's own nodes in graph order: the product, its bias add, its batch norm (and
+        the views around it)."""
+        norm = (self.bn_views[0], self.bn, self.bn_views[1]) if self.bn_views else (self.bn,)
+        return tuple(dict.fromkeys(n for n in (self.node, self.end, *norm) if n is not None))
 
 
 @dataclass(frozen=True, eq=False)
@@ -228,13 +234,35 @@ def _why(nxt: fx.Node) -> str:
 
 
 def _with_bn(g: Gemm) -> Gemm:
-    """g with the eval batch norm its result feeds where that normalizes its output features
-    (a 2-D result: BatchNorm1d's channels are its columns); else g."""
-    bn = _batch_norm(g.end)
+    """g with the eval batch norm its result feeds where that normalizes its output features:
+    a 2-D result (BatchNorm1d's channels are its columns), or one whose leading dims a view
+    flattens into rows for the norm and a view after it restores; else g."""
     value = value_of(g.end)
-    if bn is None or g.half is not None or not isinstance(value, torch.Tensor) or value.dim() != 2:
+    if g.half is not None or not isinstance(value, torch.Tensor) or value.dim() < 2:
         return g
-    return dataclasses.replace(g, bn=bn, words=f"{g.words} -> batch_norm")
+    # (LeViT's view back is `reshape_as(norm, result)`: the result's other user, for its shape)
+    views = [u for u in g.end.users if kind_of(u) is Kind.VIEW and u.args[0] is g.end]
+    rows = g.end if value.dim() == 2 else views[0] if len(views) == 1 else None
+    flat = value_of(rows) if rows is not None else None
+    if rows is None or not isinstance(flat, torch.Tensor) or flat.dim() != 2:
+        return g
+    if rows is not g.end and (kind_of(rows) is not Kind.VIEW or flat.shape[-1] != value.shape[-1]):
+        return g
+    bn = _batch_norm(rows)
+    if bn is None:
+        return g
+    around: tuple[fx.Node, ...] = ()
+    if rows is not g.end:  # (and back to the result's shape)
+        back = _single_user(bn)
+        shaped = value_of(back) if back is not None else None
+        if back is None or kind_of(back) is not Kind.VIEW or not isinstance(shaped, torch.Tensor):
+            return g
+        if tuple(shaped.shape) != tuple(value.shape) or set(g.end.users) - {rows, back}:
+            return g
+        around = (rows, back)
+    elif len(g.end.users) != 1:
+        return g
+    return dataclasses.replace(g, bn=bn, bn_views=around, words=f"{g.words} -> batch_norm")
 
 
 def _mlp(g1: Gemm, gemms: dict[fx.Node, Gemm]) -> Found | str:

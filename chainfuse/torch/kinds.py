@@ -71,6 +71,8 @@ _TABLE: dict[Any, Kind] = {
     "unsqueeze": Kind.VIEW,
     "unflatten": Kind.VIEW,
     "flatten": Kind.VIEW,
+    "reshape_as": Kind.VIEW,
+    "view_as": Kind.VIEW,
     torch.reshape: Kind.VIEW,
     torch.transpose: Kind.VIEW,
     torch.flatten: Kind.VIEW,

@@ -72,9 +72,11 @@ def _dense(
     graph: fx.Graph, env: Callable[[Any], Any], node: fx.Node, transposed: bool = False
 ) -> fx.Node:
     """`node` (its last two dimensions swapped where `transposed`) in `graph`, with its last
-    dimension contiguous, as the attention kernels read q, k and v: a contiguous copy where it
-    is not (SqueezeBERT's heads come from a conv's `[.., d, s]` layout). The copy moves s·d
-    elements where the attention does s²·d multiply-adds; the decision times it with the kernel."""
+    dimension contiguous, as the kernels read q, k, v and an MLP's x: a contiguous copy where it
+    is not (SqueezeBERT's heads come from a conv's `[.., d, s]` layout, LeViT's tokens after a
+    subsampling attention are a transposed view). The copy moves s·d elements where the
+    attention does s²·d multiply-adds (an MLP: its rows' K where it does K·L); the decision
+    times it with the kernel."""
     value = value_of(node)
     dim = -2 if transposed else -1
     out = graph.call_method("transpose", (env(node), -2, -1)) if transposed else env(node)
@@ -323,10 +325,10 @@ class Emitter:
         b1, b2 = self._bias(g1, graph, env), self._bias(g2, graph, env)
         if self.caps.bias:
             packed = self._packed(graph, g1, g2)
-            args = (env(g1.x), B, D, between, b1, b2)
+            args = (_dense(graph, env, g1.x), B, D, between, b1, b2)
             out = graph.call_function(op, args if packed is None else (*args, packed))
         else:
-            out = graph.call_function(op, (env(g1.x), B, D, between))
+            out = graph.call_function(op, (_dense(graph, env, g1.x), B, D, between))
             if b2 is not None:
                 out = graph.call_function(operator.add, (out, b2))
         if value_of(g1.x).dim() != value_of(g2.out).dim():
@@ -338,7 +340,7 @@ class Emitter:
         op = torch.ops.chainfuse.gated_mlp.default
         weights = (self._weight(g, graph, env) for g in (g1, g3, g2))  # each [in, out]
         packed = self._packed(graph, g1, g2, g3)
-        args = (env(g1.x), *weights, found.parts["act"])
+        args = (_dense(graph, env, g1.x), *weights, found.parts["act"])
         return graph.call_function(op, args if packed is None else (*args, packed))
 
     def _sdpa(self, found: Found, graph: fx.Graph, env: Callable[[Any], Any]) -> fx.Node:

@@ -98,6 +98,15 @@ def test_linear_batch_norm_mlp_is_found_with_its_norms() -> None:
     rows = nn.BatchNorm1d(5).eval()  # ([2, 5, 48]: normalizes the 5 rows)
     assert not find(_graph(lambda x: F.linear(F.relu(rows(F.linear(x, W1))), W2), X)).chains
 
+    def levit(h: Any, bn: Any) -> Any:  # LeViT's: rows flattened for the norm, viewed back
+        return bn(h.flatten(0, 1)).reshape_as(h)
+
+    found = find(_graph(lambda x: levit(F.linear(F.hardswish(levit(F.linear(x, W1), bn1)), W2),
+                                        bn2), X))  # fmt: skip
+    assert [c.form for c in found.chains] == [
+        "linear -> batch_norm -> hardswish -> linear -> batch_norm"
+    ]
+
 
 def test_finder_knows_every_activation_the_kernels_have() -> None:
     from chainfuse.ir import ACTIVATION_NAMES

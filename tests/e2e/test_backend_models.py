@@ -46,9 +46,9 @@ class _Block(nn.Module):
 
 def _with_statistics(net: Any) -> Any:
     """`net` with batch norms whose running statistics and affine terms are not 0 and 1, so
-    that folding them into the convolutions is tested."""
+    that folding them into the convolutions and linears is tested."""
     for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):
+        if isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 2.0)
             m.weight.data.uniform_(0.5, 1.5)
@@ -215,6 +215,10 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
                             nn.Linear(64, 48, bias=False), nn.BatchNorm1d(48), nn.ReLU(),
                             nn.Linear(48, 1))  # fmt: skip
         return _with_statistics(net), (torch.randn(37, 32),), 1
+    if name == "levit":  # Linear -> flatten -> BatchNorm1d -> view back -> hardswish MLPs
+        cfg = transformers.LevitConfig(image_size=32, hidden_sizes=[32, 48, 64], depths=[1, 1, 1],
+                                       num_attention_heads=[2, 2, 2], key_dim=[8, 8, 8])  # fmt: skip
+        return _with_statistics(transformers.LevitModel(cfg)), (torch.randn(2, 3, 32, 32),), 11
     if name == "conv-acts":
         return _conv_acts(), (torch.randn(2, 3, 19, 22),), 3
     if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses
@@ -241,7 +245,8 @@ def _tensor(out: Any) -> Any:
 
 
 def _run(model: Any, inputs: tuple[Any, ...], dtype: Any) -> Any:
-    model = model.to(dtype)
+    model = model.to(dtype).train().eval()  # (train() drops what a model caches in one dtype:
+    # LeViT's attention biases)
     args = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
     with torch.no_grad():
         return _tensor(model(*args)).double()
@@ -267,7 +272,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("tabular", "float32"), ("tabular", "bfloat16"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("tabular", "float32"), ("tabular", "bfloat16"), ("levit", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
          ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("mpnet", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
