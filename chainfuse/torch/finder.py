@@ -260,8 +260,6 @@ def _with_bn(g: Gemm) -> Gemm:
         if tuple(shaped.shape) != tuple(value.shape) or set(g.end.users) - {rows, back}:
             return g
         around = (rows, back)
-    elif len(g.end.users) != 1:
-        return g
     return dataclasses.replace(g, bn=bn, bn_views=around, words=f"{g.words} -> batch_norm")
 
 

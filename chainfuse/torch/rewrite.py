@@ -127,6 +127,7 @@ class Emitter:
         self.gm, self.caps, self.frozen, self.value = gm, caps, frozen, value
         self.added: list[str] = []  # buffers registered on gm (packed or folded weights)
         self._conv_packs: dict[str, ops.PackedConvWeights] = {}  # (by the weights' names)
+        self._folds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (`_linear_folded`'s)
         # a fused chain's result node for the node it replaced: a later chain's parts may
         # still name the old one (a conv chain whose input is the previous chain's result)
         self.replaced: dict[fx.Node, fx.Node] = {}
@@ -301,11 +302,15 @@ class Emitter:
         (`_norm`: each output feature scaled and shifted); in float32, rounded once to the
         weight's dtype."""
         assert g.bn is not None
-        stored = attribute(self.gm, str(g.weight.target)).detach()
-        b = self.value(g.bias).detach().float() if g.bias is not None else 0.0
-        scale, shift = self._norm(g.bn)
-        folded = stored.float() * (scale[:, None] if g.transposed else scale[None, :])
-        return folded.to(stored.dtype), (b * scale + shift).to(stored.dtype)
+        made = self._folds.get(_name(g))  # (read for the weight, the bias and the packing)
+        if made is None:
+            stored = attribute(self.gm, str(g.weight.target)).detach()
+            b = self.value(g.bias).detach().float() if g.bias is not None else 0.0
+            scale, shift = self._norm(g.bn)
+            folded = stored.float() * (scale[:, None] if g.transposed else scale[None, :])
+            made = folded.to(stored.dtype), (b * scale + shift).to(stored.dtype)
+            self._folds[_name(g)] = made
+        return made
 
     def _matrix(self, g: Gemm) -> torch.Tensor:
         """g's frozen weight as the [in, out] matrix of a chain (a view; with a batch norm, the
