@@ -662,7 +662,7 @@ class ConvKernel(_Built):
     def micro(self) -> str:
         """The micro-kernel's name: weights `pack`ed for one kernel are read by the kernels
         of the same micro-kernel (its register block's width sets the panels)."""
-        return self.spec.kernel.name if isinstance(self.spec, ConvChainSpec) else ""
+        return self.spec.kernel.name
 
     def pack(self, w1: Any, w2: Any) -> Any:
         """w1 and w2 packed as this kernel reads them (`nr`-channel panels; the AMX kernel's:
