@@ -456,12 +456,18 @@ def conv_chain_spec(
     padding: tuple[int, int] = (0, 0),
     between: Activation | str | None = None,
     dtype: DType | str = "float32",
+    depthwise: bool = False,
 ) -> Chain:
     """Two convolutions, logical NCHW, weights [K, C, R, S] as in PyTorch::
 
     Y1[n,k1,p,q]  = sum_{c,r,s}    X[n,c,st1*p+r-pad1,st1*q+s-pad1] * W1[k1,c,r,s]
     Z[n,k1,p,q]   = between(Y1)
     Y2[n,k2,p2,q2] = sum_{k1,r2,s2} Z[n,k1,st2*p2+r2-pad2,st2*q2+s2-pad2] * W2[k2,k1,r2,s2]
+
+    `depthwise`: the second convolution filters each channel on its own (PyTorch's
+    `groups=K1`, W2 [K1, 1, R2, S2], K2 = K1), as in MobileNet's expansion -> depthwise::
+
+    Y2[n,k1,p2,q2] = sum_{r2,s2} Z[n,k1,st2*p2+r2-pad2,st2*q2+s2-pad2] * W2[k1,0,r2,s2]
     """
     sizes = ((N, "N"), (C, "C"), (H, "H"), (W, "W"), (K1, "K1"), (R1, "R1"), (S1, "S1"),
              (K2, "K2"), (R2, "R2"), (S2, "S2"))  # fmt: skip
@@ -473,15 +479,23 @@ def conv_chain_spec(
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ValueError(f"padding must be non-negative integers, got {padding!r}")
     dt = DType.parse(dtype)
+    if not isinstance(depthwise, bool):
+        raise TypeError(f"depthwise: expected a bool, got {type(depthwise).__name__}")
+    if depthwise and K2 != K1:
+        raise ValueError(
+            f"K2: a depthwise second convolution has K1 = {K1} output channels, got {K2}"
+        )
     P1, Q1 = conv_out_size(H, R1, st1, pad1), conv_out_size(W, S1, st1, pad1)
     if P1 <= 0 or Q1 <= 0:
         raise ValueError(f"first conv kernel {R1}x{S1} is larger than the padded input {H}x{W}")
     P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
     if P2 <= 0 or Q2 <= 0:
         raise ValueError(f"second conv kernel {R2}x{S2} is larger than its padded input {P1}x{Q1}")
-    loops = (Loop("n", N), Loop("k2", K2), Loop("p2", P2), Loop("q2", Q2), Loop("k1", K1),
+    loops: tuple[Loop, ...] = (Loop("n", N), Loop("k2", K2), Loop("p2", P2), Loop("q2", Q2), Loop("k1", K1),
              Loop("p1", P1), Loop("q1", Q1), Loop("c", C), Loop("r1", R1), Loop("s1", S1),
              Loop("r2", R2), Loop("s2", S2))  # fmt: skip
+    if depthwise:  # one channel loop: k1 runs through Z, W2 and Y2
+        loops = tuple(loop for loop in loops if loop.name != "k2")
 
     def window(out: str, tap: str, st: int, pad: int) -> Affine:
         return Affine(((out, st), (tap, 1)), -pad)
@@ -498,8 +512,12 @@ def conv_chain_spec(
                                  (x, _plain("W1", "k1", "c", "r1", "s1")))]  # fmt: skip
     if op is not None:
         ops.append(op)
-    ops.append(Contraction(_plain("Y2", "n", "k2", "p2", "q2"),
-                           (z, _plain("W2", "k2", "k1", "r2", "s2"))))  # fmt: skip
+    if depthwise:
+        w2 = Access("W2", (Affine.of("k1"), Affine(), Affine.of("r2"), Affine.of("s2")))
+        ops.append(Contraction(_plain("Y2", "n", "k1", "p2", "q2"), (z, w2)))
+    else:
+        ops.append(Contraction(_plain("Y2", "n", "k2", "p2", "q2"),
+                               (z, _plain("W2", "k2", "k1", "r2", "s2"))))  # fmt: skip
     tensors = [
         Tensor("X", (N, C, H, W), dt, Role.INPUT),
         Tensor("W1", (K1, C, R1, S1), dt, Role.INPUT),
@@ -507,10 +525,11 @@ def conv_chain_spec(
     ]
     if op is not None:
         tensors.append(Tensor("Z", (N, K1, P1, Q1), dt, Role.INTERMEDIATE))
-    tensors += [Tensor("W2", (K2, K1, R2, S2), dt, Role.INPUT),
+    tensors += [Tensor("W2", (K2, 1 if depthwise else K1, R2, S2), dt, Role.INPUT),
                 Tensor("Y2", (N, K2, P2, Q2), dt, Role.OUTPUT)]  # fmt: skip
     word = "" if op is None else f"_{_op_word(op)}"
-    name = (f"conv{R1}x{S1}{word}_conv{R2}x{S2}_{dt.value}_n{N}c{C}h{H}w{W}k{K1}k{K2}"
+    dw = "dw" if depthwise else ""
+    name = (f"conv{R1}x{S1}{word}_{dw}conv{R2}x{S2}_{dt.value}_n{N}c{C}h{H}w{W}k{K1}k{K2}"
             f"s{st1}{st2}p{pad1}{pad2}")  # fmt: skip
     return Chain(name, loops, tuple(tensors), tuple(ops)).verify()
 

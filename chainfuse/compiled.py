@@ -463,7 +463,8 @@ class AmxKernel(Kernel):
 class ConvKernel(_Built):
     """A compiled conv -> [activation] -> conv chain: `kernel(x, w1, w2, b1=None, b2=None, out=None)`.
 
-    `x` [N, C, H, W], `w1` [K1, C, R1, S1], `w2` [K2, K1, R2, S2] (PyTorch's layouts), in NCHW
+    `x` [N, C, H, W], `w1` [K1, C, R1, S1], `w2` [K2, K1, R2, S2] (depthwise: [K1, 1, R2,
+    S2]) (PyTorch's layouts), in NCHW
     or channels-last memory order (numpy arrays or torch CPU tensors, float32); biases [K1] /
     [K2] or None. The result has `x`'s kind and memory order. Every argument is passed by
     pointer and strides, in either order: channels-last `x` is read in place, NCHW `x` a band
@@ -530,7 +531,7 @@ class ConvKernel(_Built):
         self._shapes = {
             "x": (s.N, s.C, s.H, s.W),
             "w1": (s.K1, s.C, s.R1, s.S1),
-            "w2": (s.K2, s.K1, s.R2, s.S2),
+            "w2": (s.K2, 1 if s.depthwise else s.K1, s.R2, s.S2),
             "out": (s.N, s.K2, s.P2, s.Q2),
             "b1": (s.K1,),
             "b2": (s.K2,),

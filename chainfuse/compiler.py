@@ -224,10 +224,9 @@ def compile_conv(
     # 64-wide block)
     px1, px2 = shape.P1 * shape.Q1, shape.P2 * shape.Q2
     red1, red2 = shape.C * shape.R1 * shape.S1, shape.K1 * shape.R2 * shape.S2
-    problems = [
-        (Problem(DType.FLOAT32, px1, shape.K1, red1), px1 * shape.K1 * red1),
-        (Problem(DType.FLOAT32, px2, shape.K2, red2), px2 * shape.K2 * red2),
-    ]
+    problems = [(Problem(DType.FLOAT32, px1, shape.K1, red1), px1 * shape.K1 * red1)]
+    if not shape.depthwise:  # (a depthwise conv runs on plain vector loops, `cf_dw_rows`)
+        problems.append((Problem(DType.FLOAT32, px2, shape.K2, red2), px2 * shape.K2 * red2))
     kernel = select_weighted(problems, hw)
     if micro is not None and micro != kernel.name:
         named = [k for k in available() if k.name == micro and k.applies(problems[0][0], hw)]
@@ -253,7 +252,9 @@ def compile_conv(
         if forced is not decided:
             reason = f"forced {forced.value} (the model chose {decided.value}: {reason})"
         decided = forced
-    spec = ConvChainSpec(kernel, shape.between, conv_activation(after, "after"), decided)
+    spec = ConvChainSpec(
+        kernel, shape.between, conv_activation(after, "after"), decided, shape.depthwise
+    )
     header = _conv_header(spec)
     return ConvKernel(chain, chosen, spec, shape, code, reason, header)
 
@@ -272,7 +273,9 @@ def spread_bands(shape: ConvChainShape, band_rows: int, threads: int) -> int:
 def _conv_plan(chain: Chain, shape: ConvChainShape, hw: Hardware, threads: int | None) -> Plan:
     """The plan of a conv chain in the structure the conv backends implement (`_CONV_ORDER`)."""
     n_first = shape.N > 1
-    order = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
+    order: tuple[str, ...] = _CONV_ORDER if n_first else (*_CONV_ORDER[1:], "n")
+    if shape.depthwise:  # (no k2: the channel loop k1 runs through both convolutions)
+        order = tuple(loop for loop in order if loop != "k2")
     structure = (order, 3 if n_first else 2)
     try:
         return remembered_plan(chain, hw, threads, structure, {})

@@ -20,13 +20,14 @@ from chainfuse.ir import ACTIVATION_NAMES
 __all__ = ["conv_case"]
 
 _NAMES = frozenset({"x", "w1", "w2", "b1", "b2", "stride", "padding", "between", "after", "out",
-                    "X", "W1", "W2"})  # fmt: skip
+                    "groups", "X", "W1", "W2", "K2"})  # fmt: skip
 _CHANNELS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 32)
 
 
-def _geometry(rng: np.random.Generator, alias: bool) -> tuple[int, ...]:
+def _geometry(rng: np.random.Generator, alias: bool, depthwise: bool) -> tuple[int, ...]:
     """(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2) of a valid, small chain; with
-    `alias`, one whose result has x's shape (so out= can be x itself)."""
+    `alias`, one whose result has x's shape (so out= can be x itself); `depthwise`: a second
+    conv of groups K1 (K2 = K1)."""
     while True:
         N = int(pick(rng, [1, 1, 2, 3]))
         C, K1, K2 = (int(pick(rng, _CHANNELS)) for _ in range(3))
@@ -39,6 +40,8 @@ def _geometry(rng: np.random.Generator, alias: bool) -> tuple[int, ...]:
             st1 = st2 = 1
             pad1 = pad2 = R1 // 2
             K2 = C
+        if depthwise:
+            K1 = K2
         P1 = builders.conv_out_size(H, R1, st1, pad1)
         Q1 = builders.conv_out_size(W, S1, st1, pad1)
         if P1 < 1 or Q1 < 1 or H + 2 * pad1 < R1 or W + 2 * pad1 < S1:
@@ -49,7 +52,8 @@ def _geometry(rng: np.random.Generator, alias: bool) -> tuple[int, ...]:
             continue
         work = N * (K1 * P1 * Q1 * C * R1 * S1 + K2 * P2 * Q2 * K1 * R2 * S2)
         try:  # (a window that reads only padding along a whole dim: the IR has no such chain)
-            builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, (st1, st2), (pad1, pad2))
+            builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, (st1, st2), (pad1, pad2),
+                                     depthwise=depthwise)  # fmt: skip
         except ValueError:
             continue
         if work <= 1_500_000:
@@ -80,9 +84,14 @@ def conv_case(
         pick(rng, ["numpy", "torch"] if torch is not None else ["numpy"]))  # fmt: skip
     features.append(kind.value)
     out_mode = pick(rng, [None, "out", "out-alias"], [12, 2, 1]) if entry == "ops" else None
+    depthwise = rng.random() < 0.25  # (MobileNet's expansion -> depthwise)
     N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = _geometry(
-        rng, out_mode == "out-alias"
+        rng, out_mode == "out-alias", depthwise
     )
+    depthwise = depthwise and K1 > 1  # (one channel: a dense conv, the same sums)
+    groups = (1, K1) if depthwise else (1, 1)
+    if depthwise:
+        features.append("depthwise")
     between = pick(rng, _ACTS, [3, 4, 2] + [1] * (len(_ACTS) - 3))
     after = None if entry == "compile" else pick(rng, _ACTS, [6, 2] + [1] * (len(_ACTS) - 2))
     features += [f"between-{between or 'none'}", f"after-{after or 'none'}"]
@@ -95,9 +104,10 @@ def conv_case(
         features.append("bias")
     what = special(rng, features, dtype)
     big = 10 ** rng.uniform(2, 8) if what == "large" else 1.0
-    shapes = {"x": (N, C, H, W), "w1": (K1, C, R1, S1), "w2": (K2, K1, R2, S2),
+    per_group = 1 if depthwise else K1
+    shapes = {"x": (N, C, H, W), "w1": (K1, C, R1, S1), "w2": (K2, per_group, R2, S2),
               "b1": (K1,), "b2": (K2,)}  # fmt: skip
-    stds = {"x": big, "w1": 1 / math.sqrt(C * R1 * S1), "w2": 1 / math.sqrt(K1 * R2 * S2),
+    stds = {"x": big, "w1": 1 / math.sqrt(C * R1 * S1), "w2": 1 / math.sqrt(per_group * R2 * S2),
             "b1": 0.3 * big, "b2": 0.3 * big}  # fmt: skip
     names = ["x", "w1", "w2", *(["b1", "b2"] if biased else [])]
     values = {x: stds[x] * rng.standard_normal(shapes[x]) for x in names}
@@ -139,7 +149,7 @@ def conv_case(
             np.int64(p) for p in padding)  # fmt: skip
         may_refuse = True
     chain = builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, (st1, st2),
-                                     (pad1, pad2), between, "float32")  # fmt: skip
+                                     (pad1, pad2), between, "float32", depthwise)  # fmt: skip
     inputs = {"X": values["x"], "W1": values["w1"], "W2": values["w2"]}
     b1, b2 = (values.get(x) for x in ("b1", "b2"))
     expected = reference.run_conv_chain(chain, inputs, b1, b2, after)
@@ -162,7 +172,7 @@ def conv_case(
 
         def call() -> Any:
             return ops.conv_chain(x_, w1, w2, a1, a2, stride=stride, padding=padding,
-                                  between=between, after=after, out=out)  # fmt: skip
+                                  between=between, after=after, out=out, groups=groups)  # fmt: skip
 
     elif entry == "torch":
         desc = "chainfuse.torch.conv_chain"
@@ -171,7 +181,16 @@ def conv_case(
             import chainfuse.torch
 
             return chainfuse.torch.conv_chain(
-                x_, w1, w2, a1, a2, stride=stride, padding=padding, between=between, after=after
+                x_,
+                w1,
+                w2,
+                a1,
+                a2,
+                stride=stride,
+                padding=padding,
+                between=between,
+                after=after,
+                groups=groups,
             )
 
     else:
@@ -180,7 +199,8 @@ def conv_case(
         def call() -> Any:
             return chainfuse.compile(chain)(x_, w1, w2, a1, a2)
 
-    desc += f"(stride={stride!r}, padding={padding!r}, between={between!r}, after={after!r})  "
+    desc += f"(stride={stride!r}, padding={padding!r}, between={between!r}, after={after!r}"
+    desc += f", groups={groups!r})  " if depthwise else ")  "
     oracle = None
     if what in ("nan", "inf"):
 
@@ -190,7 +210,7 @@ def conv_case(
             tb1, tb2 = (None if v is None else t.from_numpy(v) for v in (b1, b2))
             y = f.conv2d(tx, t1, tb1, stride=st1, padding=pad1)
             y = _activation(between, y)
-            y = f.conv2d(y, t2, tb2, stride=st2, padding=pad2)
+            y = f.conv2d(y, t2, tb2, stride=st2, padding=pad2, groups=groups[1])
             y = _activation(after, y)
             return y[0] if unbatched else y
 

@@ -84,7 +84,10 @@ def amx_conv_unsupported(shape: ConvChainShape) -> str:
     """Why the AMX conv generator does not take a chain of `shape` ("" when it does): it takes
     every conv -> [activation] -> conv `match_conv_chain` recognises (any kernel size, stride and
     padding; dilation 1 and no groups are all the IR describes), unless a band of one output
-    row would need row buffers past `AMX_CONV_LIMIT`."""
+    row would need row buffers past `AMX_CONV_LIMIT`, or the second conv is depthwise (a
+    filter per channel has no dot products for the tiles: the fp32 kernels run it)."""
+    if shape.depthwise:
+        return "a depthwise second convolution runs on the float32 conv kernels only"
     need = _band_bytes(shape, 1)
     if need > AMX_CONV_LIMIT:
         return (

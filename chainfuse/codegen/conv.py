@@ -134,6 +134,7 @@ class ConvChainShape:
     pad2: int
     between: Epilogue  # the activation between the convolutions (NONE: none)
     tensors: tuple[str, str, str, str]  # X, W1, W2, Y2
+    depthwise: bool = False  # the second conv filters each channel alone (W2 [K1, 1, R2, S2])
 
     @property
     def overlap_rows(self) -> int:
@@ -165,18 +166,23 @@ class ConvChainSpec:
     between: Epilogue  # between the convolutions (NONE: none)
     after: Epilogue  # on the second convolution's result (NONE: none)
     halo: Halo
+    depthwise: bool = False  # the second conv is depthwise (`cf_dw_rows`, not the micro-kernel)
 
     @property
     def name(self) -> str:
-        word = conv_word(self.between, self.after)
+        word = conv_word(self.between, self.after, self.depthwise)
         key = f"{self.kernel.name}|{self.between.value}|{self.after.value}|{self.halo.value}"
+        if self.depthwise:
+            key += "|dw"
         return f"{word}_f32_{self.halo.value}_{name_hash(key)}"
 
 
-def conv_word(between: Epilogue, after: Epilogue) -> str:
-    """`conv_silu_conv_relu` and such: a conv kernel's structure in its name."""
+def conv_word(between: Epilogue, after: Epilogue, depthwise: bool = False) -> str:
+    """`conv_silu_conv_relu`, `conv_relu6_dwconv` and such: a conv kernel's structure in its
+    name."""
     mid = "" if between is Epilogue.NONE else f"_{between.value}"
-    return f"conv{mid}_conv" + ("" if after is Epilogue.NONE else f"_{after.value}")
+    second = "_dwconv" if depthwise else "_conv"
+    return f"conv{mid}{second}" + ("" if after is Epilogue.NONE else f"_{after.value}")
 
 
 def conv_activation(name: str | None, what: str) -> Epilogue:
@@ -191,7 +197,8 @@ def conv_activation(name: str | None, what: str) -> Epilogue:
 
 
 def match_conv_chain(chain: Chain) -> ConvChainShape:
-    """Recognise `Y2 = conv(f(conv(X, W1)), W2)` built by `conv_chain_spec`; else ValueError."""
+    """Recognise `Y2 = conv(f(conv(X, W1)), W2)` built by `conv_chain_spec` (the second conv
+    dense or depthwise); else ValueError."""
     ops = chain.ops
     convs = [op for op in ops if isinstance(op, Contraction)]
     if len(convs) != 2 or len(ops) not in (2, 3) or not isinstance(ops[0], Contraction):
@@ -227,11 +234,15 @@ def match_conv_chain(chain: Chain) -> ConvChainShape:
         raise ValueError(f"{chain.name}: stride and padding must be equal along H and W")
     X, W1, W2, Y2 = x.tensor, w1.tensor, w2.tensor, second.output.tensor
     N, C, H, W = chain.tensor(X).shape
+    # depthwise: W2's input-channel dim is the constant 0, its output channel Z's channel loop
+    depthwise = len(w2.index) == 4 and not w2.index[1].terms
+    if depthwise and (w2.index[0] != z.index[1] or second.output.index[1] != z.index[1]):
+        raise ValueError(f"{chain.name}: a depthwise conv reads and writes Z's channels: {second}")
     return ConvChainShape(
         N=N, C=C, H=H, W=W, K1=chain.tensor(W1).shape[0], R1=ext[r1], S1=ext[s1],
         P1=ext[p1], Q1=ext[q1], st1=st1, pad1=pad1, K2=chain.tensor(W2).shape[0],
         R2=ext[r2], S2=ext[s2], P2=ext[p2], Q2=ext[q2], st2=st2, pad2=pad2,
-        between=between, tensors=(X, W1, W2, Y2),
+        between=between, tensors=(X, W1, W2, Y2), depthwise=depthwise,
     )  # fmt: skip
 
 
@@ -306,6 +317,7 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
     if tb:
         w.line(f"#define UK_TRANSPOSE {uk}_transpose")
     w.line(f"#define HALO_KEEP {int(spec.halo is Halo.KEEP)}")
+    w.line(f"#define DEPTHWISE {int(spec.depthwise)}")
     for word, act in (("MID", spec.between), ("OUT", spec.after)):
         w.line(f"#define ACT_{word} {int(act is not Epilogue.NONE)}")
         w.line(f"#define CF_ACT_{word}(v) ({activation_c(act, 'v')})")
@@ -334,7 +346,7 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
             " + ALIGN16((G.TP2 * G.Q2 + MR) * G.LDK2)"
             " + ALIGN16(G.TMP) + ALIGN16(G.XROWS * G.W * G.C);"
         )
-        w.line("return ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C) + ALIGN16(G.LDK2 * G.R2 * G.S2 * G.K1);")
+        w.line("return ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C) + ALIGN16(CF_W2P(G));")
     w.line("")
     w.line("/* the weights packed as the kernel reads them (NR-channel panels: W1p, then W2p, the")
     w.line(
@@ -348,11 +360,16 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
         w.line("cf_geo_init(&G, g);")
         w.line("float* restrict W1p = shared;")
         w.line("float* restrict W2p = shared + ALIGN16(G.LDK1 * G.R1 * G.S1 * G.C);")
-        w.line("const long blocks1 = G.LDK1 / NR, wblocks = blocks1 + G.LDK2 / NR;")
+        w.line("/* depthwise: W2 in one block, [R2*S2][LDK1] (cf_pack_depthwise) */")
+        w.line(
+            "const long blocks1 = G.LDK1 / NR, wblocks = blocks1 + (DEPTHWISE ? 1 : G.LDK2 / NR);"
+        )
         w.line("#pragma omp parallel for schedule(static) num_threads(nthreads)")
         with w.block("for (long b = 0; b < wblocks; ++b)"):
             with w.block("if (b < blocks1)"):
                 w.line("cf_pack_weights(W1, w1s, G.K1, G.C, G.R1, G.S1, b * NR, W1p);")
+            with w.block("else if (DEPTHWISE)"):
+                w.line("cf_pack_depthwise(W2, w2s, &G, W2p);")
             with w.block("else"):
                 w.line("cf_pack_weights(W2, w2s, G.K2, G.K1, G.R2, G.S2, (b - blocks1) * NR, W2p);")
     w.line("")
@@ -406,6 +423,12 @@ def emit_conv_chain(spec: ConvChainSpec, header: str = "") -> str:
 
 
 def _emit_band(w: Writer) -> None:
+    w.line("/* conv2 of the band into rows of pixels `ldc` floats apart */")
+    w.line("#if DEPTHWISE")
+    w.line("#define CONV2_ROWS(out, ldc) cf_dw_rows(&G, Z, zbase, W2p, p2a, p2b, out, ldc)")
+    w.line("#else")
+    w.line("#define CONV2_ROWS(out, ldc) cf_conv_rows(&c2, p2a, p2b, G.Q2, out, ldc, tmp)")
+    w.line("#endif")
     w.line("const long n = blk / bands, p2a = (blk % bands) * G.TP2;")
     w.line("const long p2b = CF_MIN(G.P2, p2a + G.TP2);")
     w.line("/* rows of Z the band reads, clipped to the rows that exist (the rest is padding) */")
@@ -441,11 +464,11 @@ def _emit_band(w: Writer) -> None:
     w.line("c2.h0 = zbase;")
     with w.block("if (direct)"):
         w.line("float* Yb = Y + n * ys[0] + p2a * ys[2];")
-        w.line("cf_conv_rows(&c2, p2a, p2b, G.Q2, Yb, ys[3], tmp);")
+        w.line("CONV2_ROWS(Yb, ys[3]);")
         w.line("cf_epilogue(Yb, ys[3], (p2b - p2a) * G.Q2, G.K2, b2, 0);")
     with w.block("else"):
         w.line("/* the band into T (channels-last rows, as above), then row by row into Y */")
-        w.line("cf_conv_rows(&c2, p2a, p2b, G.Q2, T, G.LDK2, tmp);")
+        w.line("CONV2_ROWS(T, G.LDK2);")
         w.line("cf_epilogue(T, G.LDK2, (p2b - p2a) * G.Q2, G.K2, b2, 0);")
         with w.block("for (long p2 = p2a; p2 < p2b; ++p2)"):
             w.line("const float* Tr = T + (p2 - p2a) * G.Q2 * G.LDK2;")
@@ -469,5 +492,6 @@ def geometry(shape: ConvChainShape, tiles: ConvTiles) -> tuple[int, ...]:
 def useful_flops(shape: ConvChainShape) -> int:
     """Multiply-adds x 2 of both convolutions (no recompute)."""
     first = shape.P1 * shape.Q1 * shape.K1 * shape.C * shape.R1 * shape.S1
-    second = shape.P2 * shape.Q2 * shape.K2 * shape.K1 * shape.R2 * shape.S2
+    second = shape.P2 * shape.Q2 * shape.K2 * shape.R2 * shape.S2
+    second *= 1 if shape.depthwise else shape.K1
     return 2 * shape.N * (first + second)

@@ -53,13 +53,14 @@ def conv_chain(
     after: str | None = None,
     out: Any = None,
     packed: PackedConvWeights | None = None,
+    groups: int | tuple[int, int] = (1, 1),
 ) -> Any:
-    """`conv2d(between(conv2d(x, w1, b1, stride[0], padding[0])), w2, b2, stride[1], padding[1])`,
-    fused into one kernel, then `after` on the result. `between` and `after` are None or one of
+    """`conv2d(between(conv2d(x, w1, b1, stride[0], padding[0])), w2, b2, stride[1], padding[1],
+    groups=groups[1])`, fused into one kernel, then `after` on the result. `between` and `after` are None or one of
     `ir.ACTIVATION_NAMES` (relu, the gelus, silu as YOLO's conv -> BN -> SiLU, relu6, hardswish,
     mish as YOLOv4's, squared_relu).
 
-    `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1, no groups) are
+    `x` [N, C, H, W] and the weights [K, C, R, S] (PyTorch's layouts; dilation 1) are
     float32 numpy arrays or torch CPU tensors (or bf16 tensors: AMX kernels, `CHAINFUSE_AMX`),
     in NCHW or channels-last memory order, read
     through their strides (no copy of a whole tensor): channels-last input in place (the
@@ -70,11 +71,13 @@ def conv_chain(
     channels-last buffer per thread). An unbatched `x` [C, H, W] gives [K2, P, Q], as PyTorch's
     conv2d does. `packed`: w1 and w2 as `pack_conv_weights` packed them (for x's dtype), read in
     place of packing them in each call (which reads and writes every weight once: most of a
-    call's time where the images are small and the channels many).
+    call's time where the images are small and the channels many). `groups`, per conv as
+    PyTorch's conv2d takes it: the first conv's is 1; the second's 1, or w1's K1 output channels
+    (depthwise, w2 [K1, 1, R2, S2]: MobileNet's expansion -> depthwise), on float32.
     """
     if len(getattr(x, "shape", ())) == 3:  # unbatched: one image, as conv2d takes it
         one = conv_chain(x[None], w1, w2, b1, b2, stride, padding, between, after,
-                         None if out is None else out[None], packed)  # fmt: skip
+                         None if out is None else out[None], packed, groups)  # fmt: skip
         return one[0] if out is None else out
     if packed is not None and not isinstance(packed, PackedConvWeights):
         raise TypeError(f"packed: expected pack_conv_weights' result, got {type(packed).__name__}")
@@ -84,13 +87,14 @@ def conv_chain(
     if (
         _plain_pair(stride)
         and _plain_pair(padding)
+        and _plain_pair(groups)
         and (between is None or between.__class__ is str)
         and (after is None or after.__class__ is str)
     ):
         sig = signature((x, w1, w2, b1, b2, out))
         if sig is not None:
             key = ("conv_chain", stride, padding, between, after, threads, amx_setting(), sig,
-                   micro)  # fmt: skip
+                   micro, groups)  # fmt: skip
             replays = calls.conv_replays
             hit = replays.get(key)
             if hit is not None:
@@ -101,10 +105,10 @@ def conv_chain(
             replays.misses += 1
     if subclassed(x, w1, w2, b1, b2, out):  # (np.memmap and such: plain arrays over their memory)
         found = conv_chain(plain(x), plain(w1), plain(w2), plain(b1), plain(b2), stride, padding,
-                           between, after, plain(out), packed)  # fmt: skip
+                           between, after, plain(out), packed, groups)  # fmt: skip
         return found if out is None else out
-    sizes, dtype = _checked(x, w1, w2, b1, b2, out, stride, padding, between, after)
-    N, _, H, W, _, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = sizes
+    sizes, dtype = _checked(x, w1, w2, b1, b2, out, stride, padding, between, after, groups)
+    N, _, H, W, _, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, _ = sizes
     if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
         P1, Q1 = builders.conv_out_size(H, R1, st1, pad1), builders.conv_out_size(W, S1, st1, pad1)
         P2, Q2 = (
@@ -129,10 +133,11 @@ def conv_chain(
 
 def _checked(
     x: Any, w1: Any, w2: Any, b1: Any, b2: Any, out: Any, stride: Any, padding: Any,
-    between: str | None, after: str | None,
+    between: str | None, after: str | None, groups: Any = (1, 1),
 ) -> tuple[tuple[int, ...], str]:  # fmt: skip
     """A conv chain call's checks of its operands and arguments (each error names one): its
-    sizes `(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2)` and its dtype."""
+    sizes `(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, depthwise)` and its
+    dtype."""
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
     on_cpu("x, w1, w2, b1, b2, out", x, w1, w2, b1, b2, out)
     inference_only("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
@@ -146,10 +151,26 @@ def _checked(
             raise TypeError(f"{name}: expected dtype {dtype} (x's), got {arg.dtype}")
     if C1 != C:
         raise ValueError(f"w1: expected {C} input channels (x's C), got shape {(K1, C1, R1, S1)}")
-    if C2 != K1:
+    g1, g2 = _pair("groups", groups, 1)
+    if g1 != 1:
+        raise ValueError(f"groups: the first conv's groups must be 1, got {groups!r}")
+    if g2 not in (1, K1):
+        raise ValueError(
+            f"groups: the second conv's groups must be 1 or w1's {K1} output channels "
+            f"(depthwise), got {groups!r}"
+        )
+    depthwise = g2 == K1 and K1 > 1  # (one channel: a dense conv, the same sums)
+    if depthwise and (K2, C2) != (K1, 1):
+        raise ValueError(
+            f"w2: expected [{K1}, 1, R, S] for a depthwise second conv (groups {K1}), "
+            f"got shape {(K2, C2, R2, S2)}"
+        )
+    if not depthwise and C2 != K1:
         raise ValueError(
             f"w2: expected {K1} input channels (w1's output channels), got shape {(K2, C2, R2, S2)}"
         )
+    if depthwise and dtype != "float32":
+        raise TypeError(f"groups: a depthwise second conv runs in float32 only, got {dtype} x")
     for name, bias, k in (("b1", b1, K1), ("b2", b2, K2)):
         if bias is not None and _conv_operand(name, bias, 1) != (k,):
             raise ValueError(f"{name}: expected shape ({k},), got {tuple(bias.shape)}")
@@ -167,7 +188,7 @@ def _checked(
             f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
             f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
         )
-    return (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2), dtype
+    return (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, int(depthwise)), dtype
 
 
 def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:
@@ -219,6 +240,7 @@ def pack_conv_weights(
     padding: int | tuple[int, int] = (0, 0),
     between: str | None = None,
     after: str | None = None,
+    groups: int | tuple[int, int] = (1, 1),
 ) -> PackedConvWeights:
     """w1 and w2 packed once for `conv_chain` calls with these weights, e.g. a model's frozen
     weights: float32, for the micro-kernel a call with `x` (its shape: the images may differ
@@ -227,7 +249,7 @@ def pack_conv_weights(
     `conv_chain(..., packed=...)`."""
     if len(getattr(x, "shape", ())) == 3:
         x = x[None]
-    sizes, dtype = _checked(x, w1, w2, None, None, None, stride, padding, between, after)
+    sizes, dtype = _checked(x, w1, w2, None, None, None, stride, padding, between, after, groups)
     sizes = (max(sizes[0], 1), *sizes[1:])  # (no images: packed for one)
     kernel = calls.conv_kernels(sizes, between, after, dtype, amx_setting(), None,
                                 get_num_threads())  # fmt: skip

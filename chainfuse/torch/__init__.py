@@ -47,6 +47,40 @@ __all__ = [
 ]
 
 
+_LIBRARY = torch.library.Library("chainfuse", "DEF")  # type: ignore[no-untyped-call]
+
+
+class _Operator:
+    """`torch.ops.chainfuse.<name>`, defined through the dispatcher's library API: its schema
+    from the kernel's annotations (`torch.library.infer_schema`), the kernel registered for
+    `devices`, a shape function by `register_fake`. (`torch.library.custom_op` wraps the kernel
+    in its autograd and tracing layers: some 50 us a call, as much as a small chain's kernel;
+    these operators have no backward: `ops` refuses inputs that need one.) Called, it calls the
+    operator."""
+
+    def __init__(self, name: str, kernel: Callable[..., Any], devices: tuple[str, ...]) -> None:
+        self.name = f"chainfuse::{name}"
+        schema = torch.library.infer_schema(kernel, mutates_args=())
+        _LIBRARY.define(name + schema)  # type: ignore[no-untyped-call]
+        for device in devices:
+            _LIBRARY.impl(name, kernel, device.upper())  # type: ignore[no-untyped-call]
+        self.op = getattr(torch.ops.chainfuse, name).default
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op(*args, **kwargs)
+
+    def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
+        torch.library.register_fake(self.name, fake, lib=_LIBRARY)
+        return fake
+
+
+def _operator(
+    name: str, devices: tuple[str, ...] = ("cpu",)
+) -> Callable[[Callable[..., Any]], _Operator]:
+    """Decorator: the kernel as the operator `torch.ops.chainfuse.<name>` (`_Operator`)."""
+    return lambda kernel: _Operator(name, kernel, devices)
+
+
 def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)` with its kernels on ``torch.get_num_threads()`` threads, as
     PyTorch's own ops run (unless `chainfuse.set_num_threads` set a count)."""
@@ -57,7 +91,7 @@ def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         reset_call_threads(token)
 
 
-@torch.library.custom_op("chainfuse::attention", mutates_args=(), device_types=("cpu", "cuda"))
+@_operator("attention", ("cpu", "cuda"))
 def _attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -342,7 +376,7 @@ def _refuse_grad(names: str, *xs: Any) -> None:
                 raise RuntimeError(grad_refused(name))
 
 
-@torch.library.custom_op("chainfuse::gemm_chain", mutates_args=(), device_types=("cpu", "cuda"))
+@_operator("gemm_chain", ("cpu", "cuda"))
 def _gemm_chain_op(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -423,7 +457,7 @@ def gemm_chain(
     )
 
 
-@torch.library.custom_op("chainfuse::gated_mlp", mutates_args=(), device_types="cpu")
+@_operator("gated_mlp")
 def _gated_mlp_op(
     X: torch.Tensor,
     W1: torch.Tensor,
@@ -477,7 +511,12 @@ def _conv_out(x: torch.Tensor, shape: tuple[Any, ...]) -> torch.Tensor:
 
 
 def _conv_shape(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, stride: list[int], padding: list[int]
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    stride: list[int],
+    padding: list[int],
+    groups: int = 1,
 ) -> tuple[Any, ...]:
     if x.dim() != 4 or w1.dim() != 4 or w2.dim() != 4:
         raise ValueError(
@@ -486,9 +525,15 @@ def _conv_shape(
         )
     if w1.shape[1] != x.shape[1]:
         raise ValueError(f"w1: expected {x.shape[1]} input channels (x's C), got {w1.shape[1]}")
-    if w2.shape[1] != w1.shape[0]:
+    per_group = w1.shape[0] // groups if groups in (1, w1.shape[0]) else None
+    if per_group is None:
         raise ValueError(
-            f"w2: expected {w1.shape[0]} input channels (w1's output channels), got {w2.shape[1]}"
+            f"groups: expected 1 or w1's {w1.shape[0]} output channels (depthwise), got {groups}"
+        )
+    if w2.shape[1] != per_group or w2.shape[0] % groups:
+        raise ValueError(
+            f"w2: expected {per_group} input channels (w1's output channels / groups {groups}), "
+            f"got shape {tuple(w2.shape)}"
         )
     h, w = x.shape[2], x.shape[3]
     for name, weight, st, pad in (("w1", w1, stride[0], padding[0]),
@@ -501,7 +546,7 @@ def _conv_shape(
     return (x.shape[0], w2.shape[0], h, w)
 
 
-@torch.library.custom_op("chainfuse::conv_chain", mutates_args=(), device_types="cpu")
+@_operator("conv_chain")
 def _conv_chain_op(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -515,15 +560,16 @@ def _conv_chain_op(
     packed: torch.Tensor | None = None,
     micro: str | None = None,
     finite: bool = False,
+    groups: int = 1,
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.conv_chain` into a result laid out as `_conv_out` says
     (`ops.conv_chain` checks every argument); `packed`, `micro`, `finite`: the fields of
-    `ops.PackedConvWeights` (weights packed once), or None."""
-    out = _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
+    `ops.PackedConvWeights` (weights packed once), or None; `groups`: the second conv's."""
+    out = _conv_out(x, _conv_shape(x, w1, w2, stride, padding, groups))
     weights = None if packed is None else ops.PackedConvWeights(packed, micro or "", finite)
     _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
                       padding=(padding[0], padding[1]), between=between, after=after,
-                      out=out, packed=weights)  # fmt: skip
+                      out=out, packed=weights, groups=(1, groups))  # fmt: skip
     return out
 
 
@@ -541,8 +587,9 @@ def _conv_chain_fake(
     packed: torch.Tensor | None = None,
     micro: str | None = None,
     finite: bool = False,
+    groups: int = 1,
 ) -> torch.Tensor:
-    return _conv_out(x, _conv_shape(x, w1, w2, stride, padding))
+    return _conv_out(x, _conv_shape(x, w1, w2, stride, padding, groups))
 
 
 def _pair(name: str, value: Any) -> list[int]:
@@ -568,6 +615,7 @@ def conv_chain(
     padding: int | tuple[int, int] = (0, 0),
     between: str | None = None,
     after: str | None = None,
+    groups: int | tuple[int, int] = (1, 1),
 ) -> Any:
     """`chainfuse.ops.conv_chain` for torch tensors (conv -> [bias, activation] -> conv, fused);
     inside `torch.compile`, the operator `torch.ops.chainfuse.conv_chain`, whose result is
@@ -575,11 +623,15 @@ def conv_chain(
     if torch.compiler.is_compiling():
         _refuse_grad("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
         pairs = _pair("stride", stride), _pair("padding", padding)
+        g1, g2 = _pair("groups", groups)
+        if g1 != 1:
+            raise ValueError(f"groups: the first conv's groups must be 1, got {groups!r}")
         if x.dim() == 3:  # unbatched [C, H, W]: one image, as conv2d takes it
-            return _conv_chain_op(x[None], w1, w2, b1, b2, *pairs, between, after)[0]
-        return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after)
+            return _conv_chain_op(x[None], w1, w2, b1, b2, *pairs, between, after,
+                                  groups=g2)[0]  # fmt: skip
+        return _conv_chain_op(x, w1, w2, b1, b2, *pairs, between, after, groups=g2)
     return _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=stride, padding=padding,
-                             between=between, after=after)  # fmt: skip
+                             between=between, after=after, groups=groups)  # fmt: skip
 
 
 # the torch.compile backend ("chainfuse") and its explainer: after the operators they emit

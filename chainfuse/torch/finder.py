@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -630,8 +631,9 @@ def _dtype_is(node: fx.Node, like: fx.Node) -> bool:
 
 
 def conv_at(node: fx.Node) -> dict[str, Any] | None:
-    """A conv2d's operands, or None where chainfuse's conv chain cannot take it (dilation or
-    groups other than 1, padding given as a string)."""
+    """A conv2d's operands, or None where chainfuse's conv chain cannot take it (dilation other
+    than 1, padding given as a string). `groups` is as given: `_conv` says where it may be
+    other than 1."""
     if kind_of(node) is not Kind.CONV:
         return None
     names = ("x", "w", "b", "stride", "padding", "dilation", "groups")
@@ -639,7 +641,7 @@ def conv_at(node: fx.Node) -> dict[str, Any] | None:
     bound.update(zip(names, node.args, strict=False))
     bound.update({k if k not in ("input", "weight", "bias") else k[0]: v
                   for k, v in node.kwargs.items()})  # fmt: skip
-    if bound["groups"] != 1 or bound["dilation"] not in (1, (1, 1), [1, 1]):
+    if not isinstance(bound["groups"], int) or bound["dilation"] not in (1, (1, 1), [1, 1]):
         return None
     if isinstance(bound["padding"], str) or not isinstance(bound["w"], fx.Node):
         return None
@@ -666,10 +668,24 @@ def _batch_norm(node: fx.Node) -> fx.Node | None:
 CONV_ACTIVATIONS = tuple(TORCH_ACTIVATIONS)
 
 
+def _depthwise(conv: dict[str, Any]) -> bool:
+    """A depthwise conv2d: a filter per channel (groups = its channels, weight [K, 1, R, S])."""
+    w = value_of(conv["w"])
+    return (
+        isinstance(w, torch.Tensor)
+        and w.dim() == 4
+        and conv["groups"] == w.shape[0] > 1
+        and w.shape[1] == 1
+    )
+
+
 def _conv(c1: fx.Node) -> Found | str | None:
     first = conv_at(c1)
     if first is None:
         return None
+    if first["groups"] != 1:
+        kind = "a depthwise" if _depthwise(first) else f"a grouped (groups={first['groups']})"
+        return f"{kind} conv2d is not the first of a conv chain (only its second)"
     bn1 = _batch_norm(c1)
     end = bn1 or c1
     act = activation_at(end)
@@ -677,13 +693,22 @@ def _conv(c1: fx.Node) -> Found | str | None:
         act = None
     mid = act.end if act is not None else end  # (no activation: MobileNet-V2's projection)
     c2 = _single_user(mid)
+    pad, padded = (c2, _zero_pad(c2)) if c2 is not None and c2.target in _PADS else (None, 0)
+    if pad is not None:  # TF's "SAME" padding written out (Hugging Face's MobileNets)
+        if padded is None:
+            sides = pad.args[1] if len(pad.args) > 1 else pad.kwargs.get("pad")
+            return f"an F.pad other than the same zeros on every side ({sides}) before its conv2d"
+        c2 = _single_user(pad)
     second = conv_at(c2) if c2 is not None else None
-    if c2 is None or second is None or second["x"] is not mid:
+    if second is not None and second["groups"] != 1 and not _depthwise(second):
+        return f"it feeds a grouped conv2d (groups={second['groups']}): not depthwise"
+    if c2 is None or second is None or second["x"] is not (pad or mid):
         if act is None:
             return f"not followed by an activation ({', '.join(CONV_ACTIVATIONS)}) or a conv2d"
         return f"its {act.name} does not feed a conv2d chainfuse can run"
     bn2 = _batch_norm(c2)
-    taken = act.nodes if act is not None else ()
+    taken = (*(act.nodes if act is not None else ()), *([pad] if pad is not None else []))
+    second = {**second, "padding": second["padding"] + padded}
     nodes: list[fx.Node] = [c1, *([bn1] if bn1 else []), *taken, c2, *([bn2] if bn2 else [])]
     last = activation_at(nodes[-1])
     after = last.name if last is not None and last.name in CONV_ACTIVATIONS else None
@@ -691,10 +716,84 @@ def _conv(c1: fx.Node) -> Found | str | None:
         nodes.extend(last.nodes)
     between = act.name if act is not None else None
     form = "conv2d" + (" -> batch_norm" if bn1 else "") + (f" -> {between}" if between else "")
-    form += " -> conv2d" + (" -> batch_norm" if bn2 else "") + (f" -> {after}" if after else "")
+    dw = " (depthwise)" if second["groups"] != 1 else ""
+    form += " -> pad" if pad is not None else ""
+    form += (
+        f" -> conv2d{dw}" + (" -> batch_norm" if bn2 else "") + (f" -> {after}" if after else "")
+    )
     parts = {"first": first, "second": second, "bn1": bn1, "bn2": bn2, "between": between,
-             "after": after}  # fmt: skip
+             "after": after, "groups": second["groups"], "convs": (c1, c2)}  # fmt: skip
     return Found(ChainKind.CONV, form, tuple(nodes), parts)
+
+
+#: `F.pad` as a traced graph calls it
+_PADS = (F.pad, torch._C._nn.pad)
+
+
+def _zero_pad(node: fx.Node) -> int | None:
+    """The padding of an `F.pad` of a 4-D tensor that adds the same number of zeros on every side
+    of its last two dims (a conv's own `padding`), else None."""
+    names = ("x", "pad", "mode", "value")
+    bound = {"mode": "constant", "value": None, **dict(zip(names, node.args, strict=False)),
+             **node.kwargs}  # fmt: skip
+    sides = bound.get("pad")
+    out = value_of(node)
+    if bound["mode"] != "constant" or bound["value"] not in (None, 0, 0.0):
+        return None
+    if not isinstance(out, torch.Tensor) or out.dim() != 4 or not isinstance(sides, tuple | list):
+        return None
+    if len(sides) != 4 or len(set(sides)) != 1 or not isinstance(sides[0], int):
+        return None
+    return int(sides[0])
+
+
+def _paired_convs(graph: fx.Graph) -> dict[fx.Node, Found | str]:
+    """Each conv2d's chain, where it starts one, choosing among overlapping candidates.
+
+    A conv can be the second of one chain and the first of the next (MobileNet-V2's
+    projection -> expansion -> depthwise); the candidates form paths, and of two neighbours at
+    most one fuses. On each path the chosen chains are those whose intermediates add up to the
+    most elements (the traffic fusion saves): the expansion -> depthwise chain (6x channels)
+    over the projection -> expansion one. A conv whose chain was not chosen says why."""
+    found: dict[fx.Node, Found | str] = {}
+    after: dict[fx.Node, fx.Node] = {}  # first conv -> the second conv of its candidate
+    for node in graph.nodes:
+        if kind_of(node) is Kind.CONV and (result := _conv(node)) is not None:
+            found[node] = result
+            if isinstance(result, Found):
+                after[node] = result.parts["convs"][1]
+    seconds = set(after.values())
+    for start in [n for n in after if n not in seconds]:
+        path = [start]
+        while path[-1] in after:
+            path.append(after[path[-1]])
+        weights = [_elements(a) for a in path[:-1]]  # edge i: path[i] -> path[i + 1]
+        # best[i]: the most elements from the edges 0..i-1 (`chose[i]`: edge i-1 is in it)
+        best, chose = [0, 0], [False, False]
+        for i, w in enumerate(weights, start=2):
+            take = best[i - 2] + w
+            best.append(max(take, best[i - 1]))
+            chose.append(take > best[i - 1])
+        chosen, i = set(), len(weights) + 1
+        while i >= 2:
+            if chose[i]:
+                chosen.add(i - 2)
+            i -= 2 if chose[i] else 1
+        for edge in set(range(len(weights))) - chosen:
+            found[path[edge]] = (
+                f"its second conv2d ({path[edge + 1].name}) is fused with the conv2d after it "
+                "instead, a larger intermediate"
+            )
+    return found
+
+
+def _elements(conv: fx.Node) -> int:
+    """Elements of a conv's result (at the traced sizes where they are symbols)."""
+    out = value_of(conv)
+    if not isinstance(out, torch.Tensor):
+        return 0
+    sizes = (d.node.hint if isinstance(d, torch.SymInt) else d for d in out.shape)
+    return math.prod(int(d) if d is not None else 1 for d in sizes)
 
 
 #: opaque ops `unfold` writes out, or reports with its reason where it cannot
@@ -712,19 +811,22 @@ def find(graph: fx.Graph) -> Finding:
         found.chains.append(chain)
         used.update(chain.nodes)
 
+    convs = _paired_convs(graph)
     for node in graph.nodes:
         if node in used:
             continue
         kind = kind_of(node)
         result: Found | str | None = None
-        if node in gemms:
+        if node in convs:
+            result = convs[node]
+        elif node in gemms:
             result = _gated(gemms[node], gemms) or _mlp(gemms[node], gemms)
         elif kind is Kind.MATMUL or node.target in (torch.baddbmm, "baddbmm"):
             result = _attention(node) or "a matmul of two activations not in an attention form"
         elif kind is Kind.SDPA:
             result = _sdpa(node)
         elif kind is Kind.CONV:
-            result = _conv(node) or "dilation, groups or padding chainfuse's conv chain lacks"
+            result = _conv(node) or "dilation or padding chainfuse's conv chain lacks"
         elif kind is Kind.OPAQUE and node.target not in _UNFOLD_REPORTS:
             result = "PyTorch's fused multi-head attention op, kept whole"
         if isinstance(result, Found):

@@ -202,6 +202,8 @@ class Emitter:
                 raise _Refused(
                     f"chainfuse's conv chain is float32 or bfloat16; this one is {dtype}"
                 )
+            if p["groups"] != 1 and dtype != torch.float32:
+                raise _Refused(f"a depthwise second conv runs in float32 only; this one is {dtype}")
             if (p["bn1"] or p["bn2"]) and not self.frozen:
                 raise _Refused("batch norms are folded only into frozen weights")
             for c in (first, second):
@@ -394,7 +396,8 @@ class Emitter:
                 [first["stride"], second["stride"]], [first["padding"], second["padding"]],
                 p["between"], p["after"])  # fmt: skip
         packed = self._conv_packed(found, graph, weights)
-        return graph.call_function(torch.ops.chainfuse.conv_chain.default, args + packed)
+        groups = {"groups": p["groups"]} if p["groups"] != 1 else {}  # (depthwise)
+        return graph.call_function(torch.ops.chainfuse.conv_chain.default, args + packed, groups)
 
     def _conv_packed(self, found: Found, graph: fx.Graph, weights: list[Any]) -> tuple[Any, ...]:
         """A conv chain's frozen weights packed once as its kernel reads them (a constant of
@@ -417,6 +420,7 @@ class Emitter:
             made = self._conv_packs[key] = ops.pack_conv_weights(
                 x.detach(), v1.detach(), v2.detach(), (first["stride"], second["stride"]),
                 (first["padding"], second["padding"]), p["between"], p["after"],
+                groups=(1, p["groups"]),
             )  # fmt: skip
         data = self._buffer(graph, f"_cf_cpk_{key}", functools.partial(_same, made.data))
         return (data, made.micro, made.finite)

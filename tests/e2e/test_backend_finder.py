@@ -16,6 +16,7 @@ from chainfuse.torch import backend as backend_mod  # noqa: E402
 from chainfuse.torch import decide as decide_mod  # noqa: E402
 from chainfuse.torch.backend import Backend, Options, Report  # noqa: E402
 from chainfuse.torch.finder import ChainKind, find  # noqa: E402
+from chainfuse.torch.kinds import value_of  # noqa: E402
 
 nn, F = torch.nn, torch.nn.functional
 
@@ -106,6 +107,61 @@ def test_linear_batch_norm_mlp_is_found_with_its_norms() -> None:
     assert [c.form for c in found.chains] == [
         "linear -> batch_norm -> hardswish -> linear -> batch_norm"
     ]
+
+
+def _inverted_residual(c: int, expand: int, stride: int) -> Any:
+    """MobileNet-V2's block: 1x1 expansion -> BN -> ReLU6 -> depthwise 3x3 -> BN -> ReLU6 ->
+    1x1 projection -> BN."""
+    wide = c * expand
+    return nn.Sequential(nn.Conv2d(c, wide, 1, bias=False), nn.BatchNorm2d(wide), nn.ReLU6(),
+                         nn.Conv2d(wide, wide, 3, stride, 1, groups=wide, bias=False),
+                         nn.BatchNorm2d(wide), nn.ReLU6(), nn.Conv2d(wide, c, 1, bias=False),
+                         nn.BatchNorm2d(c)).eval()  # fmt: skip
+
+
+def test_inverted_residuals_pair_each_expansion_with_its_depthwise() -> None:
+    """Stacked inverted residuals: each conv could pair with the one before or after it
+    (projection -> next expansion, expansion -> depthwise); the chains chosen are those with
+    the larger intermediates, the expansions into their depthwise convs. The depthwise conv
+    cannot start a chain, and a grouped conv that is not depthwise ends one."""
+    net = nn.Sequential(_inverted_residual(8, 6, 2), _inverted_residual(8, 6, 1),
+                        _inverted_residual(8, 4, 1))  # fmt: skip
+    found = find(_graph(net, torch.randn(1, 8, 12, 12)))
+    form = "conv2d -> batch_norm -> relu6 -> conv2d (depthwise) -> batch_norm -> relu6"
+    assert [c.form for c in found.chains] == [form] * 3
+    for chain in found.chains:
+        first, second = chain.parts["first"], chain.parts["second"]
+        assert first["groups"] == 1 and second["groups"] == value_of(second["w"]).shape[0]
+    why = dict(found.skipped)
+    assert any("fused with the conv2d after it instead" in r for r in why.values()), why
+    head = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.ReLU(), nn.Conv2d(8, 16, 1)).eval()
+    found = find(_graph(head, torch.randn(1, 8, 9, 9)))
+    assert not found.chains
+    assert any("depthwise conv2d is not the first of a conv chain" in r for _, r in found.skipped)
+    grouped = nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, groups=4)).eval()
+    found = find(_graph(grouped, torch.randn(1, 8, 9, 9)))
+    assert not found.chains
+    assert any("grouped conv2d (groups=4): not depthwise" in r for _, r in found.skipped)
+
+
+def test_zeros_padded_before_a_conv_are_its_padding() -> None:
+    """TF's "SAME" padding written out (`F.pad` before a conv with no padding, as Hugging Face's
+    MobileNets do): the same zeros on every side join the chain as the conv's padding; other
+    pads end it, saying so."""
+    w1, w2 = torch.randn(24, 8, 1, 1), torch.randn(24, 1, 3, 3)
+
+    def block(sides: tuple[int, ...], value: float = 0.0) -> Any:
+        return lambda x: F.conv2d(F.pad(F.relu6(F.conv2d(x, w1)), sides, "constant", value), w2,
+                                  groups=24)  # fmt: skip
+
+    x = torch.randn(1, 8, 9, 9)
+    (chain,) = find(_graph(block((1, 1, 1, 1)), x)).chains
+    assert chain.form == "conv2d -> relu6 -> pad -> conv2d (depthwise)"
+    assert chain.parts["second"]["padding"] == 1
+    for sides, value in (((0, 1, 0, 1), 0.0), ((1, 1, 1, 1), 2.0)):
+        found = find(_graph(block(sides, value), x))
+        assert not found.chains
+        assert any("an F.pad other than the same zeros" in r for _, r in found.skipped)
 
 
 def test_finder_knows_every_activation_the_kernels_have() -> None:

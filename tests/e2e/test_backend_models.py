@@ -219,6 +219,13 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         cfg = transformers.LevitConfig(image_size=32, hidden_sizes=[32, 48, 64], depths=[1, 1, 1],
                                        num_attention_heads=[2, 2, 2], key_dim=[8, 8, 8])  # fmt: skip
         return _with_statistics(transformers.LevitModel(cfg)), (torch.randn(2, 3, 32, 32),), 11
+    if name.startswith("mobilenet-v2"):  # expansion -> depthwise chains (17 blocks, 18 chains)
+        # TF's padding (the default): the zeros an F.pad adds before each conv are the conv's
+        # padding where they are the same on every side; stride 2's (0, 1, 0, 1) ends 3 chains
+        tf = name.endswith("-tf")
+        cfg = transformers.MobileNetV2Config(image_size=32, depth_multiplier=0.25, tf_padding=tf)
+        model = _with_statistics(transformers.MobileNetV2Model(cfg))
+        return model, (torch.randn(2, 3, 32, 29 + 3 * tf),), 15 if tf else 18
     if name == "conv-acts":
         return _conv_acts(), (torch.randn(2, 3, 19, 22),), 3
     if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses
@@ -272,7 +279,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("tabular", "float32"), ("tabular", "bfloat16"), ("levit", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("mobilenet-v2", "float32"), ("mobilenet-v2-tf", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("tabular", "float32"), ("tabular", "bfloat16"), ("levit", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
          ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("mpnet", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
@@ -292,7 +299,8 @@ def test_model_matches_eager_with_its_chains_fused(name: str, dtype: str) -> Non
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("resnet", "float32"), ("yolo", "float32"),
-                                           ("conv-acts", "float32"), ("resnet", "bfloat16"),
+                                           ("conv-acts", "float32"), ("mobilenet-v2-tf", "float32"),
+                                           ("resnet", "bfloat16"),
                                            ("conv-acts", "bfloat16")])  # fmt: skip
 def test_frozen_conv_chains_read_their_weights_packed_once(
     name: str, dtype: str, monkeypatch: pytest.MonkeyPatch
@@ -357,6 +365,19 @@ def test_batch_norms_after_linears_fold_only_into_frozen_weights() -> None:
     _check_close(model, inputs, torch.float32, report, freeze=False)
     (chain,) = report.chains
     assert not chain.fused and "folded only into frozen weights" in chain.why
+
+
+def test_bf16_depthwise_chains_are_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bf16 (AMX emulated) an expansion -> depthwise chain is reported, not fused: the
+    depthwise conv runs in float32 only; the model still gives eager's output."""
+    from chainfuse.kernels.amx import ENV_AMX
+
+    monkeypatch.setenv(ENV_AMX, "emulate")
+    net = nn.Sequential(nn.Conv2d(8, 48, 1), nn.ReLU6(), nn.Conv2d(48, 48, 3, padding=1, groups=48))
+    report = Report()
+    _check_close(net.eval(), (torch.randn(1, 8, 9, 9),), torch.bfloat16, report)
+    (chain,) = report.chains
+    assert not chain.fused and "a depthwise second conv runs in float32 only" in chain.why
 
 
 def test_inductor_with_freezing_runs_the_fused_chains() -> None:

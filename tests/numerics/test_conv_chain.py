@@ -22,7 +22,7 @@ import chainfuse
 from chainfuse import ops, reference
 from chainfuse.bench import workloads
 from chainfuse.builders import conv_out_size
-from chainfuse.codegen.conv import Halo
+from chainfuse.codegen.conv import Halo, match_conv_chain
 from chainfuse.compiler import compile_conv
 from chainfuse.ir import Pointwise
 
@@ -60,8 +60,9 @@ def _check_ops(
     b2 = rng.standard_normal(K2).astype(np.float32) if bias else None
     args = [_as(kind, inputs[name]) for name in ("X", "W1", "W2")]
     biases = [None if b is None else _as(kind, b) for b in (b1, b2)]
+    groups = (1, K1) if match_conv_chain(chain).depthwise else (1, 1)
     y = ops.conv_chain(*args, *biases, stride=stride, padding=padding, between=between,
-                       after=after)  # fmt: skip
+                       after=after, groups=groups)  # fmt: skip
     assert type(y) is type(args[0])
     # the result follows x's memory order (tiny shapes can be both orders at once)
     if kind == "torch_channels_last" and not args[0].is_contiguous():
@@ -123,6 +124,8 @@ MAX_FLOP = 1.5e8  # keeps one draw (kernel + float64 reference) well under a sec
 def conv_chains(draw: st.DrawFn) -> tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]]:
     N = draw(st.sampled_from([1, 1, 1, 2, 3]))
     C, K1, K2 = draw(CHANNELS), draw(CHANNELS), draw(CHANNELS)
+    depthwise = draw(st.sampled_from([False, False, False, True]))  # (MobileNet's expansion)
+    K2 = K1 if depthwise else K2
     H, W = draw(SPATIAL), draw(SPATIAL)
     R1, R2 = draw(KERNEL), draw(KERNEL)
     S1 = draw(st.sampled_from([R1, R1, 1, 3, 5]))
@@ -132,12 +135,13 @@ def conv_chains(draw: st.DrawFn) -> tuple[chainfuse.Chain, tuple[int, int], tupl
     P1, Q1 = conv_out_size(H, R1, st1, pad1), conv_out_size(W, S1, st1, pad1)
     assume(P1 + 2 * pad2 >= R2 and Q1 + 2 * pad2 >= S2)
     P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
-    flop = 2 * N * (P1 * Q1 * K1 * C * R1 * S1 + P2 * Q2 * K2 * K1 * R2 * S2)
+    flop = 2 * N * (P1 * Q1 * K1 * C * R1 * S1 + P2 * Q2 * K2 * (1 if depthwise else K1) * R2 * S2)
     assume(flop <= MAX_FLOP)
     between = draw(st.sampled_from(BETWEEN))
     try:
         chain = chainfuse.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
-                                          padding=(pad1, pad2), between=between)  # fmt: skip
+                                          padding=(pad1, pad2), between=between,
+                                          depthwise=depthwise)  # fmt: skip
     except ValueError as err:  # the IR refuses a conv whose windows see only padding along a dim
         assert "never hits" in str(err)
         assume(False)
@@ -391,6 +395,68 @@ def _args() -> tuple[np.ndarray[Any, Any], ...]:
 def test_errors_name_the_argument(change: Any, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         ops.conv_chain(*change(*_args()), padding=(0, 0))
+
+
+# -- a depthwise second convolution (MobileNet's expansion -> depthwise) --------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("C", "H", "K", "stride"), [(16, 23, 96, 2), (24, 14, 144, 1), (7, 9, 65, 1)]
+)
+def test_expansion_into_depthwise_matches_pytorch(
+    C: int, H: int, K: int, stride: int, kind: str
+) -> None:
+    """conv 1x1 -> relu6 -> depthwise 3x3 (groups = channels) -> relu6, as PyTorch computes it,
+    channels past one chunk of the depthwise loop (64) and short of one, every layout; the
+    weights packed once give the same result."""
+    gen = torch.Generator().manual_seed(C)
+    x = torch.randn(2, C, H, H + 2, generator=gen)
+    w1, w2 = torch.randn(K, C, 1, 1, generator=gen) / C**0.5, torch.randn(K, 1, 3, 3, generator=gen)
+    b1, b2 = torch.randn(K, generator=gen), torch.randn(K, generator=gen)
+    want = F.relu6(F.conv2d(F.relu6(F.conv2d(x.double(), w1.double(), b1.double())), w2.double(),
+                            b2.double(), stride=stride, padding=1, groups=K))  # fmt: skip
+    args = [_as(kind, t.numpy()) for t in (x, w1, w2, b1, b2)]
+    kw: dict[str, Any] = {"stride": (1, stride), "padding": (0, 1), "between": "relu6",
+                          "after": "relu6", "groups": (1, K)}  # fmt: skip
+    chain = chainfuse.conv_chain_spec(2, C, H, H + 2, K, 1, 1, K, 3, 3, stride=(1, stride),
+                                      padding=(0, 1), between="relu6", depthwise=True)  # fmt: skip
+    packed = ops.pack_conv_weights(args[0], args[1], args[2], **kw)
+    for y in (ops.conv_chain(*args, **kw), ops.conv_chain(*args, **kw, packed=packed)):
+        reference.assert_close(_numpy(y), want.numpy(), chain)
+
+
+def test_depthwise_is_one_kernel_whose_name_says_so() -> None:
+    chain = chainfuse.conv_chain_spec(1, 8, 9, 9, 32, 1, 1, 32, 3, 3, padding=(0, 1),
+                                      between="relu", depthwise=True)  # fmt: skip
+    kernel = compile_conv(chain)
+    assert kernel.shape.depthwise and "dwconv" in kernel.name
+    assert kernel.chain.tensor("W2").shape == (32, 1, 3, 3)
+    # the depthwise stage runs no micro-kernel: 9 multiply-adds a channel and pixel, not 9*K1
+    from chainfuse.codegen.conv import useful_flops
+
+    assert useful_flops(kernel.shape) == 2 * 81 * 32 * (8 + 9)
+
+
+def test_depthwise_errors_name_the_argument() -> None:
+    x = np.ones((1, 4, 9, 9), np.float32)
+    w1, w2 = np.ones((6, 4, 1, 1), np.float32), np.ones((6, 1, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="groups: the first conv's groups must be 1"):
+        ops.conv_chain(x, w1, w2, groups=(2, 6))
+    with pytest.raises(ValueError, match="groups: the second conv's groups must be 1 or w1's 6"):
+        ops.conv_chain(x, w1, w2, groups=(1, 3))
+    with pytest.raises(ValueError, match=r"w2: expected \[6, 1, R, S\] for a depthwise"):
+        ops.conv_chain(x, w1, np.ones((6, 6, 3, 3), np.float32), groups=(1, 6))
+    with pytest.raises(ValueError, match="w2: expected 6 input channels"):
+        ops.conv_chain(x, w1, w2)  # (depthwise weights without groups)
+    with pytest.raises(ValueError, match="groups: expected two integers"):
+        ops.conv_chain(x, w1, w2, groups="depthwise")
+    bf = torch.ones(1, 4, 9, 9, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="groups: a depthwise second conv runs in float32 only"):
+        ops.conv_chain(bf, torch.from_numpy(w1).bfloat16(), torch.from_numpy(w2).bfloat16(),
+                       groups=(1, 6))  # fmt: skip
+    with pytest.raises(ValueError, match="K2: a depthwise second convolution has K1 = 6"):
+        chainfuse.conv_chain_spec(1, 4, 9, 9, 6, 1, 1, 5, 3, 3, depthwise=True)
 
 
 def test_errors_bias_stride_padding_between_device() -> None:

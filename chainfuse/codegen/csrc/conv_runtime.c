@@ -18,6 +18,7 @@ void uk_transpose(const float* src, long lds, float* dst, long ldd);
 #define UK_GROUPED uk_grouped
 #define UK_TRANSPOSE uk_transpose
 #define ACT_MID 1
+#define DEPTHWISE 1
 #define ACT_OUT 1
 #define CF_ACT_MID(v) ((v) < 0.0f ? 0.0f : (v))
 #define CF_ACT_OUT(v) ((v) < 0.0f ? 0.0f : (v))
@@ -34,6 +35,9 @@ typedef struct {
     long TMP;            /* floats of a chunk's packed edge slivers and their results */
     long XROWS;          /* rows of X the conv1 rows of a band read at most */
 } cf_geo;
+
+/* floats of the packed W2: [K2 panels][R2*S2*K1][NR], or [R2*S2][LDK1] (depthwise) */
+#define CF_W2P(G) (DEPTHWISE ? (G).R2 * (G).S2 * (G).LDK1 : (G).LDK2 * (G).R2 * (G).S2 * (G).K1)
 
 /* The clean slivers of an output row of Q pixels, [*lo, *hi) in steps of MR from the first
    pixel whose window (S taps, stride st, padding pad) lies inside the W columns of the input */
@@ -166,6 +170,76 @@ static void cf_epilogue(float* out, long ldo, long npx, long K, const float* bia
         }
     }
 }
+
+#if DEPTHWISE
+/* Wd[(r*S2 + s)*LDK1 + k] = W2[k, 0, r, s] (zeros for k past K1): a tap's weights for every
+   channel contiguous, as cf_dw_rows reads them along Z's pixels */
+static void cf_pack_depthwise(const float* W2, const long* ws, const cf_geo* G, float* restrict Wd)
+{
+    for (long r = 0; r < G->R2; ++r) {
+        for (long s = 0; s < G->S2; ++s) {
+            float* restrict d = Wd + (r * G->S2 + s) * G->LDK1;
+            const float* restrict src = W2 + r * ws[2] + s * ws[3];
+            for (long k = 0; k < G->K1; ++k) d[k] = src[k * ws[0]];
+            for (long k = G->K1; k < G->LDK1; ++k) d[k] = 0.0f;
+        }
+    }
+}
+
+/* channels of one depthwise pass: their sums stay in registers over every tap (8 AVX2 or 4
+   AVX-512 vectors) */
+#define DW_CHUNK 64
+
+/* out[p2*st2 + r - pad2 ...]: the taps [r0, r1) x [s0, s1) of one output pixel for the channels
+   [0, n) (n = DW_CHUNK on the full chunks, so the compiler unrolls them), Z's pixel (h, w) at
+   z[h*zs + w*LDK1], Wd at w[(r*S2 + s)*LDK1] */
+#define CF_DW_PIXEL(n)                                                                         \
+    do {                                                                                       \
+        float acc[DW_CHUNK];                                                                   \
+        for (long k = 0; k < (n); ++k) acc[k] = 0.0f;                                          \
+        for (long r = r0; r < r1; ++r) {                                                       \
+            for (long s = s0; s < s1; ++s) {                                                   \
+                const float* restrict zp = z + (r - r0) * zs + (s - s0) * L;                   \
+                const float* restrict wp = w + (r * S2 + s) * L;                               \
+                for (long k = 0; k < (n); ++k) acc[k] += zp[k] * wp[k];                        \
+            }                                                                                  \
+        }                                                                                      \
+        for (long k = 0; k < (n); ++k) o[k] = acc[k];                                          \
+    } while (0)
+
+/* Output rows [pa, pb) of the depthwise second convolution, before bias, from the rows of Z a
+   band holds (row h of the image at Z[(h - z0)*Q1*LDK1]): pixel (p, q) to
+   out[((p - pa)*Q2 + q)*ldo + k], k < K1. Taps in the padding are skipped (zeros). */
+static void cf_dw_rows(const cf_geo* G, const float* restrict Z, long z0, const float* restrict Wd,
+                       long pa, long pb, float* restrict out, long ldo)
+{
+    const long L = G->LDK1, K = G->K1, S2 = G->S2, zs = G->Q1 * L;
+    for (long p = pa; p < pb; ++p) {
+        const long h = p * G->st2 - G->pad2;
+        const long r0 = CF_MAX(0, -h), r1 = CF_MIN(G->R2, G->P1 - h);
+        for (long q = 0; q < G->Q2; ++q) {
+            const long c = q * G->st2 - G->pad2;
+            const long s0 = CF_MAX(0, -c), s1 = CF_MIN(S2, G->Q1 - c);
+            float* restrict ob = out + ((p - pa) * G->Q2 + q) * ldo;
+            const float* zb = Z + (h + r0 - z0) * zs + (c + s0) * L;
+            long k0 = 0;
+            for (; k0 + DW_CHUNK <= K; k0 += DW_CHUNK) {
+                const float* z = zb + k0;
+                const float* w = Wd + k0;
+                float* restrict o = ob + k0;
+                CF_DW_PIXEL(DW_CHUNK);
+            }
+            if (k0 < K) {
+                const float* z = zb + k0;
+                const float* w = Wd + k0;
+                float* restrict o = ob + k0;
+                const long n = K - k0;
+                CF_DW_PIXEL(n);
+            }
+        }
+    }
+}
+#endif
 
 /* Output rows [pa, pb) of one convolution, all K channels, before bias: output pixel (p, q)
    goes to out[((p - pa)*Q + q)*ldo + k]. Pixels on the micro-kernel's MR rows (slivers of MR
