@@ -491,7 +491,8 @@ def conv_chain_spec(
     P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
     if P2 <= 0 or Q2 <= 0:
         raise ValueError(f"second conv kernel {R2}x{S2} is larger than its padded input {P1}x{Q1}")
-    loops: tuple[Loop, ...] = (Loop("n", N), Loop("k2", K2), Loop("p2", P2), Loop("q2", Q2), Loop("k1", K1),
+    loops: tuple[Loop, ...]
+    loops = (Loop("n", N), Loop("k2", K2), Loop("p2", P2), Loop("q2", Q2), Loop("k1", K1),
              Loop("p1", P1), Loop("q1", Q1), Loop("c", C), Loop("r1", R1), Loop("s1", S1),
              Loop("r2", R2), Loop("s2", S2))  # fmt: skip
     if depthwise:  # one channel loop: k1 runs through Z, W2 and Y2
