@@ -117,11 +117,15 @@ static void cf_rows_to_channels_last(const float* x, long cs, long hs, long ws, 
 
 /* One convolution as read by cf_conv_rows: input pixel (h, w), channel c at
    in[(h - h0)*hs + w*ws + c*cs] for rows 0 <= h < H (h0: the first row stored), 0 <= w < W;
-   weights packed by cf_pack_weights. */
+   weights packed by cf_pack_weights; bias (or NULL) and the activation (mid: the one between
+   the convolutions, else the one after) applied to each chunk of results while it is in
+   cache (cf_epilogue). */
 typedef struct {
     const float* in;
     long h0, hs, ws, cs, H, W, C, R, S, st, pad, K, CB, KC;
     const float* Wp;
+    const float* bias;
+    int mid;
 } cf_conv;
 
 /* Wp for output channels [jb, jb + NR): [(r*S + s)*C + c][NR], rows past K zeros; the panel of
@@ -147,26 +151,35 @@ static void cf_pack_weights(const float* W, const long* ws, long K, long C, long
 /* out[pix*ldo + k] = f(out[pix*ldo + k] + bias[k]) for pix < npx, k < K; f is the chain's
    activation between the convolutions (mid) or after the second (!mid), which the generated
    code defines: ACT_MID / ACT_OUT (whether there is one), CF_ACT_MID(v) / CF_ACT_OUT(v) (its
-   expression of the float v). NaN stays NaN through each, as through PyTorch's. */
+   expression of the float v). NaN stays NaN through each, as through PyTorch's. One pass over
+   each pixel's channels: the bias added and the activation applied together. */
+#define CF_EPILOGUE_PASS(ACT)                                                                  \
+    do {                                                                                       \
+        if (bias) {                                                                            \
+            _Pragma("omp simd") for (long k = 0; k < K; ++k) {                                 \
+                const float v = o[k] + bias[k];                                                \
+                o[k] = ACT(v);                                                                 \
+            }                                                                                  \
+        } else {                                                                               \
+            _Pragma("omp simd") for (long k = 0; k < K; ++k) {                                 \
+                const float v = o[k];                                                          \
+                o[k] = ACT(v);                                                                 \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
 static void cf_epilogue(float* out, long ldo, long npx, long K, const float* bias, int mid)
 {
+    const int act = mid ? ACT_MID : ACT_OUT;
+    if (!bias && !act) return;
     for (long i = 0; i < npx; ++i) {
         float* restrict o = out + i * ldo;
-        if (bias) {
+        if (!act) {
             for (long k = 0; k < K; ++k) o[k] += bias[k];
-        }
-        if (mid && ACT_MID) {
-#pragma omp simd
-            for (long k = 0; k < K; ++k) {
-                const float v = o[k];
-                o[k] = CF_ACT_MID(v);
-            }
-        } else if (!mid && ACT_OUT) {
-#pragma omp simd
-            for (long k = 0; k < K; ++k) {
-                const float v = o[k];
-                o[k] = CF_ACT_OUT(v);
-            }
+        } else if (mid) {
+            CF_EPILOGUE_PASS(CF_ACT_MID);
+        } else {
+            CF_EPILOGUE_PASS(CF_ACT_OUT);
         }
     }
 }
@@ -190,28 +203,40 @@ static void cf_pack_depthwise(const float* W2, const long* ws, const cf_geo* G, 
    AVX-512 vectors) */
 #define DW_CHUNK 64
 
-/* out[p2*st2 + r - pad2 ...]: the taps [r0, r1) x [s0, s1) of one output pixel for the channels
-   [0, n) (n = DW_CHUNK on the full chunks, so the compiler unrolls them), Z's pixel (h, w) at
-   z[h*zs + w*LDK1], Wd at w[(r*S2 + s)*LDK1] */
-#define CF_DW_PIXEL(n)                                                                         \
+/* The sums of one output pixel over the taps [r0, r1) x [s0, s1) for WIDTH channels (a
+   constant, so the compiler keeps them in registers), Z's pixel (h, w) at z[h*zs + w*L], Wd at
+   w[(r*S2 + s)*L]; the first n (<= WIDTH) stored to o with the bias and the activation after.
+   Lanes past K1 read Z's and Wd's padding to a whole NR (never stored). */
+#define CF_DW_SUMS(WIDTH, n)                                                                   \
     do {                                                                                       \
-        float acc[DW_CHUNK];                                                                   \
-        for (long k = 0; k < (n); ++k) acc[k] = 0.0f;                                          \
+        float acc[WIDTH];                                                                      \
+        for (long k = 0; k < (WIDTH); ++k) acc[k] = 0.0f;                                      \
         for (long r = r0; r < r1; ++r) {                                                       \
             for (long s = s0; s < s1; ++s) {                                                   \
                 const float* restrict zp = z + (r - r0) * zs + (s - s0) * L;                   \
                 const float* restrict wp = w + (r * S2 + s) * L;                               \
-                for (long k = 0; k < (n); ++k) acc[k] += zp[k] * wp[k];                        \
+                for (long k = 0; k < (WIDTH); ++k) acc[k] += zp[k] * wp[k];                    \
             }                                                                                  \
         }                                                                                      \
-        for (long k = 0; k < (n); ++k) o[k] = acc[k];                                          \
+        if (bias) {                                                                            \
+            for (long k = 0; k < (n); ++k) {                                                   \
+                const float v = acc[k] + bias[k];                                              \
+                o[k] = CF_ACT_OUT(v);                                                          \
+            }                                                                                  \
+        } else {                                                                               \
+            for (long k = 0; k < (n); ++k) {                                                   \
+                const float v = acc[k];                                                        \
+                o[k] = CF_ACT_OUT(v);                                                          \
+            }                                                                                  \
+        }                                                                                      \
     } while (0)
 
-/* Output rows [pa, pb) of the depthwise second convolution, before bias, from the rows of Z a
-   band holds (row h of the image at Z[(h - z0)*Q1*LDK1]): pixel (p, q) to
-   out[((p - pa)*Q2 + q)*ldo + k], k < K1. Taps in the padding are skipped (zeros). */
+/* Output rows [pa, pb) of the depthwise second convolution from the rows of Z a band holds (row
+   h of the image at Z[(h - z0)*Q1*LDK1]), its bias b2 (or NULL) added and the activation after
+   it applied as each sum leaves the registers: pixel (p, q) to out[((p - pa)*Q2 + q)*ldo + k],
+   k < K1. Taps in the padding are skipped (zeros). */
 static void cf_dw_rows(const cf_geo* G, const float* restrict Z, long z0, const float* restrict Wd,
-                       long pa, long pb, float* restrict out, long ldo)
+                       const float* restrict b2, long pa, long pb, float* restrict out, long ldo)
 {
     const long L = G->LDK1, K = G->K1, S2 = G->S2, zs = G->Q1 * L;
     for (long p = pa; p < pb; ++p) {
@@ -222,19 +247,19 @@ static void cf_dw_rows(const cf_geo* G, const float* restrict Z, long z0, const 
             const long s0 = CF_MAX(0, -c), s1 = CF_MIN(S2, G->Q1 - c);
             float* restrict ob = out + ((p - pa) * G->Q2 + q) * ldo;
             const float* zb = Z + (h + r0 - z0) * zs + (c + s0) * L;
-            long k0 = 0;
-            for (; k0 + DW_CHUNK <= K; k0 += DW_CHUNK) {
+            for (long k0 = 0; k0 < K; k0 += DW_CHUNK) {
                 const float* z = zb + k0;
                 const float* w = Wd + k0;
+                const float* bias = b2 ? b2 + k0 : NULL;
                 float* restrict o = ob + k0;
-                CF_DW_PIXEL(DW_CHUNK);
-            }
-            if (k0 < K) {
-                const float* z = zb + k0;
-                const float* w = Wd + k0;
-                float* restrict o = ob + k0;
-                const long n = K - k0;
-                CF_DW_PIXEL(n);
+                const long n = CF_MIN(DW_CHUNK, K - k0);
+                /* the last chunk as wide as its channels rounded to 16 (NR's multiple) */
+                switch ((n + 15) / 16) {
+                case 1: CF_DW_SUMS(16, n); break;
+                case 2: CF_DW_SUMS(32, n); break;
+                case 3: CF_DW_SUMS(48, n); break;
+                default: CF_DW_SUMS(DW_CHUNK, n); break;
+                }
             }
         }
     }
@@ -323,6 +348,8 @@ static void cf_conv_rows(const cf_conv* cv, long pa, long pb, long Q, float* res
                                    wr + jb * RSC, o + i0 * ldo + jb, ldo, (int)CF_MIN(NR, K - jb),
                                    0);
                     }
+                    /* the sliver's results, every channel, while they are in L1 */
+                    cf_epilogue(o + i0 * ldo, ldo, MR, K, cv->bias, cv->mid);
                 }
             }
             for (long e = 0; e < edges; ++e) { /* every tap, padding included */
@@ -372,13 +399,18 @@ static void cf_conv_rows(const cf_conv* cv, long pa, long pb, long Q, float* res
         }
         for (long i = 0; i < ne; ++i) {
             memcpy(out + e_at[i] * ldo, Ce + i * LDK, sizeof(float) * (size_t)K);
+            if (rowmode) cf_epilogue(out + e_at[i] * ldo, ldo, 1, K, cv->bias, cv->mid);
         }
         for (long rr = 0; rr < rows; ++rr) { /* a row whose taps all read padding: zeros */
             const long p = p0 + rr;
             if (flat || (p * st + R - 1 - pad >= 0 && p * st - pad < cv->H)) continue;
             for (long i = lo_e; i < hi_f; ++i) {
                 for (long k = 0; k < K; ++k) out[(c0 + rr * Q + i) * ldo + k] = 0.0f;
+                if (rowmode) cf_epilogue(out + (c0 + rr * Q + i) * ldo, ldo, 1, K, cv->bias, cv->mid);
             }
+        }
+        if (!rowmode) { /* (rowmode: applied to each sliver and edge pixel as it was made) */
+            cf_epilogue(out + c0 * ldo, ldo, npx, K, cv->bias, cv->mid);
         }
     }
 }
