@@ -46,7 +46,7 @@ __all__ = ["Spread", "main", "speedup"]
 VARIANTS = ("eager", "inductor", "inductor-freezing", "chainfuse")
 MODELS = (
     "bert", "vit", "vit384", "vit512", "gpt2", "llama", "llama4k", "whisper", "bloom", "gemma2",
-    "nn-encoder", "resnet50",
+    "nn-encoder", "resnet50", "mobilenet-v2",
 )  # fmt: skip
 # a model, its positional inputs and its keyword inputs
 Built = tuple[Any, tuple[Any, ...], dict[str, Any]]
@@ -200,6 +200,10 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1])  # fmt: skip
         return tf.ResNetModel(config), (image(224 if not quick else 64),), {}
 
+    def make_mobilenet() -> Built:  # (its expansion -> depthwise chains; torchvision's padding)
+        config = tf.MobileNetV2Config(tf_padding=False, depth_multiplier=1.0 if not quick else 0.35)
+        return tf.MobileNetV2Model(config), (image(224 if not quick else 64),), {}
+
     def make_encoder() -> Built:  # (eval mode: the layers' fused fast path where eager runs)
         nn = torch.nn
         layer = nn.TransformerEncoderLayer(encoder[0], encoder[2], encoder[3], batch_first=True,
@@ -214,7 +218,8 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             "vit512": lambda: make_vit(vit512), "gpt2": make_gpt2,
             "llama": lambda: make_llama(llama), "llama4k": lambda: make_llama(llama4k),
             "whisper": make_whisper, "bloom": make_bloom, "gemma2": make_gemma2,
-            "nn-encoder": make_encoder, "resnet50": make_resnet}  # fmt: skip
+            "nn-encoder": make_encoder, "resnet50": make_resnet,
+            "mobilenet-v2": make_mobilenet}  # fmt: skip
 
 
 def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:

@@ -58,10 +58,16 @@ class _Operator:
     these operators have no backward: `ops` refuses inputs that need one.) Called, it calls the
     operator."""
 
-    def __init__(self, name: str, kernel: Callable[..., Any], devices: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        name: str,
+        kernel: Callable[..., Any],
+        devices: tuple[str, ...],
+        tags: tuple[torch.Tag, ...] = (),
+    ) -> None:
         self.name = f"chainfuse::{name}"
         schema = torch.library.infer_schema(kernel, mutates_args=())
-        _LIBRARY.define(name + schema)  # type: ignore[no-untyped-call]
+        _LIBRARY.define(name + schema, tags=tags)  # type: ignore[no-untyped-call]
         for device in devices:
             _LIBRARY.impl(name, kernel, device.upper())  # type: ignore[no-untyped-call]
         self.op = getattr(torch.ops.chainfuse, name).default
@@ -75,10 +81,10 @@ class _Operator:
 
 
 def _operator(
-    name: str, devices: tuple[str, ...] = ("cpu",)
+    name: str, devices: tuple[str, ...] = ("cpu",), tags: tuple[torch.Tag, ...] = ()
 ) -> Callable[[Callable[..., Any]], _Operator]:
     """Decorator: the kernel as the operator `torch.ops.chainfuse.<name>` (`_Operator`)."""
-    return lambda kernel: _Operator(name, kernel, devices)
+    return lambda kernel: _Operator(name, kernel, devices, tags)
 
 
 def _on_torch_threads(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -546,7 +552,10 @@ def _conv_shape(
     return (x.shape[0], w2.shape[0], h, w)
 
 
-@_operator("conv_chain")
+# flexible layout: Inductor passes x as its graph holds it (channels-last where it runs its
+# convolutions so), not copied back to the traced graph's order; the result follows x's order
+# (`_conv_out`), in the shape function too
+@_operator("conv_chain", tags=(torch.Tag.flexible_layout,))
 def _conv_chain_op(
     x: torch.Tensor,
     w1: torch.Tensor,

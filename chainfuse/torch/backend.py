@@ -38,7 +38,7 @@ import torch.fx as fx
 from chainfuse.torch.decide import Decision, decide, predicted_time
 from chainfuse.torch.finder import ChainKind, Found, find
 from chainfuse.torch.guard import GraphCheck, check_graph, compile_graph, describe, plain_copy
-from chainfuse.torch.kinds import NUMBER, value_of
+from chainfuse.torch.kinds import NUMBER, Kind, kind_of, value_of
 from chainfuse.torch.rewrite import (
     Capabilities,
     Emitter,
@@ -254,6 +254,13 @@ class Backend:
         def fused(graph: fx.Graph, env: dict[fx.Node, Any]) -> Any:
             return emitter.emit(found, graph, lambda a: env[a] if isinstance(a, fx.Node) else a)
 
+        inductor_mode = self.options.mode == "inductor"
+        # a conv chain's images as Inductor's graph will hold them: channels-last where its
+        # layout optimization runs the model's convolutions so (as the rewritten graph passes
+        # them to the operator, whose layout is flexible); timed so on both sides
+        channels_last = (
+            found.kind is ChainKind.CONV and inductor_mode and _layout_optimized(gm.graph)
+        )
         runs, modules = [], []
         for write in (fused, unfused):
             graph, env, args = fx.Graph(), {}, []
@@ -262,7 +269,7 @@ class Backend:
                     env[n] = graph.get_attr(str(n.target))
                 else:
                     env[n] = graph.placeholder(n.name)
-                    args.append(values[n])
+                    args.append(_channels_last(values[n]) if channels_last else values[n])
             graph.output(write(graph, env))
             module = fx.GraphModule(gm, graph)
             runs.append(functools.partial(_no_grad_call, module, args))
@@ -300,12 +307,30 @@ class Backend:
             except Exception:  # (Inductor failed on them: timed as they run eagerly)
                 return runs[0]
 
-        inductor_mode = self.options.mode == "inductor"
         timed = inductor if inductor_mode else None
         key = [found.kind.value, found.form, torch.get_num_threads(), _constants(found.parts),
-               self.options.mode, self.options.freeze, *[describe(values[n]) for n in ext]]  # fmt: skip
+               self.options.mode, self.options.freeze, *[describe(values[n]) for n in ext],
+               channels_last]  # fmt: skip
         return decide(key, runs[0], eager, _predicted(found, values), self.options.measure,
                       timed, fused_as_run if inductor_mode else None)  # fmt: skip
+
+
+def _layout_optimized(graph: fx.Graph) -> bool:
+    """Whether Inductor will run `graph`'s convolutions channels-last: its layout optimization
+    is on and the graph convolves (its own test, `decide_layout_opt`, also weighs their sizes;
+    where it keeps NCHW, the whole-graph check still measures the graph as it runs)."""
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.layout_optimization) and any(
+        kind_of(n) is Kind.CONV for n in graph.nodes
+    )
+
+
+def _channels_last(value: Any) -> Any:
+    """A 4-D image batch in channels-last memory order (the same values); anything else as is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point():
+        return value.contiguous(memory_format=torch.channels_last)
+    return value
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule | None:

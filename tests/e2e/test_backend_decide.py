@@ -263,3 +263,34 @@ def test_a_rewritten_graph_not_measured_slower_is_kept(monkeypatch: pytest.Monke
     report = Report()
     _compile_and_run(report)
     assert report.graph_checks and report.graph_checks[0].kept_rewritten
+
+
+def test_conv_chains_are_timed_channels_last_as_inductor_runs_them(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NCHW model whose convolutions Inductor runs channels-last (its layout optimization):
+    the chain's decision times both sides on channels-last images, as the rewritten graph
+    passes them to the operator (whose layout is flexible: Inductor does not copy them back to
+    NCHW); the output is eager's either way."""
+    monkeypatch.setenv("CHAINFUSE_CACHE_DIR", str(tmp_path))
+    Compiles(monkeypatch)
+    _times(monkeypatch, chain=(1.0, 2.0), graph=(1.0, 1.5))
+    seen: list[bool] = []
+    real_decide = backend_mod.decide
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(bool(args[0][-1]))  # (the key's last part: timed channels-last)
+        return real_decide(*args, **kwargs)
+
+    monkeypatch.setattr(backend_mod, "decide", spy)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(8, 48, 1), nn.ReLU6(), nn.Conv2d(48, 48, 3, padding=1, groups=48),
+                        nn.ReLU6()).eval()  # fmt: skip
+    x = torch.randn(1, 8, 12, 12)
+    report = Report()
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend=Backend(Options(), report), fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), net(x), rtol=1e-5, atol=1e-5)
+    assert seen == [True] and report.chains[0].fused
+    assert torch.Tag.flexible_layout in torch.ops.chainfuse.conv_chain.default.tags
