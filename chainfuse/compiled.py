@@ -588,13 +588,17 @@ class ConvKernel(_Built):
             return out
         nan = np.zeros((s.K2, s.P2, s.Q2), dtype=bool)
         if bad1:  # the first conv's NaN positions, then each second-conv position reading one
-            first = _nan_taps(w1, (s.H, s.W), (s.P1, s.Q1), s.st1, s.pad1).any(axis=0)
-            inside = np.pad(first, 1)  # rows and columns -1, P1 / Q1: padding, never NaN
+            # (of any channel; a depthwise second conv reads its own channel alone)
+            first = _nan_taps(w1, (s.H, s.W), (s.P1, s.Q1), s.st1, s.pad1)
+            if not s.depthwise:
+                first = first.any(axis=0, keepdims=True)
+            # rows and columns -1, P1 / Q1: padding, never NaN
+            inside = np.pad(first, ((0, 0), (1, 1), (1, 1)))
             r = np.arange(s.P2)[:, None] * s.st2 - s.pad2 + np.arange(s.R2)[None, :]
             c = np.arange(s.Q2)[:, None] * s.st2 - s.pad2 + np.arange(s.S2)[None, :]
             r, c = np.clip(r, -1, s.P1) + 1, np.clip(c, -1, s.Q1) + 1
-            reads = np.asarray(inside[r[:, None, :, None], c[None, :, None, :]], dtype=bool)
-            nan |= reads.any(axis=(2, 3)).reshape(1, s.P2, s.Q2)
+            reads = np.asarray(inside[:, r[:, None, :, None], c[None, :, None, :]], dtype=bool)
+            nan |= reads.any(axis=(3, 4))
         if bad2:
             nan |= _nan_taps(w2, (s.P1, s.Q1), (s.P2, s.Q2), s.st2, s.pad2)
         if not nan.any():

@@ -90,6 +90,7 @@ def test_gemm_chain_softmax_row_of_minus_inf_is_nan_as_torchs(rows: int) -> None
     value=st.sampled_from([NAN, INF, -INF]),
     between=st.sampled_from([None, "relu"]),
     channels_last=st.booleans(),
+    depthwise=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_conv_padding_taps_meet_non_finite_weights_as_in_pytorch(
@@ -103,6 +104,7 @@ def test_conv_padding_taps_meet_non_finite_weights_as_in_pytorch(
     value: float,
     between: str | None,
     channels_last: bool,
+    depthwise: bool,
     seed: int,
 ) -> None:
     """A non-finite weight whose tap reads the padding: PyTorch's output is NaN there (a zero
@@ -111,11 +113,14 @@ def test_conv_padding_taps_meet_non_finite_weights_as_in_pytorch(
     call and on the remembered call after it, whatever x's memory order. (Some of PyTorch's
     own convolution algorithms skip padded taps, so its answer there depends on the layout and
     sizes; the oracle is the arithmetic itself, PyTorch's convs over explicitly zero-padded
-    operands, which the float64 reference shares.)"""
+    operands, which the float64 reference shares.) A depthwise second conv carries a channel's
+    NaN to that channel alone."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, h, w, generator=g)
     w1 = torch.randn(4, 3, *taps, generator=g)
-    w2 = torch.randn(5, 4, *taps2, generator=g)
+    w2 = torch.randn(4, 1, *taps2, generator=g) if depthwise else torch.randn(5, 4, *taps2,
+                                                                              generator=g)  # fmt: skip
+    groups = 4 if depthwise else 1
     for name, t in (("w1", w1), ("w2", w2)):
         if bad in (name, "both"):
             at = tuple(int(torch.randint(0, n, (1,), generator=g)) for n in t.shape)
@@ -128,9 +133,10 @@ def test_conv_padding_taps_meet_non_finite_weights_as_in_pytorch(
     if min(first.shape[-2:]) + 2 * padding[1] < max(taps2):
         return  # (the second conv's kernel does not fit)
     hidden = F.relu(first) if between == "relu" else first
-    want = F.conv2d(F.pad(hidden, [padding[1]] * 4), w2, stride=stride[1])
+    want = F.conv2d(F.pad(hidden, [padding[1]] * 4), w2, stride=stride[1], groups=groups)
     for _ in range(2):
-        got = ops.conv_chain(x, w1, w2, stride=stride, padding=padding, between=between)
+        got = ops.conv_chain(x, w1, w2, stride=stride, padding=padding, between=between,
+                             groups=(1, groups))  # fmt: skip
         _same_specials(got, want)
         finite = torch.isfinite(want)
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
