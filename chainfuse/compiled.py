@@ -591,7 +591,7 @@ class ConvKernel(_Built):
             # (of any channel; a depthwise second conv reads its own channel alone)
             first = _nan_taps(w1, (s.H, s.W), (s.P1, s.Q1), s.st1, s.pad1)
             if not s.depthwise:
-                first = first.any(axis=0, keepdims=True)
+                first = np.asarray(first.any(axis=0, keepdims=True), dtype=bool)
             # rows and columns -1, P1 / Q1: padding, never NaN
             inside = np.pad(first, ((0, 0), (1, 1), (1, 1)))
             r = np.arange(s.P2)[:, None] * s.st2 - s.pad2 + np.arange(s.R2)[None, :]
