@@ -46,7 +46,7 @@ __all__ = ["Spread", "main", "speedup"]
 VARIANTS = ("eager", "inductor", "inductor-freezing", "chainfuse")
 MODELS = (
     "bert", "vit", "vit384", "vit512", "gpt2", "llama", "llama4k", "whisper", "bloom", "gemma2",
-    "nn-encoder", "resnet50", "mobilenet-v2",
+    "nn-encoder", "resnet50", "mobilenet-v2", "efficientnet",
 )  # fmt: skip
 # a model, its positional inputs and its keyword inputs
 Built = tuple[Any, tuple[Any, ...], dict[str, Any]]
@@ -204,6 +204,11 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
         config = tf.MobileNetV2Config(tf_padding=False, depth_multiplier=1.0 if not quick else 0.35)
         return tf.MobileNetV2Model(config), (image(224 if not quick else 64),), {}
 
+    def make_efficientnet() -> Built:  # (B0: expansion -> depthwise with SiLU, padding "same")
+        config = tf.EfficientNetConfig() if not quick else tf.EfficientNetConfig(
+            image_size=64, depth_coefficient=0.5)  # fmt: skip
+        return tf.EfficientNetModel(config), (image(224 if not quick else 64),), {}
+
     def make_encoder() -> Built:  # (eval mode: the layers' fused fast path where eager runs)
         nn = torch.nn
         layer = nn.TransformerEncoderLayer(encoder[0], encoder[2], encoder[3], batch_first=True,
@@ -219,7 +224,7 @@ def _models(quick: bool) -> dict[str, Callable[[], Built]]:
             "llama": lambda: make_llama(llama), "llama4k": lambda: make_llama(llama4k),
             "whisper": make_whisper, "bloom": make_bloom, "gemma2": make_gemma2,
             "nn-encoder": make_encoder, "resnet50": make_resnet,
-            "mobilenet-v2": make_mobilenet}  # fmt: skip
+            "mobilenet-v2": make_mobilenet, "efficientnet": make_efficientnet}  # fmt: skip
 
 
 def _variant(name: str, model: Any) -> tuple[Callable[..., Any], Any]:

@@ -632,8 +632,8 @@ def _dtype_is(node: fx.Node, like: fx.Node) -> bool:
 
 def conv_at(node: fx.Node) -> dict[str, Any] | None:
     """A conv2d's operands, or None where chainfuse's conv chain cannot take it (dilation other
-    than 1, padding given as a string). `groups` is as given: `_conv` says where it may be
-    other than 1."""
+    than 1, padding "same" other than the same on every side). `groups` is as given: `_conv`
+    says where it may be other than 1."""
     if kind_of(node) is not Kind.CONV:
         return None
     names = ("x", "w", "b", "stride", "padding", "dilation", "groups")
@@ -643,8 +643,12 @@ def conv_at(node: fx.Node) -> dict[str, Any] | None:
                   for k, v in node.kwargs.items()})  # fmt: skip
     if not isinstance(bound["groups"], int) or bound["dilation"] not in (1, (1, 1), [1, 1]):
         return None
-    if isinstance(bound["padding"], str) or not isinstance(bound["w"], fx.Node):
+    if not isinstance(bound["w"], fx.Node):
         return None
+    if isinstance(bound["padding"], str):  # "valid", or "same" (stride 1) where symmetric
+        bound["padding"] = _named_padding(bound["padding"], value_of(bound["w"]))
+        if bound["padding"] is None:
+            return None
     for name in ("stride", "padding"):
         v = bound[name]
         v = (v, v) if isinstance(v, int) else tuple(v)
@@ -652,6 +656,17 @@ def conv_at(node: fx.Node) -> dict[str, Any] | None:
             return None
         bound[name] = v[0]
     return bound
+
+
+def _named_padding(name: str, w: Any) -> int | None:
+    """conv2d's `padding="valid"` (none) or `"same"` (stride 1: the output the input's size) as
+    the pad on every side, where that is one number: an odd square kernel; else None."""
+    if name == "valid":
+        return 0
+    if name != "same" or not isinstance(w, torch.Tensor) or w.dim() != 4:
+        return None
+    r, s = int(w.shape[2]), int(w.shape[3])
+    return (r - 1) // 2 if r == s and r % 2 == 1 else None
 
 
 def _batch_norm(node: fx.Node) -> fx.Node | None:

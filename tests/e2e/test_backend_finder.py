@@ -144,6 +144,19 @@ def test_inverted_residuals_pair_each_expansion_with_its_depthwise() -> None:
     assert any("grouped conv2d (groups=4): not depthwise" in r for _, r in found.skipped)
 
 
+def test_padding_named_same_or_valid_is_the_convs_padding() -> None:
+    """conv2d's `padding="same"` (EfficientNet's) is the pad on every side where that is one
+    number (an odd square kernel), `"valid"` none; "same" of an even kernel ends the chain."""
+    w1, w2 = torch.randn(16, 8, 1, 1), torch.randn(16, 16, 3, 3)
+    x = torch.randn(1, 8, 9, 9)
+    (chain,) = find(_graph(lambda x: F.conv2d(F.silu(F.conv2d(x, w1, padding="valid")), w2,
+                                              padding="same"), x)).chains  # fmt: skip
+    assert (chain.parts["first"]["padding"], chain.parts["second"]["padding"]) == (0, 1)
+    even = torch.randn(16, 16, 2, 2)
+    found = find(_graph(lambda x: F.conv2d(F.silu(F.conv2d(x, w1)), even, padding="same"), x))
+    assert not found.chains
+
+
 def test_zeros_padded_before_a_conv_are_its_padding() -> None:
     """TF's "SAME" padding written out (`F.pad` before a conv with no padding, as Hugging Face's
     MobileNets do): the same zeros on every side join the chain as the conv's padding; other

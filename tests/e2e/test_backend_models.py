@@ -219,6 +219,11 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         cfg = transformers.LevitConfig(image_size=32, hidden_sizes=[32, 48, 64], depths=[1, 1, 1],
                                        num_attention_heads=[2, 2, 2], key_dim=[8, 8, 8])  # fmt: skip
         return _with_statistics(transformers.LevitModel(cfg)), (torch.randn(2, 3, 32, 32),), 11
+    if name == "efficientnet":  # padding="same" / "valid", expansion -> depthwise with SiLU,
+        # the squeeze-excitation's conv -> silu -> conv
+        cfg = transformers.EfficientNetConfig(image_size=32, depth_coefficient=0.5)
+        model = _with_statistics(transformers.EfficientNetModel(cfg))
+        return model, (torch.randn(2, 3, 32, 35),), 20
     if name.startswith("mobilenet-v2"):  # expansion -> depthwise chains (17 blocks, 18 chains)
         # TF's padding (the default): the zeros an F.pad adds before each conv are the conv's
         # padding where they are the same on every side; stride 2's (0, 1, 0, 1) ends 3 chains
@@ -279,7 +284,7 @@ def _check_close(model: Any, inputs: tuple[Any, ...], dtype: Any, report: Report
 
 # (GPT-2 and the Llama-style model in float32: the generation test; CI time kept short)
 CASES = [("bert", "float32"), ("bert-written", "float32"), ("vit", "float32"),
-         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("mobilenet-v2", "float32"), ("mobilenet-v2-tf", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("tabular", "float32"), ("tabular", "bfloat16"), ("levit", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
+         ("vit-large-image", "float32"), ("whisper", "float32"), ("encoder-layer", "float32"), ("encoder-fast", "float32"), ("resnet", "float32"), ("yolo", "float32"), ("conv-acts", "float32"), ("mobilenet-v2", "float32"), ("mobilenet-v2-tf", "float32"), ("efficientnet", "float32"), ("nemotron", "float32"), ("mlp-stack", "float32"), ("tabular", "float32"), ("tabular", "bfloat16"), ("levit", "float32"), ("mlp", "float32"), ("phi3", "float32"), ("falcon", "float32"),
          ("bloom", "float32"), ("gpt-neo", "float32"), ("mpt", "float32"), ("mpnet", "float32"), ("gemma2", "float32"), ("gemma2", "bfloat16"), ("bert", "bfloat16"), ("bloom", "bfloat16"), ("vit", "bfloat16"), ("gpt2", "bfloat16"), ("llama", "bfloat16")]  # fmt: skip
 
 
