@@ -436,9 +436,10 @@ def mlp_chain(
     )
 
 
-def conv_out_size(size: int, kernel: int, stride: int, pad: int) -> int:
-    """Output length of a convolution along one axis (PyTorch's formula, dilation 1)."""
-    return (size + 2 * pad - kernel) // stride + 1
+def conv_out_size(size: int, kernel: int, stride: int, pad: int, after: int | None = None) -> int:
+    """Output length of a convolution along one axis (PyTorch's formula, dilation 1); `after`:
+    the zeros after the axis where they differ from the `pad` before it."""
+    return (size + pad + (pad if after is None else after) - kernel) // stride + 1
 
 
 def conv_chain_spec(
@@ -457,6 +458,7 @@ def conv_chain_spec(
     between: Activation | str | None = None,
     dtype: DType | str = "float32",
     depthwise: bool = False,
+    pad_after: int | None = None,
 ) -> Chain:
     """Two convolutions, logical NCHW, weights [K, C, R, S] as in PyTorch::
 
@@ -468,6 +470,9 @@ def conv_chain_spec(
     `groups=K1`, W2 [K1, 1, R2, S2], K2 = K1), as in MobileNet's expansion -> depthwise::
 
     Y2[n,k1,p2,q2] = sum_{r2,s2} Z[n,k1,st2*p2+r2-pad2,st2*q2+s2-pad2] * W2[k1,0,r2,s2]
+
+    `pad_after`: the second convolution's zeros after each axis (bottom, right) where they
+    differ from the `padding[1]` before it (top, left): TF's "SAME" at stride 2, `(0, 1)`.
     """
     sizes = ((N, "N"), (C, "C"), (H, "H"), (W, "W"), (K1, "K1"), (R1, "R1"), (S1, "S1"),
              (K2, "K2"), (R2, "R2"), (S2, "S2"))  # fmt: skip
@@ -478,6 +483,9 @@ def conv_chain_spec(
     for p in padding:
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ValueError(f"padding must be non-negative integers, got {padding!r}")
+    after = pad2 if pad_after is None else pad_after
+    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise ValueError(f"pad_after must be None or a non-negative integer, got {pad_after!r}")
     dt = DType.parse(dtype)
     if not isinstance(depthwise, bool):
         raise TypeError(f"depthwise: expected a bool, got {type(depthwise).__name__}")
@@ -488,7 +496,7 @@ def conv_chain_spec(
     P1, Q1 = conv_out_size(H, R1, st1, pad1), conv_out_size(W, S1, st1, pad1)
     if P1 <= 0 or Q1 <= 0:
         raise ValueError(f"first conv kernel {R1}x{S1} is larger than the padded input {H}x{W}")
-    P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
+    P2, Q2 = conv_out_size(P1, R2, st2, pad2, after), conv_out_size(Q1, S2, st2, pad2, after)
     if P2 <= 0 or Q2 <= 0:
         raise ValueError(f"second conv kernel {R2}x{S2} is larger than its padded input {P1}x{Q1}")
     loops: tuple[Loop, ...]
@@ -508,7 +516,7 @@ def conv_chain_spec(
         raise ValueError("between: softmax is not supported between convolutions")
     mid = "Y1" if op is None else "Z"
     z = Access(mid, (Affine.of("n"), Affine.of("k1"), window("p2", "r2", st2, pad2),
-                     window("q2", "s2", st2, pad2)), zero_pad=pad2 > 0)  # fmt: skip
+                     window("q2", "s2", st2, pad2)), zero_pad=pad2 + after > 0)  # fmt: skip
     ops: list[Op] = [Contraction(_plain("Y1", "n", "k1", "p1", "q1"),
                                  (x, _plain("W1", "k1", "c", "r1", "s1")))]  # fmt: skip
     if op is not None:
@@ -531,7 +539,7 @@ def conv_chain_spec(
     word = "" if op is None else f"_{_op_word(op)}"
     dw = "dw" if depthwise else ""
     name = (f"conv{R1}x{S1}{word}_{dw}conv{R2}x{S2}_{dt.value}_n{N}c{C}h{H}w{W}k{K1}k{K2}"
-            f"s{st1}{st2}p{pad1}{pad2}")  # fmt: skip
+            f"s{st1}{st2}p{pad1}{pad2}" + (f"a{after}" if after != pad2 else ""))  # fmt: skip
     return Chain(name, loops, tuple(tensors), tuple(ops)).verify()
 
 

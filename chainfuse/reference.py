@@ -699,11 +699,15 @@ def assert_close(
     name: str = "output",
     dtype: DType | None = None,
     inputs: Mapping[str, NDArray[Any]] | None = None,
+    peak: float | None = None,
 ) -> None:
     """Raise AssertionError unless `|a - e| <= atol * max(1, max|e|) + rtol * |e| + extra`
     everywhere.
 
-    `(rtol, atol) = tolerance(chain, dtype)`; `max|e|` is over the finite expected values.
+    `(rtol, atol) = tolerance(chain, dtype)`; `max|e|` is over the finite expected values, or
+    `peak` where given: the largest of the values the result was computed from where an
+    activation after them shrinks them (a conv chain's ReLU6 `after` clips sums of thousands to
+    6; their rounding is of thousands).
     `extra` is `softmax_error(chain, inputs)` when the `inputs` are given and the chain has a
     softmax between two contractions (0 otherwise): the part of the same rounding analysis that
     depends on the inputs' magnitude. Where `expected` is finite, a NaN or inf in `actual`
@@ -717,7 +721,8 @@ def assert_close(
         raise AssertionError(f"{name}: shape {a.shape} != expected shape {e.shape}")
     rtol, atol = tolerance(chain, dtype)
     finite = np.isfinite(e)
-    peak = float(np.max(np.abs(e[finite]))) if finite.any() else 0.0
+    if peak is None:
+        peak = float(np.max(np.abs(e[finite]))) if finite.any() else 0.0
     floor = atol * max(1.0, peak)
     extra = None if inputs is None else softmax_error(chain, inputs, dtype)
     with np.errstate(invalid="ignore"):

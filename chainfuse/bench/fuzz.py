@@ -209,7 +209,7 @@ def judge(case: Case) -> tuple[Outcome, str]:
         expected = np.where(skipped, actual, expected)
     try:
         reference.assert_close(actual.reshape(shape), expected.reshape(shape), case.chain,
-                               inputs=case.inputs)  # fmt: skip
+                               inputs=case.inputs, peak=case.peak)  # fmt: skip
     except AssertionError as exc:
         return Outcome.WRONG, str(exc)
     if case.oracle is not None:

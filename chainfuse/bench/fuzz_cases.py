@@ -43,6 +43,7 @@ class Case:
     oracle: Callable[[], np.ndarray] | None = None
     may_refuse: bool = False
     out: Any = None
+    peak: float | None = None  # the magnitude of the sums before an activation after them
 
 
 def pick(rng: np.random.Generator, options: Any, weights: Any = None) -> Any:

@@ -15,7 +15,7 @@ from chainfuse.bench.fuzz_cases import Case, describe_operand, oracle_torch, pic
 from chainfuse.bench.fuzz_gemm import subclassed
 from chainfuse.bench.fuzz_values import Kind, Layout, Operand, inject, place, rounded, size
 from chainfuse.bench.fuzz_values import torch_or_none as _torch
-from chainfuse.ir import ACTIVATION_NAMES
+from chainfuse.ir import ACTIVATION_NAMES, Activation
 
 __all__ = ["conv_case"]
 
@@ -25,7 +25,9 @@ _CHANNELS = (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 32)
 
 
 def _geometry(rng: np.random.Generator, alias: bool, depthwise: bool) -> tuple[int, ...]:
-    """(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2) of a valid, small chain; with
+    """(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, after) of a valid, small
+    chain (`after`: the second conv's padding after each axis, TF's "SAME" at stride 2 one more
+    than before); with
     `alias`, one whose result has x's shape (so out= can be x itself); `depthwise`: a second
     conv of groups K1 (K2 = K1)."""
     while True:
@@ -35,10 +37,11 @@ def _geometry(rng: np.random.Generator, alias: bool, depthwise: bool) -> tuple[i
         R1, S1, R2, S2 = (int(pick(rng, [1, 2, 3, 3, 5])) for _ in range(4))
         st1, st2 = (int(pick(rng, [1, 1, 2, 3])) for _ in range(2))
         pad1, pad2 = (int(pick(rng, [0, 0, 1, 2])) for _ in range(2))
+        after = pad2 + int(pick(rng, [0, 0, 0, 0, 1]))
         if alias:
             R1 = S1 = R2 = S2 = int(pick(rng, [1, 3]))
             st1 = st2 = 1
-            pad1 = pad2 = R1 // 2
+            pad1 = pad2 = after = R1 // 2
             K2 = C
         if depthwise:
             K1 = K2
@@ -46,18 +49,18 @@ def _geometry(rng: np.random.Generator, alias: bool, depthwise: bool) -> tuple[i
         Q1 = builders.conv_out_size(W, S1, st1, pad1)
         if P1 < 1 or Q1 < 1 or H + 2 * pad1 < R1 or W + 2 * pad1 < S1:
             continue
-        P2 = builders.conv_out_size(P1, R2, st2, pad2)
-        Q2 = builders.conv_out_size(Q1, S2, st2, pad2)
-        if P2 < 1 or Q2 < 1 or P1 + 2 * pad2 < R2 or Q1 + 2 * pad2 < S2:
+        P2 = builders.conv_out_size(P1, R2, st2, pad2, after)
+        Q2 = builders.conv_out_size(Q1, S2, st2, pad2, after)
+        if P2 < 1 or Q2 < 1 or P1 + pad2 + after < R2 or Q1 + pad2 + after < S2:
             continue
         work = N * (K1 * P1 * Q1 * C * R1 * S1 + K2 * P2 * Q2 * K1 * R2 * S2)
         try:  # (a window that reads only padding along a whole dim: the IR has no such chain)
             builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, (st1, st2), (pad1, pad2),
-                                     depthwise=depthwise)  # fmt: skip
+                                     depthwise=depthwise, pad_after=after)  # fmt: skip
         except ValueError:
             continue
         if work <= 1_500_000:
-            return N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2
+            return N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, after
 
 
 #: what a conv chain may apply between and after its convolutions (relu drawn most: ResNet's)
@@ -85,7 +88,7 @@ def conv_case(
     features.append(kind.value)
     out_mode = pick(rng, [None, "out", "out-alias"], [12, 2, 1]) if entry == "ops" else None
     depthwise = rng.random() < 0.25  # (MobileNet's expansion -> depthwise)
-    N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2 = _geometry(
+    N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, pad2_after = _geometry(
         rng, out_mode == "out-alias", depthwise
     )
     depthwise = depthwise and K1 > 1  # (one channel: a dense conv, the same sums)
@@ -142,17 +145,25 @@ def conv_case(
         may_refuse = True
     stride: Any = (st1, st2) if st1 != st2 or rng.random() < 0.5 else st1
     padding: Any = (pad1, pad2) if pad1 != pad2 or rng.random() < 0.5 else pad1
+    if pad2_after != pad2:
+        padding = (pad1, (pad2, pad2_after))
+        features.append("pad-after")
     if entry == "ops" and rng.random() < 0.1:  # numpy integers, as shapes arithmetic gives them
         features.append("np-int")
         stride = np.int64(stride) if isinstance(stride, int) else tuple(np.int64(s) for s in stride)
         padding = np.int64(padding) if isinstance(padding, int) else tuple(
-            np.int64(p) for p in padding)  # fmt: skip
+            np.int64(p) if isinstance(p, int) else tuple(map(np.int64, p)) for p in padding)  # fmt: skip
         may_refuse = True
     chain = builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, (st1, st2),
-                                     (pad1, pad2), between, "float32", depthwise)  # fmt: skip
+                                     (pad1, pad2), between, "float32", depthwise,
+                                     pad2_after)  # fmt: skip
     inputs = {"X": values["x"], "W1": values["w1"], "W2": values["w2"]}
     b1, b2 = (values.get(x) for x in ("b1", "b2"))
-    expected = reference.run_conv_chain(chain, inputs, b1, b2, after)
+    sums = reference.run_conv_chain(chain, inputs, b1, b2)
+    expected = sums if after is None else reference.activate(Activation(after), sums)
+    finite = np.abs(sums[np.isfinite(sums)])
+    peak = max(float(finite.max()) if finite.size else 0.0,
+               float(np.max(np.abs(expected[np.isfinite(expected)]), initial=0.0)))  # fmt: skip
     if unbatched:
         expected = expected[0]
     arrays = {o.name: o.array for o in operands}
@@ -210,11 +221,12 @@ def conv_case(
             tb1, tb2 = (None if v is None else t.from_numpy(v) for v in (b1, b2))
             y = f.conv2d(tx, t1, tb1, stride=st1, padding=pad1)
             y = _activation(between, y)
-            y = f.conv2d(y, t2, tb2, stride=st2, padding=pad2, groups=groups[1])
+            y = f.pad(y, (pad2, pad2_after, pad2, pad2_after))
+            y = f.conv2d(y, t2, tb2, stride=st2, groups=groups[1])
             y = _activation(after, y)
             return y[0] if unbatched else y
 
         oracle = oracle_torch(unfused)
     return Case("conv_chain", dtype, tuple(features), operands, call, expected, chain, _NAMES,
                 desc + "; ".join(describe_operand(o) for o in operands),
-                None, oracle, may_refuse, out)  # fmt: skip
+                None, oracle, may_refuse, out, peak)  # fmt: skip

@@ -88,6 +88,8 @@ def amx_conv_unsupported(shape: ConvChainShape) -> str:
     filter per channel has no dot products for the tiles: the fp32 kernels run it)."""
     if shape.depthwise:
         return "a depthwise second convolution runs on the float32 conv kernels only"
+    if shape.pad2_after > shape.pad2:
+        return "the second convolution's padding differs before and after (float32 kernels only)"
     need = _band_bytes(shape, 1)
     if need > AMX_CONV_LIMIT:
         return (

@@ -137,6 +137,14 @@ class ConvChainShape:
     depthwise: bool = False  # the second conv filters each channel alone (W2 [K1, 1, R2, S2])
 
     @property
+    def pad2_after(self) -> int:
+        """The second conv's zeros after each axis its last window reads (`pad2` is before:
+        more where the padding is TF's "SAME" at stride 2; at most pad2 where symmetric)."""
+        rows = (self.P2 - 1) * self.st2 - self.pad2 + self.R2 - self.P1
+        cols = (self.Q2 - 1) * self.st2 - self.pad2 + self.S2 - self.Q1
+        return max(0, rows, cols)
+
+    @property
     def overlap_rows(self) -> int:
         """Rows of Z two consecutive output rows of conv2 both read."""
         return max(0, self.R2 - self.st2)

@@ -389,11 +389,11 @@ def _compile_conv(
     `amx_setting`, a key; `micro`: the fp32 micro-kernel to run on, else the best; `threads`:
     the threads it runs on, which its bands are cut for)."""
     del amx
-    N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, depthwise = sizes
+    N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, depthwise, pad2_after = sizes
     try:
         chain = builders.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
                                    padding=(pad1, pad2), between=between, dtype=dtype,
-                                   depthwise=bool(depthwise))  # fmt: skip
+                                   depthwise=bool(depthwise), pad_after=pad2_after)  # fmt: skip
     except ValueError as err:
         if "never hits" not in str(err):
             raise

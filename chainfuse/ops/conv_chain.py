@@ -48,7 +48,7 @@ def conv_chain(
     b1: Any = None,
     b2: Any = None,
     stride: int | tuple[int, int] = (1, 1),
-    padding: int | tuple[int, int] = (0, 0),
+    padding: int | tuple[int, int | tuple[int, int]] = (0, 0),
     between: str | None = None,
     after: str | None = None,
     out: Any = None,
@@ -71,7 +71,9 @@ def conv_chain(
     channels-last buffer per thread). An unbatched `x` [C, H, W] gives [K2, P, Q], as PyTorch's
     conv2d does. `packed`: w1 and w2 as `pack_conv_weights` packed them (for x's dtype), read in
     place of packing them in each call (which reads and writes every weight once: most of a
-    call's time where the images are small and the channels many). `groups`, per conv as
+    call's time where the images are small and the channels many). The second conv's padding
+    may be `(before, after)` each axis (TF's "SAME" at stride 2: `padding=(0, (0, 1))`, as an
+    `F.pad` of `(0, 1, 0, 1)` before it would give). `groups`, per conv as
     PyTorch's conv2d takes it: the first conv's is 1; the second's 1, or w1's K1 output channels
     (depthwise, w2 [K1, 1, R2, S2]: MobileNet's expansion -> depthwise), on float32.
     """
@@ -86,7 +88,7 @@ def conv_chain(
     key = None
     if (
         _plain_pair(stride)
-        and _plain_pair(padding)
+        and _plain_padding(padding)
         and _plain_pair(groups)
         and (between is None or between.__class__ is str)
         and (after is None or after.__class__ is str)
@@ -108,12 +110,12 @@ def conv_chain(
                            between, after, plain(out), packed, groups)  # fmt: skip
         return found if out is None else out
     sizes, dtype = _checked(x, w1, w2, b1, b2, out, stride, padding, between, after, groups)
-    N, _, H, W, _, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, _ = sizes
+    N, _, H, W, _, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, _, pad2_after = sizes
     if N == 0:  # no images: an empty result (numpy's and PyTorch's answer)
         P1, Q1 = builders.conv_out_size(H, R1, st1, pad1), builders.conv_out_size(W, S1, st1, pad1)
         P2, Q2 = (
-            builders.conv_out_size(P1, R2, st2, pad2),
-            builders.conv_out_size(Q1, S2, st2, pad2),
+            builders.conv_out_size(P1, R2, st2, pad2, pad2_after),
+            builders.conv_out_size(Q1, S2, st2, pad2, pad2_after),
         )
         return no_work("x", x, (0, K2, P2, Q2), 0, out)
     if packed is not None and (packed.micro == AMX_PACKED) != (dtype == "bfloat16"):
@@ -136,7 +138,8 @@ def _checked(
     between: str | None, after: str | None, groups: Any = (1, 1),
 ) -> tuple[tuple[int, ...], str]:  # fmt: skip
     """A conv chain call's checks of its operands and arguments (each error names one): its
-    sizes `(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, depthwise)` and its
+    sizes `(N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, depthwise, pad2_after)`
+    and its
     dtype."""
     N, C, H, W = _conv_operand("x", x, 4, batch=True)
     on_cpu("x, w1, w2, b1, b2, out", x, w1, w2, b1, b2, out)
@@ -175,7 +178,7 @@ def _checked(
         if bias is not None and _conv_operand(name, bias, 1) != (k,):
             raise ValueError(f"{name}: expected shape ({k},), got {tuple(bias.shape)}")
     st1, st2 = _pair("stride", stride, 1)
-    pad1, pad2 = _pair("padding", padding, 0)
+    pad1, pad2, pad2_after = _padding(padding)
     conv_activation(between, "between")
     conv_activation(after, "after")
     if H + 2 * pad1 < R1 or W + 2 * pad1 < S1:
@@ -183,12 +186,14 @@ def _checked(
             f"w1: kernel {R1}x{S1} is larger than the padded input {H + 2 * pad1}x{W + 2 * pad1}"
         )
     P1, Q1 = builders.conv_out_size(H, R1, st1, pad1), builders.conv_out_size(W, S1, st1, pad1)
-    if P1 + 2 * pad2 < R2 or Q1 + 2 * pad2 < S2:
+    both = pad2 + pad2_after
+    if P1 + both < R2 or Q1 + both < S2:
         raise ValueError(
             f"w2: kernel {R2}x{S2} is larger than the first conv's padded output "
-            f"{P1 + 2 * pad2}x{Q1 + 2 * pad2}"
+            f"{P1 + both}x{Q1 + both}"
         )
-    return (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, int(depthwise)), dtype
+    sizes = (N, C, H, W, K1, R1, S1, K2, R2, S2, st1, st2, pad1, pad2, int(depthwise), pad2_after)
+    return sizes, dtype
 
 
 def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[int, ...]:
@@ -225,6 +230,28 @@ def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def _padding(value: Any) -> tuple[int, int, int]:
+    """(the first conv's padding, the second's before and after each axis) from `padding`: one
+    int for both, or (first, second) where second may be (before, after)."""
+    if isinstance(value, tuple | list) and len(value) == 2 and isinstance(value[1], tuple | list):
+        pad1 = _pair("padding", (value[0], value[0]), 0)[0]
+        if len(value[1]) != 2:
+            raise ValueError(f"padding: the second conv's (before, after) is two integers, "
+                             f"got {value!r}")  # fmt: skip
+        pad2, pad2_after = _pair("padding", tuple(value[1]), 0)
+        return pad1, pad2, pad2_after
+    pad1, pad2 = _pair("padding", value, 0)
+    return pad1, pad2, pad2
+
+
+def _plain_padding(value: Any) -> bool:
+    """A padding a key may hold as given: `_plain_pair`, or (int, (int, int))."""
+    if _plain_pair(value):
+        return True
+    return value.__class__ is tuple and len(value) == 2 and value[0].__class__ is int and (
+        _plain_pair(value[1]) and value[1].__class__ is tuple)  # fmt: skip
+
+
 def _plain_pair(value: Any) -> bool:
     """An int or a tuple of two ints (no bools): a stride or padding a key may hold as given."""
     if value.__class__ is int:
@@ -237,7 +264,7 @@ def pack_conv_weights(
     w1: Any,
     w2: Any,
     stride: int | tuple[int, int] = (1, 1),
-    padding: int | tuple[int, int] = (0, 0),
+    padding: int | tuple[int, int | tuple[int, int]] = (0, 0),
     between: str | None = None,
     after: str | None = None,
     groups: int | tuple[int, int] = (1, 1),

@@ -542,13 +542,14 @@ def _conv_shape(
             f"got shape {tuple(w2.shape)}"
         )
     h, w = x.shape[2], x.shape[3]
-    for name, weight, st, pad in (("w1", w1, stride[0], padding[0]),
-                                  ("w2", w2, stride[1], padding[1])):  # fmt: skip
+    after = padding[2] if len(padding) > 2 else padding[1]  # (the second conv's, after)
+    for name, weight, st, pad in (("w1", w1, stride[0], 2 * padding[0]),
+                                  ("w2", w2, stride[1], padding[1] + after)):  # fmt: skip
         r, s = weight.shape[2], weight.shape[3]
-        if h + 2 * pad < r or w + 2 * pad < s:
+        if h + pad < r or w + pad < s:
             raise ValueError(f"{name}: kernel {r}x{s} is larger than its padded input "
-                             f"{h + 2 * pad}x{w + 2 * pad}")  # fmt: skip
-        h, w = (h + 2 * pad - r) // st + 1, (w + 2 * pad - s) // st + 1
+                             f"{h + pad}x{w + pad}")  # fmt: skip
+        h, w = (h + pad - r) // st + 1, (w + pad - s) // st + 1
     return (x.shape[0], w2.shape[0], h, w)
 
 
@@ -573,11 +574,14 @@ def _conv_chain_op(
 ) -> torch.Tensor:
     """The operator's CPU kernel: `ops.conv_chain` into a result laid out as `_conv_out` says
     (`ops.conv_chain` checks every argument); `packed`, `micro`, `finite`: the fields of
-    `ops.PackedConvWeights` (weights packed once), or None; `groups`: the second conv's."""
+    `ops.PackedConvWeights` (weights packed once), or None; `groups`: the second conv's;
+    `padding`: the first conv's and the second's, then the second's after each axis where it
+    differs."""
     out = _conv_out(x, _conv_shape(x, w1, w2, stride, padding, groups))
     weights = None if packed is None else ops.PackedConvWeights(packed, micro or "", finite)
+    pads = (padding[0], padding[1] if len(padding) < 3 else (padding[1], padding[2]))
     _on_torch_threads(ops.conv_chain, x, w1, w2, b1, b2, stride=(stride[0], stride[1]),
-                      padding=(padding[0], padding[1]), between=between, after=after,
+                      padding=pads, between=between, after=after,
                       out=out, packed=weights, groups=(1, groups))  # fmt: skip
     return out
 
@@ -614,6 +618,15 @@ def _pair(name: str, value: Any) -> list[int]:
     raise ValueError(f"{name}: expected an int or two ints (one per conv), got {value!r}")
 
 
+def _padding(value: Any) -> list[int]:
+    """padding as the operator's ints: the first conv's, the second's, and the second's after
+    each axis where it is given as (before, after)."""
+    if isinstance(value, tuple | list) and len(value) == 2 and isinstance(value[1], tuple | list):
+        first = _pair("padding", value[0])[0]
+        return [first, *_pair("padding", tuple(value[1]))]
+    return _pair("padding", value)
+
+
 def conv_chain(
     x: Any,
     w1: Any,
@@ -621,7 +634,7 @@ def conv_chain(
     b1: Any = None,
     b2: Any = None,
     stride: int | tuple[int, int] = (1, 1),
-    padding: int | tuple[int, int] = (0, 0),
+    padding: int | tuple[int, int | tuple[int, int]] = (0, 0),
     between: str | None = None,
     after: str | None = None,
     groups: int | tuple[int, int] = (1, 1),
@@ -631,7 +644,7 @@ def conv_chain(
     channels-last where x is."""
     if torch.compiler.is_compiling():
         _refuse_grad("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
-        pairs = _pair("stride", stride), _pair("padding", padding)
+        pairs = _pair("stride", stride), _padding(padding)
         g1, g2 = _pair("groups", groups)
         if g1 != 1:
             raise ValueError(f"groups: the first conv's groups must be 1, got {groups!r}")

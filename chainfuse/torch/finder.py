@@ -708,11 +708,14 @@ def _conv(c1: fx.Node) -> Found | str | None:
         act = None
     mid = act.end if act is not None else end  # (no activation: MobileNet-V2's projection)
     c2 = _single_user(mid)
-    pad, padded = (c2, _zero_pad(c2)) if c2 is not None and c2.target in _PADS else (None, 0)
+    padded: tuple[int, int] | None = (0, 0)
+    pad = c2 if c2 is not None and c2.target in _PADS else None
     if pad is not None:  # TF's "SAME" padding written out (Hugging Face's MobileNets)
+        padded = _zero_pad(pad)
         if padded is None:
             sides = pad.args[1] if len(pad.args) > 1 else pad.kwargs.get("pad")
-            return f"an F.pad other than the same zeros on every side ({sides}) before its conv2d"
+            return (f"an F.pad other than zeros the same before both axes and after both "
+                    f"({sides}) before its conv2d")  # fmt: skip
         c2 = _single_user(pad)
     second = conv_at(c2) if c2 is not None else None
     if second is not None and second["groups"] != 1 and not _depthwise(second):
@@ -723,7 +726,9 @@ def _conv(c1: fx.Node) -> Found | str | None:
         return f"its {act.name} does not feed a conv2d chainfuse can run"
     bn2 = _batch_norm(c2)
     taken = (*(act.nodes if act is not None else ()), *([pad] if pad is not None else []))
-    second = {**second, "padding": second["padding"] + padded}
+    assert padded is not None
+    before, after = second["padding"] + padded[0], second["padding"] + padded[1]
+    second = {**second, "padding": before, "pad_after": after}
     nodes: list[fx.Node] = [c1, *([bn1] if bn1 else []), *taken, c2, *([bn2] if bn2 else [])]
     last = activation_at(nodes[-1])
     after = last.name if last is not None and last.name in CONV_ACTIVATIONS else None
@@ -745,9 +750,10 @@ def _conv(c1: fx.Node) -> Found | str | None:
 _PADS = (F.pad, torch._C._nn.pad)
 
 
-def _zero_pad(node: fx.Node) -> int | None:
-    """The padding of an `F.pad` of a 4-D tensor that adds the same number of zeros on every side
-    of its last two dims (a conv's own `padding`), else None."""
+def _zero_pad(node: fx.Node) -> tuple[int, int] | None:
+    """The zeros an `F.pad` of a 4-D tensor adds before and after each of its last two dims,
+    where they are the same for both (`(l, r, t, b)` with l = t, r = b: a conv's own padding,
+    or TF's "SAME" at stride 2), else None."""
     names = ("x", "pad", "mode", "value")
     bound = {"mode": "constant", "value": None, **dict(zip(names, node.args, strict=False)),
              **node.kwargs}  # fmt: skip
@@ -757,9 +763,11 @@ def _zero_pad(node: fx.Node) -> int | None:
         return None
     if not isinstance(out, torch.Tensor) or out.dim() != 4 or not isinstance(sides, tuple | list):
         return None
-    if len(sides) != 4 or len(set(sides)) != 1 or not isinstance(sides[0], int):
+    values = [v for v in sides if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if len(values) != 4 or len(sides) != 4:
         return None
-    return int(sides[0])
+    left, right, top, bottom = values
+    return (left, right) if (left, right) == (top, bottom) else None
 
 
 def _paired_convs(graph: fx.Graph) -> dict[fx.Node, Found | str]:

@@ -63,6 +63,16 @@ def external_inputs(found: Found) -> list[fx.Node]:
     return [n for n in seen if n not in inside]
 
 
+def _paddings(first: dict[str, Any], second: dict[str, Any], pairs: bool = False) -> Any:
+    """A conv chain's padding as the operator takes it, `[first, second]` with the second's
+    after each axis appended where it differs; `pairs`: as `ops` takes it, `(first, second)`
+    or `(first, (before, after))`."""
+    before, after = second["padding"], second.get("pad_after", second["padding"])
+    if pairs:
+        return (first["padding"], before if after == before else (before, after))
+    return [first["padding"], before] + ([after] if after != before else [])
+
+
 def _dtype(node: Any) -> torch.dtype | None:
     value = value_of(node)
     return value.dtype if isinstance(value, torch.Tensor) else None
@@ -393,7 +403,7 @@ class Emitter:
         first, second = p["first"], p["second"]
         x = _dense_image(graph, env, first["x"])
         args: tuple[Any, ...] = (x, weights[0], weights[2], weights[1], weights[3],
-                [first["stride"], second["stride"]], [first["padding"], second["padding"]],
+                [first["stride"], second["stride"]], _paddings(first, second),
                 p["between"], p["after"])  # fmt: skip
         packed = self._conv_packed(found, graph, weights)
         groups = {"groups": p["groups"]} if p["groups"] != 1 else {}  # (depthwise)
@@ -419,7 +429,7 @@ class Emitter:
             v1, v2 = (attribute(self.gm, str(w.target)) for w in (w1, w2))
             made = self._conv_packs[key] = ops.pack_conv_weights(
                 x.detach(), v1.detach(), v2.detach(), (first["stride"], second["stride"]),
-                (first["padding"], second["padding"]), p["between"], p["after"],
+                _paddings(first, second, pairs=True), p["between"], p["after"],
                 groups=(1, p["groups"]),
             )  # fmt: skip
         data = self._buffer(graph, f"_cf_cpk_{key}", functools.partial(_same, made.data))

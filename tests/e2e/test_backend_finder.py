@@ -159,22 +159,30 @@ def test_padding_named_same_or_valid_is_the_convs_padding() -> None:
 
 def test_zeros_padded_before_a_conv_are_its_padding() -> None:
     """TF's "SAME" padding written out (`F.pad` before a conv with no padding, as Hugging Face's
-    MobileNets do): the same zeros on every side join the chain as the conv's padding; other
-    pads end it, saying so."""
+    MobileNets do): zeros the same before both axes and after both join the chain as the
+    second conv's padding, before and after (stride 2: `(0, 1, 0, 1)`); other pads end it,
+    saying so. The fused chain gives eager's result."""
     w1, w2 = torch.randn(24, 8, 1, 1), torch.randn(24, 1, 3, 3)
 
-    def block(sides: tuple[int, ...], value: float = 0.0) -> Any:
+    def block(sides: tuple[int, ...], value: float = 0.0, stride: int = 1) -> Any:
         return lambda x: F.conv2d(F.pad(F.relu6(F.conv2d(x, w1)), sides, "constant", value), w2,
-                                  groups=24)  # fmt: skip
+                                  stride=stride, groups=24)  # fmt: skip
 
-    x = torch.randn(1, 8, 9, 9)
-    (chain,) = find(_graph(block((1, 1, 1, 1)), x)).chains
-    assert chain.form == "conv2d -> relu6 -> pad -> conv2d (depthwise)"
-    assert chain.parts["second"]["padding"] == 1
-    for sides, value in (((0, 1, 0, 1), 0.0), ((1, 1, 1, 1), 2.0)):
+    x = torch.randn(1, 8, 10, 10)
+    for sides, stride, pads in (((1, 1, 1, 1), 1, (1, 1)), ((0, 1, 0, 1), 2, (0, 1))):
+        (chain,) = find(_graph(block(sides, stride=stride), x)).chains
+        assert chain.form == "conv2d -> relu6 -> pad -> conv2d (depthwise)"
+        second = chain.parts["second"]
+        assert (second["padding"], second["pad_after"]) == pads
+        torch._dynamo.reset()
+        compiled = torch.compile(block(sides, stride=stride), fullgraph=True,
+                                 backend=Backend(Options(mode="eager", measure=False), Report()))  # fmt: skip
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), block(sides, stride=stride)(x))
+    for sides, value in (((0, 1, 1, 1), 0.0), ((1, 1, 1, 1), 2.0)):
         found = find(_graph(block(sides, value), x))
         assert not found.chains
-        assert any("an F.pad other than the same zeros" in r for _, r in found.skipped)
+        assert any("an F.pad other than zeros the same" in r for _, r in found.skipped)
 
 
 def test_finder_knows_every_activation_the_kernels_have() -> None:

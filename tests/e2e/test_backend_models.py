@@ -225,12 +225,12 @@ def _model(name: str) -> tuple[Any, tuple[Any, ...], int]:
         model = _with_statistics(transformers.EfficientNetModel(cfg))
         return model, (torch.randn(2, 3, 32, 35),), 20
     if name.startswith("mobilenet-v2"):  # expansion -> depthwise chains (17 blocks, 18 chains)
-        # TF's padding (the default): the zeros an F.pad adds before each conv are the conv's
-        # padding where they are the same on every side; stride 2's (0, 1, 0, 1) ends 3 chains
+        # TF's padding (the default): the zeros an F.pad adds before each conv join the chain
+        # as the conv's padding, before and after (stride 2's (0, 1, 0, 1) on a square image)
         tf = name.endswith("-tf")
         cfg = transformers.MobileNetV2Config(image_size=32, depth_multiplier=0.25, tf_padding=tf)
         model = _with_statistics(transformers.MobileNetV2Model(cfg))
-        return model, (torch.randn(2, 3, 32, 29 + 3 * tf),), 15 if tf else 18
+        return model, (torch.randn(2, 3, 32, 29 + 3 * tf),), 18
     if name == "conv-acts":
         return _conv_acts(), (torch.randn(2, 3, 19, 22),), 3
     if name == "mlp":  # no bias on the first GEMM: a chain every chainfuse build fuses

@@ -46,7 +46,7 @@ def _numpy(y: Any) -> np.ndarray[Any, Any]:
 def _check_ops(
     chain: chainfuse.Chain,
     stride: tuple[int, int],
-    padding: tuple[int, int],
+    padding: Any,
     between: str | None,
     kind: str,
     bias: bool = False,
@@ -121,7 +121,7 @@ MAX_FLOP = 1.5e8  # keeps one draw (kernel + float64 reference) well under a sec
 
 
 @st.composite
-def conv_chains(draw: st.DrawFn) -> tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]]:
+def conv_chains(draw: st.DrawFn) -> tuple[chainfuse.Chain, tuple[int, int], Any]:
     N = draw(st.sampled_from([1, 1, 1, 2, 3]))
     C, K1, K2 = draw(CHANNELS), draw(CHANNELS), draw(CHANNELS)
     depthwise = draw(st.sampled_from([False, False, False, True]))  # (MobileNet's expansion)
@@ -131,22 +131,24 @@ def conv_chains(draw: st.DrawFn) -> tuple[chainfuse.Chain, tuple[int, int], tupl
     S1 = draw(st.sampled_from([R1, R1, 1, 3, 5]))
     S2 = draw(st.sampled_from([R2, R2, 1, 3, 5]))
     st1, st2, pad1, pad2 = draw(STRIDE), draw(STRIDE), draw(PAD), draw(PAD)
+    # (TF's "SAME" at stride 2: one more zero after than before)
+    after = pad2 + draw(st.sampled_from([0, 0, 0, 1, -1] if pad2 else [0, 0, 0, 1]))
     assume(H + 2 * pad1 >= R1 and W + 2 * pad1 >= S1)
     P1, Q1 = conv_out_size(H, R1, st1, pad1), conv_out_size(W, S1, st1, pad1)
-    assume(P1 + 2 * pad2 >= R2 and Q1 + 2 * pad2 >= S2)
-    P2, Q2 = conv_out_size(P1, R2, st2, pad2), conv_out_size(Q1, S2, st2, pad2)
+    assume(P1 + pad2 + after >= R2 and Q1 + pad2 + after >= S2)
+    P2, Q2 = conv_out_size(P1, R2, st2, pad2, after), conv_out_size(Q1, S2, st2, pad2, after)
     flop = 2 * N * (P1 * Q1 * K1 * C * R1 * S1 + P2 * Q2 * K2 * (1 if depthwise else K1) * R2 * S2)
     assume(flop <= MAX_FLOP)
     between = draw(st.sampled_from(BETWEEN))
     try:
         chain = chainfuse.conv_chain_spec(N, C, H, W, K1, R1, S1, K2, R2, S2, stride=(st1, st2),
                                           padding=(pad1, pad2), between=between,
-                                          depthwise=depthwise)  # fmt: skip
+                                          depthwise=depthwise, pad_after=after)  # fmt: skip
     except ValueError as err:  # the IR refuses a conv whose windows see only padding along a dim
         assert "never hits" in str(err)
         assume(False)
         raise
-    return chain, (st1, st2), (pad1, pad2)
+    return chain, (st1, st2), (pad1, pad2) if after == pad2 else (pad1, (pad2, after))
 
 
 def _ops_test(examples: int):  # type: ignore[no-untyped-def]
@@ -163,7 +165,7 @@ def _ops_test(examples: int):  # type: ignore[no-untyped-def]
         seed=st.integers(0, 3),
     )
     def check(
-        drawn: tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]],
+        drawn: tuple[chainfuse.Chain, tuple[int, int], Any],
         kind: str,
         bias: bool,
         after: str | None,
@@ -197,7 +199,7 @@ def _tiles_test(examples: int):  # type: ignore[no-untyped-def]
         threads=st.sampled_from([1, 1, 2, 3]),
     )
     def check(
-        drawn: tuple[chainfuse.Chain, tuple[int, int], tuple[int, int]],
+        drawn: tuple[chainfuse.Chain, tuple[int, int], Any],
         halo: str,
         band: int,
         c_block: int,
@@ -436,6 +438,33 @@ def test_depthwise_is_one_kernel_whose_name_says_so() -> None:
     from chainfuse.codegen.conv import useful_flops
 
     assert useful_flops(kernel.shape) == 2 * 81 * 32 * (8 + 9)
+
+
+def test_padding_after_differs_from_before_as_tf_same() -> None:
+    """The second conv's padding `(before, after)`: TF's "SAME" at stride 2 (`(0, 1)`), as
+    PyTorch computes it over an explicit `F.pad`, dense and depthwise, both layouts; errors."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 16, 15, generator=gen)
+    w1 = torch.randn(24, 6, 1, 1, generator=gen)
+    for w2, groups in ((torch.randn(24, 1, 3, 3, generator=gen), 24),
+                       (torch.randn(7, 24, 3, 3, generator=gen), 1)):  # fmt: skip
+        for before, after in ((0, 1), (1, 2), (2, 0)):
+            z = F.relu(F.conv2d(x.double(), w1.double()))
+            want = F.conv2d(F.pad(z, (before, after, before, after)), w2.double(), stride=2,
+                            groups=groups)  # fmt: skip
+            chain = chainfuse.conv_chain_spec(2, 6, 16, 15, 24, 1, 1, w2.shape[0], 3, 3,
+                                              stride=(1, 2), padding=(0, before), between="relu",
+                                              depthwise=groups > 1, pad_after=after)  # fmt: skip
+            for xx in (x, x.contiguous(memory_format=torch.channels_last)):
+                got = ops.conv_chain(xx, w1, w2, stride=(1, 2), padding=(0, (before, after)),
+                                     between="relu", groups=(1, groups))  # fmt: skip
+                reference.assert_close(got.numpy(), want.numpy(), chain)
+    with pytest.raises(ValueError, match="padding: expected integers >= 0"):
+        ops.conv_chain(x, w1, w1.new_ones(24, 24, 1, 1), padding=(0, (0, -1)))
+    with pytest.raises(ValueError, match=r"padding: the second conv's \(before, after\)"):
+        ops.conv_chain(x, w1, w1.new_ones(24, 24, 1, 1), padding=(0, (0, 1, 2)))
+    with pytest.raises(ValueError, match="pad_after must be None or a non-negative integer"):
+        chainfuse.conv_chain_spec(1, 4, 9, 9, 6, 1, 1, 6, 3, 3, pad_after=-1)
 
 
 def test_depthwise_errors_name_the_argument() -> None:
