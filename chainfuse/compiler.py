@@ -40,7 +40,7 @@ from chainfuse.codegen.schedule import schedule_gemm_chain
 from chainfuse.compiled import AmxConvKernel, AmxKernel, ConvKernel, Kernel
 from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain, DType
-from chainfuse.kernels import Problem, available, select_weighted
+from chainfuse.kernels import MicroKernel, Problem, available, select_weighted
 from chainfuse.kernels.amx import AMX_BF16_32X32, ENV_AMX, FP32_FMA, amx_absent, amx_path
 from chainfuse.model import code_level
 from chainfuse.planner import Plan, PlanningError
@@ -55,6 +55,7 @@ __all__ = [
     "arithmetic",
     "compile",
     "compile_conv",
+    "micro_kernel",
     "spread_bands",
 ]
 
@@ -120,15 +121,7 @@ def compile(
         schedule = amx_schedule(schedule_gemm_chain(chain, shape, chosen, uk, hw, tiles))
         header = amx_header(chain, chosen, schedule.spec, path)
         return AmxKernel(chain, chosen, schedule, shape, header, path)
-    # the generated code computes the transposed chain: m runs along the micro-kernel's nr
-    # columns, l and n along its mr rows; both GEMMs run with the kernel, weighed by flops
-    op1, op2 = (
-        Problem(DType.FLOAT32, ext[l_], ext[m], ext[k]),
-        Problem(DType.FLOAT32, ext[n], ext[m], ext[l_]),
-    )
-    kernel = select_weighted(
-        [(op1, ext[l_] * ext[m] * ext[k]), (op2, ext[n] * ext[m] * ext[l_])], hw
-    )
+    kernel = _fma_kernel(chain, (m, l_, k, n), hw)
     quanta = {m: kernel.nr, l_: kernel.mr, n: kernel.mr}
     planned_for = threads if threads is not None else get_num_threads()
     # with fewer row blocks than threads the kernel's threads split l (not a softmax's: its
@@ -141,6 +134,33 @@ def compile(
     spec = schedule.spec
     header = _header(chain, chosen, spec, why_not)
     return Kernel(chain, chosen, schedule, shape, header, arithmetic(spec, why_not))
+
+
+def micro_kernel(chain: Chain, hardware: Hardware | str | None = None) -> str:
+    """The name of the micro-kernel `compile` runs the GEMM chain `chain` with on `hardware`:
+    the AMX block where the AMX path takes it, else the FMA kernel its two GEMMs' sizes select
+    (which the rows decide too: `ops` builds the others a varying length reaches ahead)."""
+    hw = resolve(hardware)
+    shape = match_gemm_chain(chain)
+    m, l_ = chain.contractions[0].output.loops[-2:]
+    k, n = _structure(chain, shape.batch)[0][len(shape.batch) + 2 :]
+    ext = chain.extents
+    if amx_path(chain.dtype) is not None and not amx_unsupported(shape, (ext[k], ext[n])):
+        return AMX_BF16_32X32.name
+    return _fma_kernel(chain, (m, l_, k, n), hw).name
+
+
+def _fma_kernel(chain: Chain, loops: tuple[str, str, str, str], hw: Hardware) -> MicroKernel:
+    """The FMA micro-kernel for the chain's GEMMs. The generated code computes the transposed
+    chain: m runs along the kernel's nr columns, l and n along its mr rows; both GEMMs run
+    with it, weighed by their flops."""
+    m, l_, k, n = loops
+    ext = chain.extents
+    op1, op2 = (
+        Problem(DType.FLOAT32, ext[l_], ext[m], ext[k]),
+        Problem(DType.FLOAT32, ext[n], ext[m], ext[l_]),
+    )
+    return select_weighted([(op1, ext[l_] * ext[m] * ext[k]), (op2, ext[n] * ext[m] * ext[l_])], hw)
 
 
 def _header(chain: Chain, chosen: Plan, spec: GemmChainSpec, why_not: str = "") -> str:

@@ -43,3 +43,16 @@ def torch_activation(name: str | None) -> Callable[[Any], Any]:
     if name == "softmax":
         return lambda h: h.softmax(-1)
     return torch_activations()[name]
+
+
+def huge_in_float64(f: Callable[[Any], Any], s: Any) -> Any:
+    """PyTorch's `f(s)`, except where `|s| > 1e30`: there `f` in float64, rounded to `s`'s
+    dtype. PyTorch's vectorized float32 and bf16 gelu overflow there on some hosts (AVX-512:
+    3e38 -> inf, +inf -> NaN; its scalar path gives 3e38 and +inf): the reference for NaN and
+    inf placement is the arithmetic's, not one code path's."""
+    import torch
+
+    big = s.abs() > 1e30
+    if not bool(big.any()):
+        return f(s)
+    return torch.where(big, f(s.double()).to(s.dtype), f(s))

@@ -9,18 +9,21 @@ sizes builds no chain. `calls.clear()` forgets everything; `calls.info()` says w
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
 import sys
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
 from chainfuse import builders
 from chainfuse.compiled import ConvKernel, Kernel
-from chainfuse.compiler import compile, compile_conv
-from chainfuse.ir import Activation
+from chainfuse.compiler import compile, compile_conv, micro_kernel
+from chainfuse.ir import Activation, Chain
 from chainfuse.kernels.amx import ENV_AMX
 from chainfuse.operands import TORCH_TYPES, Layout, apart, empty_like_input, is_torch, pointer
 from chainfuse.ops.arguments import empty_result
@@ -29,6 +32,7 @@ __all__ = [
     "CacheInfo",
     "CallCache",
     "ConvReplay",
+    "Kernels",
     "Memo",
     "Replay",
     "bucket_key",
@@ -38,12 +42,14 @@ __all__ = [
     "replay",
     "replay_conv",
     "replay_keys",
+    "rows_vary",
     "run",
     "signature",
 ]
 
 K = TypeVar("K")
 V = TypeVar("V")
+KT = TypeVar("KT")
 
 #: entries a replay memory holds (as many as the kernel caches: an entry keeps its kernel alive)
 REPLAYS_MAX = 256
@@ -338,10 +344,24 @@ def _compile_gemm(
     bias2: bool = False,
     amx: str | None = None,
 ) -> Kernel:
-    del amx  # (a key: `amx_setting`)
-    chain = builders.gemm_chain(*sizes, between, dtype, b_transposed=b_transposed,
-                                d_transposed=d_transposed, bias1=bias1, bias2=bias2)  # fmt: skip
-    return compile(chain, threads=threads)
+    return compile(_gemm_chain(sizes, between, dtype, threads, b_transposed, d_transposed,
+                               bias1, bias2, amx), threads=threads)  # fmt: skip
+
+
+def _gemm_chain(
+    sizes: tuple[int, int, int, int, int],
+    between: Activation | str | None,
+    dtype: str,
+    threads: int,
+    b_transposed: bool = False,
+    d_transposed: bool = False,
+    bias1: bool = False,
+    bias2: bool = False,
+    amx: str | None = None,
+) -> Chain:
+    del threads, amx  # (keys: the thread count a plan is made for, `amx_setting`)
+    return builders.gemm_chain(*sizes, between, dtype, b_transposed=b_transposed,
+                               d_transposed=d_transposed, bias1=bias1, bias2=bias2)  # fmt: skip
 
 
 def _compile_gated(
@@ -353,10 +373,22 @@ def _compile_gated(
     d_transposed: bool,
     amx: str | None = None,
 ) -> Kernel:
-    del amx  # (a key: `amx_setting`)
-    chain = builders.gated_mlp_chain(*sizes, act, dtype, b_transposed=b_transposed,
-                                     d_transposed=d_transposed)  # fmt: skip
-    return compile(chain, threads=threads)
+    return compile(_gated_chain(sizes, act, dtype, threads, b_transposed, d_transposed, amx),
+                   threads=threads)  # fmt: skip
+
+
+def _gated_chain(
+    sizes: tuple[int, int, int, int, int],
+    act: Activation | str,
+    dtype: str,
+    threads: int,
+    b_transposed: bool,
+    d_transposed: bool,
+    amx: str | None = None,
+) -> Chain:
+    del threads, amx  # (keys)
+    return builders.gated_mlp_chain(*sizes, act, dtype, b_transposed=b_transposed,
+                                    d_transposed=d_transposed)  # fmt: skip
 
 
 def _compile_attention(
@@ -370,10 +402,36 @@ def _compile_attention(
     amx: str | None = None,
     softcap: float | None = None,
 ) -> Kernel:
-    del amx  # (a key: `amx_setting`)
-    chain = builders.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
-                               mask_shape=mask_shape, dtype=dtype, softcap=softcap)  # fmt: skip
+    chain = _attention_chain(sizes, causal, mask, scale, mask_shape, dtype, threads, amx,
+                             softcap)  # fmt: skip
     return compile(chain, threads=threads)
+
+
+def _attention_chain(
+    sizes: tuple[int, int, int, int, int, int],
+    causal: bool,
+    mask: str | None,
+    scale: float | None,
+    mask_shape: tuple[int, ...] | None,
+    dtype: str,
+    threads: int,
+    amx: str | None = None,
+    softcap: float | None = None,
+) -> Chain:
+    del threads, amx  # (keys)
+    return builders.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
+                                    mask_shape=mask_shape, dtype=dtype, softcap=softcap)  # fmt: skip
+
+
+def _attention_rows(
+    sizes: tuple[int, ...], rest: tuple[Any, ...], rows: int
+) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """An attention call's arguments with `rows` queries (a mask's query dim follows, unless it
+    broadcasts)."""
+    mask_shape = rest[3]
+    if mask_shape is not None and len(mask_shape) >= 2 and mask_shape[-2] == sizes[2]:
+        rest = (*rest[:3], (*mask_shape[:-2], rows, mask_shape[-1]), *rest[4:])
+    return (*sizes[:2], rows, *sizes[3:]), rest
 
 
 def _compile_conv(
@@ -404,6 +462,88 @@ def _compile_conv(
     return compile_conv(chain, threads=threads, after=after, micro=micro)
 
 
+#: row counts at which `Kernels` asks which micro-kernel a chain's rows select under
+#: `rows_vary`: each count up to 128 (where the kernels' column blocks of 16-64 part and tie),
+#: then powers of two
+ROW_PROBES = (*range(1, 129), *(1 << p for p in range(8, 17)))
+
+_ROWS_VARY: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_vary", default=False)
+
+
+@contextlib.contextmanager
+def rows_vary() -> Iterator[None]:
+    """Within: a kernel built or found for a call also builds, once per chain, the chain at the
+    least row count of each other micro-kernel a row count selects for it (`Kernels`), so that
+    calls of any later length build nothing: a graph compiled for every sequence length (the
+    torch backend's dynamic graphs) pays its builds when it is compiled and first run."""
+    token = _ROWS_VARY.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_VARY.reset(token)
+
+
+Resize = Callable[[tuple[int, ...], tuple[Any, ...], int], tuple[tuple[int, ...], tuple[Any, ...]]]
+
+
+class Kernels(Generic[KT]):
+    """Compiled kernels by their builder's arguments (`sizes`, then the rest), least recently
+    used dropped past `KERNELS_MAX`. Where `chain_of` gives the chain of those arguments and
+    `resize` the arguments at another row count, a call under `rows_vary` builds the other row
+    counts' micro-kernels too (the FMA kernels' column blocks are the rows: on an AVX-512 host
+    up to 16 rows take the 6x16 kernel, up to 63 the 12x32, more the 6x64)."""
+
+    def __init__(
+        self,
+        build: Callable[..., KT],
+        chain_of: Callable[..., Chain] | None = None,
+        resize: Resize | None = None,
+    ) -> None:
+        self._cached = functools.lru_cache(maxsize=KERNELS_MAX)(build)
+        self._chain_of, self._resize = chain_of, resize
+        self._done: set[tuple[Any, ...]] = set()  # chains (less their rows) whose rows are built
+
+    def __call__(self, sizes: tuple[int, ...], *rest: Any) -> KT:
+        kernel = self._cached(sizes, *rest)
+        if self._chain_of is not None and self._resize is not None and _ROWS_VARY.get():
+            self._other_rows(sizes, rest, self._chain_of, self._resize)
+        return kernel
+
+    def _other_rows(
+        self, sizes: tuple[int, ...], rest: tuple[Any, ...], chain_of: Callable[..., Chain],
+        resize: Resize,
+    ) -> None:  # fmt: skip
+        key = resize(sizes, rest, 0)
+        if key in self._done:
+            return
+        self._done.add(key)
+        seen = {micro_kernel(chain_of(sizes, *rest))}
+        for rows in ROW_PROBES:
+            at, more = resize(sizes, rest, rows)
+            name = micro_kernel(chain_of(at, *more))
+            if name not in seen:
+                seen.add(name)
+                self._cached(at, *more)
+
+    def cache_info(self) -> Any:
+        return self._cached.cache_info()
+
+    def cache_clear(self) -> None:
+        self._cached.cache_clear()
+        self._done.clear()
+
+
+def _rows_at(index: int) -> Resize:
+    """`Kernels`' resize for arguments whose rows are `sizes[index]`."""
+
+    def resize(
+        sizes: tuple[int, ...], rest: tuple[Any, ...], rows: int
+    ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        return (*sizes[:index], rows, *sizes[index + 1 :]), rest
+
+    return resize
+
+
 class CallCache:
     """Every cache `ops` keeps between calls: replays of known calls and compiled kernels by
     their chains' sizes. `clear()` empties them all; `info()` reports each (`CacheInfo`)."""
@@ -422,10 +562,10 @@ class CallCache:
         #: compiled kernels by the plain arguments of their chains' builders and the thread
         #: count (the plan is made for it): building and verifying a chain costs more than a
         #: short call
-        self.gemm_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_gemm)
-        self.gated_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_gated)
-        self.attention_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_attention)
-        self.conv_kernels = functools.lru_cache(maxsize=KERNELS_MAX)(_compile_conv)
+        self.gemm_kernels = Kernels(_compile_gemm, _gemm_chain, _rows_at(1))
+        self.gated_kernels = Kernels(_compile_gated, _gated_chain, _rows_at(1))
+        self.attention_kernels = Kernels(_compile_attention, _attention_chain, _attention_rows)
+        self.conv_kernels = Kernels(_compile_conv)
 
     def clear(self) -> None:
         """Forget every remembered call, bucket and kernel (calls are then only slower)."""

@@ -26,6 +26,7 @@ shapes serves every sequence length without building another kernel.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from chainfuse.ops.calls import rows_vary
 from chainfuse.torch.decide import Decision, decide, predicted_time
 from chainfuse.torch.finder import ChainKind, Found, find
 from chainfuse.torch.guard import GraphCheck, check_graph, compile_graph, describe, plain_copy
@@ -120,13 +122,18 @@ class Backend:
         # attention ops, not the ops `unfold` writes them as)
         given = plain if plain is not None or not unfoldable(gm.graph) else _copy(gm)
         before = len(self.report.chains)
-        self._rewrite(gm, inputs)
+        # (sizes that vary: every row count's micro-kernel is built now, not at a later length)
+        dynamic = _symbolic(gm, example_inputs)
+        with rows_vary() if dynamic else contextlib.nullcontext():
+            self._rewrite(gm, inputs)
         fused = any(c.fused for c in self.report.chains[before:])
         if plain is not None and fused:
             compiled = self._check(gm, plain, inputs, self.report.chains[before:])
         else:
             kept = gm if fused or given is None else given
             compiled = self._compile(kept, inputs, freeze=self.options.freeze)
+        if dynamic and fused:
+            compiled = _in_rows_vary(compiled)
         if len(keep) == len(example_inputs):
             return compiled
 
@@ -449,6 +456,31 @@ def _freeze(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[int]:
 
 #: the backend `torch.compile(model, backend="chainfuse")` uses (default options)
 backend = Backend()
+
+
+def _symbolic(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether the graph's sizes vary: a symbolic size among its inputs or its placeholders'
+    traced shapes."""
+    if any(isinstance(a, torch.SymInt) for a in example_inputs):
+        return True
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and any(
+            isinstance(d, torch.SymInt) for d in value.shape
+        ):
+            return True
+    return False
+
+
+def _in_rows_vary(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled`, each call under `ops.calls.rows_vary` (a length whose rows select another
+    micro-kernel builds that chain's whole set at once; found kernels cost a set lookup)."""
+
+    def run(*args: Any) -> Any:
+        with rows_vary():
+            return compiled(*args)
+
+    return run
 
 
 def compile(model: Any, *, dynamic: bool | None = None, fullgraph: bool = False,

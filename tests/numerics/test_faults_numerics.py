@@ -21,6 +21,7 @@ from chainfuse import ops, reference
 from chainfuse.compiler import compile
 from chainfuse.hardware import resolve
 from chainfuse.kernels import available
+from tests.checks import huge_in_float64
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -36,11 +37,12 @@ def _hardware(kind: str) -> Any:
 
 
 def _between(name: str | None, s: Any) -> Any:
-    """PyTorch's unfused op between the GEMMs (the reference for NaN and inf placement)."""
+    """PyTorch's unfused op between the GEMMs (the reference for NaN and inf placement; gelu
+    of huge values as `huge_in_float64` takes them)."""
+    if name == "gelu":
+        return huge_in_float64(F.gelu, s)
     if name == "relu":
         return torch.relu(s)
-    if name == "gelu":
-        return F.gelu(s)
     if name == "softmax":
         return torch.softmax(s, -1)
     return s

@@ -4,6 +4,7 @@ model's answer is forced both ways with presets (`ops.dispatch.host`)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -147,3 +148,43 @@ def test_numpy_callers_keep_computing_and_are_told_the_path(host: Any) -> None:
     assert got.dtype == np.float16 and not cft.fallbacks
     kernel = chainfuse.compile(chain)
     assert kernel.arithmetic.startswith("fp32-fma:") and kernel.arithmetic in kernel.source
+
+
+def test_rows_vary_builds_the_other_row_counts_kernels_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under `rows_vary` a chain's first call also builds it at the least row count of each
+    other micro-kernel a row count selects (here: up to 16 rows "a", up to 63 "b", then "c"),
+    once per chain; outside it, a call builds its own kernel alone."""
+    calls = sys.modules["chainfuse.ops.calls"]  # (the package's `calls` is the cache object)
+    built: list[tuple[int, ...]] = []
+
+    def build(sizes: tuple[int, ...], *rest: Any) -> tuple[int, ...]:
+        built.append(sizes)
+        return sizes
+
+    def kernel_of(rows: int) -> str:
+        return "a" if rows <= 16 else "b" if rows < 64 else "c"
+
+    monkeypatch.setattr(calls, "micro_kernel", kernel_of)
+    kernels = calls.Kernels(build, lambda sizes, *rest: sizes[1], calls._rows_at(1))
+    kernels((2, 8, 5), "x")
+    assert built == [(2, 8, 5)]
+    with calls.rows_vary():
+        kernels((2, 9, 5), "x")
+        kernels((2, 70, 5), "x")  # (its class is built: the cache answers)
+        kernels((2, 9, 6), "x")  # another chain
+    assert built == [(2, 8, 5), (2, 9, 5), (2, 17, 5), (2, 64, 5), (2, 70, 5), (2, 9, 6),
+                     (2, 17, 6), (2, 64, 6)]  # fmt: skip
+    kernels.cache_clear()
+    assert kernels.cache_info().currsize == 0
+
+
+def test_rows_vary_moves_an_attention_masks_query_dim_with_the_rows() -> None:
+    from chainfuse.ops.calls import _attention_rows
+
+    rest = (False, "additive", None, (1, 1, 8, 12), "float32", 2, None, None)
+    sizes, moved = _attention_rows((1, 4, 8, 12, 16, 16), rest, 17)
+    assert sizes == (1, 4, 17, 12, 16, 16) and moved[3] == (1, 1, 17, 12)
+    broadcast = (False, "additive", None, (1, 1, 1, 12), "float32", 2, None, None)
+    assert _attention_rows((1, 4, 8, 12, 16, 16), broadcast, 17)[1] == broadcast
