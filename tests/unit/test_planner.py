@@ -417,7 +417,7 @@ def test_the_first_gemms_panel_fits_in_half_the_innermost_cache() -> None:
     _, nr = register_block(mlp, xeon)
     cap = int(xeon.levels[0].capacity * PANEL_SHARE) // (nr * 4)
     assert cap == 64
-    tiles = plan(mlp, xeon, threads=1).tiles_at(code_level(xeon))
+    tiles = plan(mlp, xeon, threads=1, fuse=True).tiles_at(code_level(xeon))
     assert tiles is not None and tiles["k"] <= cap  # (uncapped, the model picks 256)
     # attention's k (a head dim of 64) is within it; a conv chain or a single GEMM has none
     att = plan(attention_chain(1, 12, 512, 512, 64, 64), xeon, threads=1)
