@@ -3,8 +3,9 @@
 Each op builds the chain for its arguments' shapes, compiles it on first use, and keeps the
 compiled kernel for later calls with the same shapes (`calls`, the one cache of every op).
 Sizes and tiles are run-time arguments of the generated code, so every shape of one chain
-structure shares one compiled object on disk: a new sequence length costs a plan and a load,
-not a compile, and attention's key lengths share a plan per bucket.
+structure shares one compiled object on disk per micro-kernel (the rows choose it): a new
+sequence length costs a plan and a load, not a compile, once `rows_vary()` has built the other
+row counts' kernels, and attention's key lengths share a plan per bucket.
 
     E = chainfuse.ops.gemm_chain(A, B, D, between="relu")   # relu(A @ B) @ D, batched
     y = chainfuse.ops.gated_mlp(x, w1.T, w3.T, w2.T)           # SwiGLU, nn.Linear weights
@@ -13,7 +14,7 @@ not a compile, and attention's key lengths share a plan per bucket.
 """
 
 from chainfuse.ops.attention import attention
-from chainfuse.ops.calls import calls
+from chainfuse.ops.calls import calls, rows_vary
 from chainfuse.ops.conv_chain import PackedConvWeights, conv_chain, pack_conv_weights
 from chainfuse.ops.gated_mlp import gated_mlp, gated_mlp_shape
 from chainfuse.ops.gemm_chain import gemm_chain, gemm_chain_shape
@@ -33,4 +34,5 @@ __all__ = [
     "gemm_chain_shape",
     "pack_conv_weights",
     "pack_weights",
+    "rows_vary",
 ]

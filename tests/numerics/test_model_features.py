@@ -11,6 +11,7 @@ every dtype without taking their product; hypothesis then draws sizes and tiles 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -351,3 +352,41 @@ def test_handoff_to_pytorch_computes_the_same_chain(between: str | None) -> None
     half = [t.bfloat16() for t in (x, w1, w2, b1, b2)]
     why = handoff.gemm_chain_reason(half[0], half[1].T, half[2].T, between, half[3], half[4])
     assert why is None or "bfloat16" in why
+
+
+def test_rows_vary_builds_every_row_counts_kernel_on_the_first_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gelu MLP first called with 8 rows under `ops.rows_vary()` compiles it for every
+    micro-kernel a row count selects (on an AVX-512 host three); later calls of 40 and 100 rows
+    run kernels of those, and every result is right."""
+    import sys
+
+    from chainfuse.compiler import micro_kernel
+
+    calls = sys.modules["chainfuse.ops.calls"]
+    ops.calls.clear()
+    names: list[str] = []
+    real = calls.compile
+
+    def named(chain: Any, **kw: Any) -> Any:
+        kernel = real(chain, **kw)
+        names.append(kernel.spec.kernel.name)
+        return kernel
+
+    monkeypatch.setattr(calls, "compile", named)
+    gen = torch.Generator().manual_seed(5)
+    w1, w2 = torch.randn(24, 96, generator=gen), torch.randn(96, 40, generator=gen) / 10
+
+    def check(rows: int) -> None:
+        x = torch.randn(rows, 24, generator=gen)
+        torch.testing.assert_close(ops.gemm_chain(x, w1, w2, "gelu"), F.gelu(x @ w1) @ w2)
+
+    with ops.rows_vary():
+        check(8)
+    built = set(names)
+    chains = (builders.gemm_chain(1, rows, 40, 24, 96, "gelu") for rows in calls.ROW_PROBES)
+    assert built == {micro_kernel(c) for c in chains}
+    for rows in (40, 100):
+        check(rows)
+    assert set(names) == built
