@@ -333,21 +333,6 @@ def replay_conv(
     return out
 
 
-def _compile_gemm(
-    sizes: tuple[int, int, int, int, int],
-    between: Activation | str | None,
-    dtype: str,
-    threads: int,
-    b_transposed: bool = False,
-    d_transposed: bool = False,
-    bias1: bool = False,
-    bias2: bool = False,
-    amx: str | None = None,
-) -> Kernel:
-    return compile(_gemm_chain(sizes, between, dtype, threads, b_transposed, d_transposed,
-                               bias1, bias2, amx), threads=threads)  # fmt: skip
-
-
 def _gemm_chain(
     sizes: tuple[int, int, int, int, int],
     between: Activation | str | None,
@@ -358,23 +343,13 @@ def _gemm_chain(
     bias1: bool = False,
     bias2: bool = False,
     amx: str | None = None,
-) -> Chain:
-    del threads, amx  # (keys: the thread count a plan is made for, `amx_setting`)
-    return builders.gemm_chain(*sizes, between, dtype, b_transposed=b_transposed,
-                               d_transposed=d_transposed, bias1=bias1, bias2=bias2)  # fmt: skip
-
-
-def _compile_gated(
-    sizes: tuple[int, int, int, int, int],
-    act: Activation | str,
-    dtype: str,
-    threads: int,
-    b_transposed: bool,
-    d_transposed: bool,
-    amx: str | None = None,
-) -> Kernel:
-    return compile(_gated_chain(sizes, act, dtype, threads, b_transposed, d_transposed, amx),
-                   threads=threads)  # fmt: skip
+) -> tuple[Chain, int]:
+    """A GEMM chain call's chain and the thread count its plan is made for (`amx`:
+    `amx_setting`, a key)."""
+    del amx
+    chain = builders.gemm_chain(*sizes, between, dtype, b_transposed=b_transposed,
+                                d_transposed=d_transposed, bias1=bias1, bias2=bias2)  # fmt: skip
+    return chain, threads
 
 
 def _gated_chain(
@@ -385,26 +360,11 @@ def _gated_chain(
     b_transposed: bool,
     d_transposed: bool,
     amx: str | None = None,
-) -> Chain:
-    del threads, amx  # (keys)
-    return builders.gated_mlp_chain(*sizes, act, dtype, b_transposed=b_transposed,
-                                    d_transposed=d_transposed)  # fmt: skip
-
-
-def _compile_attention(
-    sizes: tuple[int, int, int, int, int, int],
-    causal: bool,
-    mask: str | None,
-    scale: float | None,
-    mask_shape: tuple[int, ...] | None,
-    dtype: str,
-    threads: int,
-    amx: str | None = None,
-    softcap: float | None = None,
-) -> Kernel:
-    chain = _attention_chain(sizes, causal, mask, scale, mask_shape, dtype, threads, amx,
-                             softcap)  # fmt: skip
-    return compile(chain, threads=threads)
+) -> tuple[Chain, int]:
+    del amx
+    chain = builders.gated_mlp_chain(*sizes, act, dtype, b_transposed=b_transposed,
+                                     d_transposed=d_transposed)  # fmt: skip
+    return chain, threads
 
 
 def _attention_chain(
@@ -417,10 +377,21 @@ def _attention_chain(
     threads: int,
     amx: str | None = None,
     softcap: float | None = None,
-) -> Chain:
-    del threads, amx  # (keys)
-    return builders.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
-                                    mask_shape=mask_shape, dtype=dtype, softcap=softcap)  # fmt: skip
+) -> tuple[Chain, int]:
+    del amx
+    chain = builders.attention_chain(*sizes, causal=causal, mask=mask, scale=scale,
+                                     mask_shape=mask_shape, dtype=dtype, softcap=softcap)  # fmt: skip
+    return chain, threads
+
+
+def _planned(chain_of: ChainOf) -> Callable[..., Kernel]:
+    """The builder of the kernel of `chain_of`'s chain, planned for its thread count."""
+
+    def build(sizes: tuple[int, ...], *rest: Any) -> Kernel:
+        chain, threads = chain_of(sizes, *rest)
+        return compile(chain, threads=threads)
+
+    return build
 
 
 def _attention_rows(
@@ -484,6 +455,7 @@ def rows_vary() -> Iterator[None]:
 
 
 Resize = Callable[[tuple[int, ...], tuple[Any, ...], int], tuple[tuple[int, ...], tuple[Any, ...]]]
+ChainOf = Callable[..., tuple[Chain, int]]
 
 
 class Kernels(Generic[KT]):
@@ -496,7 +468,7 @@ class Kernels(Generic[KT]):
     def __init__(
         self,
         build: Callable[..., KT],
-        chain_of: Callable[..., Chain] | None = None,
+        chain_of: ChainOf | None = None,
         resize: Resize | None = None,
     ) -> None:
         self._cached = functools.lru_cache(maxsize=KERNELS_MAX)(build)
@@ -510,17 +482,16 @@ class Kernels(Generic[KT]):
         return kernel
 
     def _other_rows(
-        self, sizes: tuple[int, ...], rest: tuple[Any, ...], chain_of: Callable[..., Chain],
-        resize: Resize,
+        self, sizes: tuple[int, ...], rest: tuple[Any, ...], chain_of: ChainOf, resize: Resize,
     ) -> None:  # fmt: skip
         key = resize(sizes, rest, 0)
         if key in self._done:
             return
         self._done.add(key)
-        seen = {micro_kernel(chain_of(sizes, *rest))}
+        seen = {micro_kernel(chain_of(sizes, *rest)[0])}
         for rows in ROW_PROBES:
             at, more = resize(sizes, rest, rows)
-            name = micro_kernel(chain_of(at, *more))
+            name = micro_kernel(chain_of(at, *more)[0])
             if name not in seen:
                 seen.add(name)
                 self._cached(at, *more)
@@ -562,9 +533,10 @@ class CallCache:
         #: compiled kernels by the plain arguments of their chains' builders and the thread
         #: count (the plan is made for it): building and verifying a chain costs more than a
         #: short call
-        self.gemm_kernels = Kernels(_compile_gemm, _gemm_chain, _rows_at(1))
-        self.gated_kernels = Kernels(_compile_gated, _gated_chain, _rows_at(1))
-        self.attention_kernels = Kernels(_compile_attention, _attention_chain, _attention_rows)
+        self.gemm_kernels = Kernels(_planned(_gemm_chain), _gemm_chain, _rows_at(1))
+        self.gated_kernels = Kernels(_planned(_gated_chain), _gated_chain, _rows_at(1))
+        self.attention_kernels = Kernels(_planned(_attention_chain), _attention_chain,
+                                         _attention_rows)  # fmt: skip
         self.conv_kernels = Kernels(_compile_conv)
 
     def clear(self) -> None:

@@ -167,7 +167,7 @@ def test_rows_vary_builds_the_other_row_counts_kernels_once(
         return "a" if rows <= 16 else "b" if rows < 64 else "c"
 
     monkeypatch.setattr(calls, "micro_kernel", kernel_of)
-    kernels = calls.Kernels(build, lambda sizes, *rest: sizes[1], calls._rows_at(1))
+    kernels = calls.Kernels(build, lambda sizes, *rest: (sizes[1], 1), calls._rows_at(1))
     kernels((2, 8, 5), "x")
     assert built == [(2, 8, 5)]
     with calls.rows_vary():
