@@ -354,7 +354,7 @@ def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="chainfuse bench models", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small configs of the same models")
     p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
-    p.add_argument("--dtype", default="fp32,bf16", help="fp32, bf16 or both")
+    p.add_argument("--dtype", default="fp32,bf16", help="comma-separated, of fp32 and bf16")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds")
     p.add_argument("--out", default=None, help="directory for models.md and models.json")
@@ -367,9 +367,10 @@ def main(argv: Sequence[str]) -> int:
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in MODELS]
     dtypes = [d for d in args.dtype.split(",") if d]
-    if unknown or any(d not in ("fp32", "bf16") for d in dtypes):
-        raise ValueError(f"--models: of {', '.join(MODELS)}; --dtype: fp32, bf16 "
-                         f"(got {args.models!r}, {args.dtype!r})")  # fmt: skip
+    if unknown:
+        raise ValueError(f"--models: of {', '.join(MODELS)} (got {', '.join(unknown)})")
+    if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
+        raise ValueError(f"--dtype: fp32, bf16 or fp32,bf16 (got {args.dtype!r})")
     threads_list = [t for t in args.threads.split(",") if t]
     if not all(t.isdigit() and int(t) > 0 for t in threads_list) or args.rounds < 1:
         raise ValueError(f"--threads: positive integers, comma-separated; --rounds: at least 1 "

@@ -46,3 +46,13 @@ def test_row_reports_medians_spread_and_samples() -> None:
     record = row.to_json()
     assert record["samples_s"] == samples
     assert record["speedup_over"]["inductor-freezing"]["median"] == pytest.approx(1.1)
+
+
+def test_bench_models_names_the_argument_it_refuses() -> None:
+    pytest.importorskip("transformers")
+    from chainfuse.bench.models import main
+
+    with pytest.raises(ValueError, match=r"--models: .* \(got nope\)"):
+        main(["--models", "bert,nope"])
+    with pytest.raises(ValueError, match=r"--dtype: fp32, bf16 or fp32,bf16 \(got 'both'\)"):
+        main(["--dtype", "both"])
