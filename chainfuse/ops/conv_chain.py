@@ -26,7 +26,7 @@ from chainfuse.ops.arguments import (
 from chainfuse.ops.calls import ConvReplay, amx_setting, calls, replay_conv, signature
 from chainfuse.runtime import get_num_threads
 
-__all__ = ["PackedConvWeights", "conv_chain", "pack_conv_weights"]
+__all__ = ["PackedConvWeights", "conv_chain", "pack_conv_weights", "paddings", "pair"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def _checked(
             raise TypeError(f"{name}: expected dtype {dtype} (x's), got {arg.dtype}")
     if C1 != C:
         raise ValueError(f"w1: expected {C} input channels (x's C), got shape {(K1, C1, R1, S1)}")
-    g1, g2 = _pair("groups", groups, 1)
+    g1, g2 = pair("groups", groups, 1)
     if g1 != 1:
         raise ValueError(f"groups: the first conv's groups must be 1, got {groups!r}")
     if g2 not in (1, K1):
@@ -177,8 +177,8 @@ def _checked(
     for name, bias, k in (("b1", b1, K1), ("b2", b2, K2)):
         if bias is not None and _conv_operand(name, bias, 1) != (k,):
             raise ValueError(f"{name}: expected shape ({k},), got {tuple(bias.shape)}")
-    st1, st2 = _pair("stride", stride, 1)
-    pad1, pad2, pad2_after = _padding(padding)
+    st1, st2 = pair("stride", stride, 1)
+    pad1, pad2, pad2_after = paddings(padding)
     conv_activation(between, "between")
     conv_activation(after, "after")
     if H + 2 * pad1 < R1 or W + 2 * pad1 < S1:
@@ -212,7 +212,9 @@ def _conv_operand(name: str, x: Any, ndim: int, batch: bool = False) -> tuple[in
     return shape
 
 
-def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
+def pair(name: str, value: Any, least: int) -> tuple[int, int]:
+    """`value` (stride, padding or groups) as the two convs' ints, each >= `least`: one int
+    serves both."""
     if isinstance(value, numbers.Integral):  # (numpy's integers too)
         pair: tuple[Any, ...] = (value, value)
     else:
@@ -230,17 +232,17 @@ def _pair(name: str, value: Any, least: int) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def _padding(value: Any) -> tuple[int, int, int]:
+def paddings(value: Any) -> tuple[int, int, int]:
     """(the first conv's padding, the second's before and after each axis) from `padding`: one
     int for both, or (first, second) where second may be (before, after)."""
     if isinstance(value, tuple | list) and len(value) == 2 and isinstance(value[1], tuple | list):
-        pad1 = _pair("padding", (value[0], value[0]), 0)[0]
+        pad1 = pair("padding", (value[0], value[0]), 0)[0]
         if len(value[1]) != 2:
             raise ValueError(f"padding: the second conv's (before, after) is two integers, "
                              f"got {value!r}")  # fmt: skip
-        pad2, pad2_after = _pair("padding", tuple(value[1]), 0)
+        pad2, pad2_after = pair("padding", tuple(value[1]), 0)
         return pad1, pad2, pad2_after
-    pad1, pad2 = _pair("padding", value, 0)
+    pad1, pad2 = pair("padding", value, 0)
     return pad1, pad2, pad2
 
 

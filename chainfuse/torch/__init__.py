@@ -15,7 +15,6 @@ Their kernels run on ``torch.get_num_threads()`` threads, as PyTorch's own ops d
 from __future__ import annotations
 
 import collections
-import numbers
 import warnings
 from collections.abc import Callable
 from types import TracebackType
@@ -27,6 +26,7 @@ from chainfuse import ops
 from chainfuse.builders import check_softcap
 from chainfuse.ops.arguments import grad_refused
 from chainfuse.ops.attention import known_attention
+from chainfuse.ops.conv_chain import paddings, pair
 from chainfuse.runtime.threads import call_threads, reset_call_threads, threads_for
 from chainfuse.torch.handoff import (
     attention_reason,
@@ -605,26 +605,11 @@ def _conv_chain_fake(
     return _conv_out(x, _conv_shape(x, w1, w2, stride, padding, groups))
 
 
-def _pair(name: str, value: Any) -> list[int]:
-    """stride or padding as the operator's two ints (one int serves both convs)."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return [int(value), int(value)]
-    if (
-        isinstance(value, tuple | list)
-        and len(value) == 2
-        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
-    ):
-        return [int(value[0]), int(value[1])]
-    raise ValueError(f"{name}: expected an int or two ints (one per conv), got {value!r}")
-
-
 def _padding(value: Any) -> list[int]:
-    """padding as the operator's ints: the first conv's, the second's, and the second's after
-    each axis where it is given as (before, after)."""
-    if isinstance(value, tuple | list) and len(value) == 2 and isinstance(value[1], tuple | list):
-        first = _pair("padding", value[0])[0]
-        return [first, *_pair("padding", tuple(value[1]))]
-    return _pair("padding", value)
+    """padding as the operator's ints (`ops.conv_chain.paddings`): the first conv's, the
+    second's, and the second's after each axis where that differs."""
+    pad1, pad2, after = paddings(value)
+    return [pad1, pad2] if after == pad2 else [pad1, pad2, after]
 
 
 def conv_chain(
@@ -644,8 +629,8 @@ def conv_chain(
     channels-last where x is."""
     if torch.compiler.is_compiling():
         _refuse_grad("x, w1, w2, b1, b2", x, w1, w2, b1, b2)
-        pairs = _pair("stride", stride), _padding(padding)
-        g1, g2 = _pair("groups", groups)
+        pairs = list(pair("stride", stride, 1)), _padding(padding)
+        g1, g2 = pair("groups", groups, 1)
         if g1 != 1:
             raise ValueError(f"groups: the first conv's groups must be 1, got {groups!r}")
         if x.dim() == 3:  # unbatched [C, H, W]: one image, as conv2d takes it

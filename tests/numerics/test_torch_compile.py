@@ -265,7 +265,9 @@ def test_compiled_chains_name_wrong_arguments_while_tracing() -> None:
     x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 2, 1, 1)
     compiled = torch.compile(lambda x, w: cft.conv_chain(x, w, w, stride=(1, 1, 1)),
                              backend="eager", fullgraph=True)  # fmt: skip
-    with pytest.raises(Exception, match=r"stride: expected an int or two ints"):
+    with pytest.raises(
+        Exception, match=r"stride: expected two integers \(first conv, second conv\) or one"
+    ):
         compiled(x, w)
     compiled = torch.compile(lambda x, w1, w2: cft.conv_chain(x, w1, w2), backend="eager",
                              fullgraph=True)  # fmt: skip
