@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from chainfuse.planner import USABLE
 __all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman", "split_half_rho"]
 
 _FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
+#: interleaved rounds each workload's plans are timed in (at most 60 s in all): plans 1-2 %
+#: apart need many (docs/performance.md#fidelity)
+ROUNDS = 40
 
 
 @dataclass
@@ -139,39 +142,29 @@ def _code_loops(kernel: Kernel) -> dict[str, str]:
 Key = tuple[float, float, float]  # (predicted time, memory time, time at the peak), seconds
 
 
+class Coster(Protocol):
+    def __call__(self, tiles: Mapping[str, int], fit: bool = True) -> Key | None: ...
+
+
 def candidates(
     kernel: Kernel, hw: Hardware, threads: int, top: int
 ) -> list[tuple[Key, dict[str, int]]]:
     """(model's key, code-level tiles) of the chosen plan and of the `top - 1` best others."""
-    chain, chosen = kernel.chain, kernel.plan
-    level = code_level(hw)
-    ext = chain.extents
+    ext = kernel.chain.extents
     loops = _code_loops(kernel)
     spec = kernel.spec
     picked = {loops[f]: getattr(spec, f) for f in ("T_M", "T_L", "T_K", "T_N")}
     quantum = {loops["T_M"]: spec.kernel.nr, loops["T_L"]: spec.kernel.mr,
                loops["T_N"]: spec.kernel.mr, loops["T_K"]: 1}  # fmt: skip
-    nest = Nest(chain, chosen.order, chosen.depth)
-    base = {lv: dict(t) for lv, t in chosen.tiles}
-    capacity = next(lv.capacity for lv in hw.levels if lv.name == level) * USABLE
+    cost = coster(kernel, hw, threads)
 
     def values(loop: str) -> list[int]:
         q, n, t = quantum[loop], ext[loop], picked[loop]
         out = {min(n, max(q, round(t * f / q) * q)) for f in _FACTORS}
         return sorted(out | {t})
 
-    def cost(tiles: dict[str, int]) -> Key | None:
-        levels = {lv: dict(t) for lv, t in base.items()}
-        levels[level] = {**levels[level], **tiles}
-        for lv, t in levels.items():  # inner levels never hold more than the code level
-            if lv != level and _inner(hw, lv, level):
-                levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
-        c = estimate(nest, levels, hw, chosen.parallel, threads, chosen.split)
-        used = dict(c.used_per_level).get(level, 0)
-        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s), c.plain_s)
-
-    first = cost(picked)
-    assert first is not None, "the planner's own tiles must fit"
+    first = cost(picked, fit=False)
+    assert first is not None
     scored: list[tuple[Key, dict[str, int]]] = []
     names = list(picked)
     for combo in itertools.product(*(values(n) for n in names)):
@@ -185,6 +178,32 @@ def candidates(
     return [(first, picked), *scored[: top - 1]]
 
 
+def coster(kernel: Kernel | ConvKernel, hw: Hardware, threads: int) -> Coster:
+    """The model's key of the kernel's plan with other code-level tiles (chain loop -> tile;
+    a conv kernel's: ``p2``, its band of rows), or None where they overflow the code level
+    (unless `fit` is False: the tiles the code chose run whatever the model holds of them)."""
+    chain, chosen = kernel.chain, kernel.plan
+    level = code_level(hw)
+    nest = Nest(chain, chosen.order, chosen.depth, fused=chosen.fused)
+    base = {lv: dict(t) for lv, t in chosen.tiles}
+    capacity = next(lv.capacity for lv in hw.levels if lv.name == level) * USABLE
+    whole = {"q2": kernel.shape.Q2} if isinstance(kernel, ConvKernel) else {}
+
+    def cost(tiles: Mapping[str, int], fit: bool = True) -> Key | None:
+        levels = {lv: dict(t) for lv, t in base.items()}
+        levels[level] = {**levels[level], **tiles, **whole}
+        for lv, t in levels.items():  # inner levels never hold more than the code level
+            if lv != level and _inner(hw, lv, level):
+                levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
+        c = estimate(nest, levels, hw, chosen.parallel, threads, chosen.split)
+        used = dict(c.used_per_level).get(level, 0)
+        if fit and used > capacity:
+            return None
+        return c.time_s, sum(t for _, t in c.memory_s), c.plain_s
+
+    return cost
+
+
 def _inner(hw: Hardware, a: str, b: str) -> bool:
     names = [lv.name for lv in hw.levels]
     return names.index(a) < names.index(b)
@@ -196,7 +215,7 @@ def measure(
     workload: str,
     variant: str,
     top: int = 10,
-    rounds: int = 9,
+    rounds: int = ROUNDS,
     hardware: Hardware | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Fidelity:
@@ -320,27 +339,13 @@ def conv_candidates(
     p2 x q2 pixel tile), its channel blocks follow from L1. The alternatives are other band
     heights, costed by `estimate` with the code level's tiles set to that band of whole rows.
     """
-    chain, chosen = kernel.chain, kernel.plan
-    level = code_level(hw)
-    P2, Q2 = kernel.shape.P2, kernel.shape.Q2
-    nest = Nest(chain, chosen.order, chosen.depth, fused=chosen.fused)
-    base = {lv: dict(t) for lv, t in chosen.tiles}
-    capacity = next(lv.capacity for lv in hw.levels if lv.name == level) * USABLE
-
-    def cost(band: int) -> Key | None:
-        levels = {lv: dict(t) for lv, t in base.items()}
-        levels[level] = {**levels[level], "p2": band, "q2": Q2}
-        for lv, t in levels.items():
-            if lv != level and _inner(hw, lv, level):
-                levels[lv] = {k: min(v, levels[level][k]) for k, v in t.items()}
-        c = estimate(nest, levels, hw, chosen.parallel, threads, chosen.split)
-        used = dict(c.used_per_level).get(level, 0)
-        return None if used > capacity else (c.time_s, sum(t for _, t in c.memory_s), c.plain_s)
-
+    P2 = kernel.shape.P2
+    cost = coster(kernel, hw, threads)
     picked = kernel.tiles.band_rows
-    first = cost(picked) or (math.inf, math.inf, math.inf)
+    first = cost({"p2": picked}, fit=False)
+    assert first is not None
     others = {min(P2, max(1, round(picked * f))) for f in (*_FACTORS, 0.25, 4.0)} | {1, P2}
-    scored = [(k, b) for b in sorted(others - {picked}) if (k := cost(b)) is not None]
+    scored = [(k, b) for b in sorted(others - {picked}) if (k := cost({"p2": b})) is not None]
     scored.sort(key=lambda kb: kb[0])
     return [(first, picked), *scored[: top - 1]]
 
@@ -351,7 +356,7 @@ def measure_conv(
     workload: str,
     variant: str,
     top: int = 10,
-    rounds: int = 9,
+    rounds: int = ROUNDS,
     hardware: Hardware | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Fidelity:
@@ -407,6 +412,39 @@ def compare(before: Sequence[Fidelity], after: Sequence[Fidelity]) -> list[str]:
     return lines
 
 
+def rerank(records: Sequence[Fidelity], hardware: Hardware | None = None) -> list[Fidelity]:
+    """`records` with their plans costed again by this model (their measured times kept): a
+    model change's rho on stored timings, without timing anything (docs/tuning.md). The
+    chosen plan (the first) stays first; the records must come from this machine's runs."""
+    from chainfuse.bench import attention, workloads
+
+    hw = hardware or resolve(None)
+    out = []
+    for f in records:
+        if f.suite == "attention":
+            chain = attention.chain_of(f.workload)
+        else:
+            chain = workloads.chain_of(f.workload, f.variant)
+        kernel: Kernel | ConvKernel
+        if f.suite == "conv-chain":
+            kernel = compile_conv(chain, hw, threads=1)
+            loops = {"T_P2": "p2"}
+        else:
+            kernel = compile(chain, hw, threads=1)
+            loops = _code_loops(kernel)
+        cost = coster(kernel, hw, 1)
+        keys = []
+        for label in f.tiles:
+            tiles = {loops[k]: int(v) for k, v in (t.split("=") for t in label.split())}
+            key = cost(tiles, fit=False)
+            assert key is not None
+            keys.append(key)
+        out.append(Fidelity(f.suite, f.workload, f.variant, list(f.tiles),
+                            [k[0] * 1e3 for k in keys], [k[1] * 1e3 for k in keys],
+                            list(f.measured_ms), [k[2] * 1e3 for k in keys], f.repeat_rho))  # fmt: skip
+    return out
+
+
 def load(path: str) -> list[Fidelity]:
     """The fidelity records of a bench run's `results.json`."""
     data = json.loads(Path(path).read_text())
@@ -416,15 +454,24 @@ def load(path: str) -> list[Fidelity]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m chainfuse.bench.fidelity",
-        description="set two bench runs' fidelity figures side by side, per suite",
+        description="set two bench runs' fidelity figures side by side, per suite, or one run's "
+        "against this model's ranking of the same plans",
     )
-    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), required=True,
-                        help="results.json of `chainfuse bench ... --top 10` runs")  # fmt: skip
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                      help="results.json of `chainfuse bench ... --top 10` runs")  # fmt: skip
+    what.add_argument("--rerank", metavar="RESULTS",
+                      help="one such run's timings against this model's ranking of its plans")  # fmt: skip
     args = parser.parse_args(argv)
+    flag = "--compare" if args.compare else "--rerank"
     try:
-        before, after = load(args.compare[0]), load(args.compare[1])
+        if args.compare:
+            before, after = load(args.compare[0]), load(args.compare[1])
+        else:
+            before = load(args.rerank)
+            after = rerank(before)
     except (OSError, ValueError, KeyError) as exc:
-        parser.error(f"--compare: {exc}")
+        parser.error(f"{flag}: {exc}")
     print("\n".join(compare(before, after)))
     return 0
 

@@ -15,7 +15,9 @@ drift: each figure is the best of ``--repeat`` timings of about ``--seconds`` ea
 (`chainfuse.kernels.calibration`): its speed at `CALIBRATION_STEPS` k steps a call, run as a
 GEMM runs it (`SWEEP` packed A slivers in turn, each into its own C block), as a share of the
 longest; and the cost of packing one element of a B panel (``pack_b`` of ``nr``-column slivers
-from an L2-resident row-major B), in the kernel's flops. It prints the entries as JSON;
+from an L2-resident row-major B), in the kernel's flops; for a kernel with wide blocks that the
+compiler picks for attention here, `split_head`: an attention (`SPLIT_CHAIN`) compiled with its
+value head whole and tiled in parts, timed interleaved. It prints the entries as JSON;
 ``--write`` stores them in ``chainfuse/kernels/calibration.json`` (docs/tuning.md#calibration).
 """
 
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import math
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +44,16 @@ from chainfuse.kernels import MicroKernel, Problem, available, emit_with_packing
 from chainfuse.kernels.calibration import PATH, Calibration
 from chainfuse.runtime import build, load
 
-__all__ = ["CALIBRATION_STEPS", "MicroBenchResult", "calibrate", "main", "measure", "source"]
+__all__ = [
+    "CALIBRATION_STEPS",
+    "SPLIT_CHAIN",
+    "MicroBenchResult",
+    "calibrate",
+    "main",
+    "measure",
+    "source",
+    "split_head",
+]
 
 PROBE_CHAINS = 12
 #: k steps a call at which `calibrate` times each kernel (up to the longest panel L1 holds).
@@ -48,6 +61,8 @@ CALIBRATION_STEPS = (4, 8, 16, 32, 64, 128, 256)
 PACK_ROWS = 256  # the B panel `calibrate` packs: 256 k steps x 4 slivers, 64 KiB of floats
 PACK_SLIVERS = 4
 SWEEP = 32  # A slivers `calibrate` runs in turn against one B panel
+#: (batch, heads, queries, keys, head dims) of the attention `split_head` times: ViT-base's
+SPLIT_CHAIN = (1, 12, 256, 256, 64)
 
 _PROBES = {
     # (vector type declaration, lanes, splat, fma): the kernel's own vector width.
@@ -213,8 +228,10 @@ def calibrate(kernel: MicroKernel, seconds: float = 0.04, repeat: int = 25) -> C
     """Measure `kernel`'s calibration entry on this host (module docstring): its speed at each
     of `CALIBRATION_STEPS` k steps a call (best of `repeat` interleaved rounds) as a share of the
     longest, and a packed element's cost in its flops at that speed. The machine may be shared:
-    each point is its least time over the rounds, and the shares come from the least-squares
-    line through them (a call costs `kc + overhead` steps), not from the points one by one."""
+    each point is its least time over the rounds, and a point below a shorter one's speed takes
+    that speed. (A line through the points, a call costing `kc + overhead` steps, put the
+    6x64 kernel's 64 steps at 0.93-0.96 where every point measured 0.98-1.0: out-of-order
+    execution hides a long call's overhead; docs/tuning.md#calibration.)"""
     lib = load(build(source(kernel), f"bench_{kernel.name}", kernel.cflags).path)
     f32p = ctypes.POINTER(ctypes.c_float)
     lib.bench_sweep.restype = ctypes.c_double
@@ -247,27 +264,61 @@ def calibrate(kernel: MicroKernel, seconds: float = 0.04, repeat: int = 25) -> C
         for kc in CALIBRATION_STEPS:
             call[kc] = min(call[kc], timer(kc)(reps[kc]) / reps[kc])
         pack = min(pack, time_pack(pack_reps) / (pack_reps * PACK_ROWS * ldb))
-    # a call costs (kc + overhead) steps: seconds a step = a + a * overhead / kc, the
-    # least-squares line in 1 / kc (every point weighs alike, short calls included)
-    xs = [1 / kc for kc in call]
-    ys = [t / kc for kc, t in call.items()]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    b /= sum((x - mx) ** 2 for x in xs)
-    slope = my - b * mx  # seconds a step
-    overhead = max(0.0, b / slope)
-    longest = CALIBRATION_STEPS[-1]
-
-    def share(kc: int) -> float:
-        return round(kc / (kc + overhead) * (longest + overhead) / longest, 3)
+    # each point's least seconds a step, as a share of the fastest; a longer call is never
+    # slower (what is left between long points is the clock's noise, not the kernel)
+    per_step = {kc: t / kc for kc, t in call.items()}
+    slope = min(per_step.values())  # seconds a step at the kernel's best
+    shares, best = [], 0.0
+    for kc in CALIBRATION_STEPS:
+        best = max(best, slope / per_step[kc])
+        shares.append((kc, round(best, 3)))
 
     step_flops = 2.0 * kernel.mr * kernel.nr
+    split = split_head(kernel)
     return Calibration(
         kernel=kernel.name,
         measured_on=f"{Hardware.detect().name} ({date.today().isoformat()})",
-        reduction=tuple((kc, share(kc)) for kc in CALIBRATION_STEPS),
+        reduction=tuple(shares),
         pack_flops=round(pack * step_flops / slope, 2),
+        split_head=1.0 if split is None else split,
     )
+
+
+def split_head(kernel: MicroKernel, rounds: int = 60) -> float | None:
+    """`Calibration.split_head` of `kernel`, or None where it has no wide block or the compiler
+    runs another kernel's for attention here: `SPLIT_CHAIN` with its value head whole, against
+    it tiled at half and three quarters of the head (interleaved, `timing.paired_ms`); the
+    second GEMM's speed that makes the model's time grow as the measured one did, the GEMM's
+    share of the time taken as its share of the flops."""
+    from chainfuse import reference
+    from chainfuse.bench.fidelity import SAMPLE_S, _batch, _repeats
+    from chainfuse.bench.timing import interleave, paired_ms
+    from chainfuse.builders import attention_chain
+    from chainfuse.compiler import compile
+    from chainfuse.model import kernel_of
+
+    batch, heads, queries, keys, dims = SPLIT_CHAIN
+    chain = attention_chain(batch, heads, queries, keys, dims, dims)
+    hw = Hardware.detect()
+    chosen = kernel_of(chain, hw)
+    if kernel.wide is None or chosen is None or chosen.name != kernel.name:
+        return None
+    value = chain.contractions[1].output.loops[-1]
+    inputs = reference.random_inputs(chain, seed=0)
+    args = [inputs[t.name] for t in chain.inputs]
+    out = np.empty(chain.outputs[0].shape, np.float32)
+    calls = {}
+    for tile in (dims, dims // 2, dims * 3 // 4):
+        built = compile(chain, hw, threads=1, tiles={value: tile})
+        calls[str(tile)] = functools.partial(built, *args, out=out)
+    reps = _repeats(calls[str(dims)], SAMPLE_S)
+    timing = interleave({k: _batch(c, reps) for k, c in calls.items()}, rounds, budget_s=60.0)
+    paired = paired_ms(timing, str(dims))
+    ratio = statistics.mean(paired[k] / paired[str(dims)] for k in calls if k != str(dims))
+    ext = chain.extents
+    flops = [math.prod(ext[n] for n in op.loops) for op in chain.contractions]
+    share = flops[1] / sum(flops)  # the second GEMM's share of the whole head's time
+    return round(min(1.0, share / max(share, ratio - 1 + share)), 3)
 
 
 def write(entries: list[Calibration], path: Path = PATH) -> None:

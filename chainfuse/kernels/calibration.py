@@ -7,6 +7,10 @@
   short calls pay the call's prologue and the C block's load and store over fewer steps;
 - ``pack_flops``: packing one element of an operand into a panel takes as long as this many of
   the kernel's flops at its best speed;
+- ``split_head`` (kernels with wide blocks, `MicroKernel.wide`; else 1): an attention's second
+  GEMM whose value head the code tiles in parts (T_N below the head) leaves the wide block,
+  which holds the whole head in registers and writes the output's rows, for the Eᵀ path (an
+  accumulator tile and a transposing store): its speed there as a share of the wide block's;
 - ``measured_on``: the host class and date.
 
 A kernel without an entry of its own uses the ``"default"`` one (measured on the kernel named
@@ -36,6 +40,7 @@ class Calibration:
     measured_on: str
     reduction: tuple[tuple[int, float], ...]  # (steps per call, share of the best), ascending
     pack_flops: float
+    split_head: float = 1.0
 
     def __post_init__(self) -> None:
         steps = [s for s, _ in self.reduction]
@@ -45,6 +50,8 @@ class Calibration:
             raise ValueError(f"calibration {self.kernel}: shares must lie in (0, 1]")
         if not math.isfinite(self.pack_flops) or self.pack_flops < 0:
             raise ValueError(f"calibration {self.kernel}: pack_flops must be >= 0")
+        if not 0 < self.split_head <= 1:
+            raise ValueError(f"calibration {self.kernel}: split_head must lie in (0, 1]")
 
     def speed(self, steps: int) -> float:
         """The kernel's speed at `steps` k steps a call, as a share of its best."""
@@ -58,11 +65,14 @@ class Calibration:
         return points[-1][1]
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "measured_on": self.measured_on,
             "reduction": [list(p) for p in self.reduction],
             "pack_flops": self.pack_flops,
         }
+        if self.split_head != 1.0:
+            out["split_head"] = self.split_head
+        return out
 
 
 def _parse(name: str, entry: dict[str, object]) -> Calibration:
@@ -73,6 +83,7 @@ def _parse(name: str, entry: dict[str, object]) -> Calibration:
         measured_on=str(entry["measured_on"]),
         reduction=tuple((int(s), float(v)) for s, v in reduction),
         pack_flops=float(entry["pack_flops"]),  # type: ignore[arg-type]
+        split_head=float(entry.get("split_head", 1.0)),  # type: ignore[arg-type]
     )
 
 

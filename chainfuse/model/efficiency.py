@@ -18,12 +18,19 @@ put into the compute time:
   GEMM chain pack weights stored transposed in row blocks of up to `DIRECT_ROW_STRIPS` strips,
   whose slivers its code reads in place (`in_place`).
 
-An online softmax's rescale per tile is the third term (`softmax.rescale_factors`). Other chips
+- *a split value head*: an attention's second GEMM runs the kernel's wide block (the whole
+  value head in registers, `MicroKernel.wide`) where the code tile of the head's loop holds the
+  head; tiled in parts it takes the Eᵀ path, at `Calibration.split_head` of that speed. Not
+  where the softmax is causal or its mask varies along the rows: their row blocks measured no
+  slower split (docs/tuning.md#calibration).
+
+An online softmax's rescale per tile is the fourth term (`softmax.rescale_factors`). Other chips
 (GPU, NPU presets) and chains with no contraction keep the plain flops.
 
     compute(op) = flops(op) * calls(op) / peak * rescale(op)
                   + moved_into_code_level(op) / itemsize * pack_flops / peak
     calls(op)   = sum over its calls of steps / speed(steps), over the reduction's extent
+                  (/ split_head for an attention's second GEMM with its value head split)
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from chainfuse.codegen.gemm_spec import holds_head
 from chainfuse.hardware import DeviceKind, Hardware
 from chainfuse.ir import Chain, Contraction, DType, Softmax
 from chainfuse.kernels import MicroKernel, Problem, select
@@ -72,6 +80,7 @@ class Efficiency:
     packs: bool = True  # whether the code packs what each load brings in (module docstring)
     rows: str = ""  # the loop of the code's row blocks (a GEMM chain's m), for `in_place`
     direct: tuple[tuple[str, int], ...] = ()  # (tensor, most rows of a block reading it in place)
+    head: tuple[int, str] | None = None  # (op, loop): the GEMM a split value head slows
     memo: dict[tuple[int, ...], tuple[float, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -83,12 +92,16 @@ class Efficiency:
         found = self.memo.get(key)
         if found is None:
             tile = dict(zip(loops, key, strict=True))
-            found = self.memo[key] = tuple(self._calls(red, tile, extents) for red in self.steps)
+            calls = [self._calls(red, tile, extents) for red in self.steps]
+            if self.head is not None and tile[self.head[1]] < extents[self.head[1]]:
+                calls[self.head[0]] /= self.calibration.split_head
+            found = self.memo[key] = tuple(calls)
         return found
 
     @functools.cached_property
     def _loops(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(n for red in self.steps for n in red))
+        head = (self.head[1],) if self.head is not None else ()
+        return tuple(dict.fromkeys((*(n for red in self.steps for n in red), *head)))
 
     def _calls(
         self, red: tuple[str, ...], tile: Mapping[str, int], ext: Mapping[str, int]
@@ -148,7 +161,8 @@ def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
     )
     packs = not (softmax or windowed)
     rows, direct = _direct(chain, kernel) if packs else ("", ())
-    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize, packs, rows, direct)
+    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize, packs, rows, direct,
+                      _wide_head(chain, kernel))  # fmt: skip
 
 
 def code_flops(
@@ -168,6 +182,26 @@ def code_flops(
     stretch = terms.stretch(tiles, extents)
     flops = sum(f * x * y for f, x, y in zip(op_flops, factors, stretch, strict=True))
     return flops + terms.pack_flops(moved)
+
+
+def _wide_head(chain: Chain, kernel: MicroKernel) -> tuple[int, str] | None:
+    """(op index, value loop) of an attention whose second GEMM the code runs on the kernel's
+    wide block when its value head is whole (`codegen.gemm_spec.holds_head`: float32, V's
+    rows dense along the head), or None: no such block, or a softmax that is causal or masked
+    along its rows (module docstring)."""
+    softmax = [op for op in chain.ops if isinstance(op, Softmax)]
+    if kernel.wide is None or chain.dtype is not DType.FLOAT32 or len(softmax) != 1:
+        return None
+    if len(chain.contractions) != 2 or softmax[0].causal:
+        return None
+    mask, rows = softmax[0].mask, softmax[0].input.loops[:-1]
+    if mask is not None and any(n in mask.loops for n in rows[-1:]):
+        return None
+    op2 = chain.contractions[1]
+    value, v = op2.output.loops[-1], op2.inputs[1]
+    if not v.loops or v.loops[-1] != value or not holds_head(kernel, chain.extents[value]):
+        return None
+    return chain.ops.index(op2), value
 
 
 def _direct(chain: Chain, kernel: MicroKernel) -> tuple[str, tuple[tuple[str, int], ...]]:

@@ -39,8 +39,8 @@ def rescale_factors(
     chain: Chain, tiles: Mapping[str, int], fed: Mapping[int, str] | None = None
 ) -> tuple[float, ...]:
     """Per op of a fused nest: what its compute time is stretched by around an online softmax,
-    `tiles` being the code level's (`code_level`): 1 + RESCALE_STEPS / (the tile of its
-    reduction) for the GEMMs of a softmax chain (`rescaled`, or `fed` when the caller has it),
+    `tiles` being the code level's (`code_level`): 1 + RESCALE_STEPS x (its calls: tiles of its
+    reduction, a tail tile included) / (the reduction's extent) for the GEMMs of a softmax chain (`rescaled`, or `fed` when the caller has it),
     1 for every other op; and, with a causal softmax, every op times the share of the scores
     its row blocks compute (`causal_share`)."""
     ext = chain.extents
@@ -48,13 +48,15 @@ def rescale_factors(
     share = computed_share(chain, tiles)
     return tuple(
         share
-        * (
-            1.0 + RESCALE_STEPS / min(tiles.get(fed[i], ext[fed[i]]), ext[fed[i]])
-            if i in fed
-            else 1.0
-        )
+        * (1.0 + RESCALE_STEPS * _calls(ext[fed[i]], tiles.get(fed[i], 0)) if i in fed else 1.0)
         for i in range(len(chain.ops))
     )
+
+
+def _calls(extent: int, tile: int) -> float:
+    """Calls a step over `extent` in tiles of `tile` (0: whole): a tail tile is a call too."""
+    tile = extent if tile <= 0 else min(tile, extent)
+    return -(-extent // tile) / extent
 
 
 def causal_softmax(chain: Chain) -> Softmax | None:

@@ -304,6 +304,37 @@ def test_fidelity_candidates_start_with_the_planners_choice() -> None:
     assert keys == sorted(keys)  # the others in the model's order
 
 
+def test_fidelity_costs_the_codes_own_tiles_and_reranks_stored_timings(tmp_path: Path) -> None:
+    """The chosen plan is costed even where the code's tiles exceed what the model lets the
+    planner hold (a conv band the code sizes itself), and `--rerank` costs a run's plans again
+    with this model, keeping their measured times."""
+    from chainfuse.bench import workloads
+    from chainfuse.compiler import compile, compile_conv
+    from chainfuse.hardware import resolve
+
+    hw = resolve(None)
+    conv = compile_conv(workloads.chain_of("darknet-19-b", "relu"), hw, threads=1)
+    cost = fidelity.coster(conv, hw, 1)
+    huge = {"p2": conv.shape.P2}
+    assert cost(huge) is None and cost(huge, fit=False) is not None  # all 28 rows: too many
+    ranked = fidelity.conv_candidates(conv, hw, 1, 5)
+    assert ranked[0][1] == conv.tiles.band_rows and math.isfinite(ranked[0][0][0])
+
+    kernel = compile(workloads.chain_of("mixer-s-32-s", "relu"), hw, threads=1)
+    ranked_g = fidelity.candidates(kernel, hw, 1, 3)
+    names = {v: k for k, v in fidelity._code_loops(kernel).items()}
+    labels = [" ".join(f"{names[n]}={v}" for n, v in t.items()) for _, t in ranked_g]
+    stored = Fidelity("gemm-chain", "mixer-s-32-s", "relu", labels, [9.0, 8.0, 7.0],
+                      [0.0] * 3, [1.0, 2.0, 3.0], [9.0, 8.0, 7.0], 0.5)  # fmt: skip
+    again = fidelity.rerank([stored], hw)[0]
+    assert again.measured_ms == stored.measured_ms and again.repeat_rho == 0.5
+    assert again.predicted_ms == pytest.approx([k[0] * 1e3 for k, _ in ranked_g])
+    (tmp_path / "run.json").write_text(json.dumps({"fidelity": [stored.to_dict()]}))
+    assert fidelity.main(["--rerank", str(tmp_path / "run.json")]) == 0
+    with pytest.raises(SystemExit):
+        fidelity.main(["--rerank", str(tmp_path / "missing.json")])
+
+
 @pytest.mark.parametrize("name", ["padded-512", "bool-512", "causal-1024", "causal-mask-1024",
                                   "window-2048"])  # fmt: skip
 def test_masked_attention_cases_time_the_same_computation_everywhere(name: str) -> None:

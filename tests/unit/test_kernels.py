@@ -685,3 +685,20 @@ void run_exp2_rows(float* p, int rows, const float* shift, float* sum)
     for row in p:  # the kernel's order: row after row, each add rounded to float32
         want = want + row
     assert np.array_equal(total, want, equal_nan=True)
+
+
+def test_calibration_of_the_hosts_kernel_is_a_valid_entry() -> None:
+    """`python -m chainfuse.bench.microkernel --calibrate` on this host's fp32 kernel: shares
+    that never fall as calls lengthen and reach 1, a packing cost, and a split-head share only
+    for a kernel with wide blocks (the figures themselves are the bench's, docs/tuning.md)."""
+    from chainfuse.bench import microkernel
+
+    here = Hardware.detect()
+    kernel = select(Problem(DType.FLOAT32, 4096, 4096, 256), here)
+    entry = microkernel.calibrate(kernel, seconds=0.002, repeat=2)
+    shares = [share for _, share in entry.reduction]
+    assert [s for s, _ in entry.reduction] == list(microkernel.CALIBRATION_STEPS)
+    assert shares == sorted(shares) and shares[-1] == 1.0 and entry.pack_flops > 0
+    assert 0 < entry.split_head <= 1
+    if kernel.wide is None:
+        assert entry.split_head == 1.0 and microkernel.split_head(kernel) is None
