@@ -17,7 +17,8 @@ GEMM runs it (`SWEEP` packed A slivers in turn, each into its own C block), as a
 longest; and the cost of packing one element of a B panel (``pack_b`` of ``nr``-column slivers
 from an L2-resident row-major B), in the kernel's flops; for a kernel with wide blocks that the
 compiler picks for attention here, `split_head`: an attention (`SPLIT_CHAIN`) compiled with its
-value head whole and tiled in parts, timed interleaved. It prints the entries as JSON;
+value head whole and tiled in parts (heads of one block and of two), timed interleaved. It
+prints the entries as JSON;
 ``--write`` stores them in ``chainfuse/kernels/calibration.json`` (docs/tuning.md#calibration).
 """
 
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from chainfuse.hardware import Hardware, Isa
-from chainfuse.ir import DType
+from chainfuse.ir import Chain, DType
 from chainfuse.kernels import MicroKernel, Problem, available, emit_with_packing, select
 from chainfuse.kernels.calibration import PATH, Calibration
 from chainfuse.runtime import build, load
@@ -62,6 +63,7 @@ PACK_ROWS = 256  # the B panel `calibrate` packs: 256 k steps x 4 slivers, 64 Ki
 PACK_SLIVERS = 4
 SWEEP = 32  # A slivers `calibrate` runs in turn against one B panel
 #: (batch, heads, queries, keys, head dims) of the attention `split_head` times: ViT-base's
+#: (heads of twice the dims: half as many)
 SPLIT_CHAIN = (1, 12, 256, 256, 64)
 
 _PROBES = {
@@ -274,36 +276,48 @@ def calibrate(kernel: MicroKernel, seconds: float = 0.04, repeat: int = 25) -> C
         shares.append((kc, round(best, 3)))
 
     step_flops = 2.0 * kernel.mr * kernel.nr
-    split = split_head(kernel)
+    split = split_head(kernel) or (1.0, 1.0)
     return Calibration(
         kernel=kernel.name,
         measured_on=f"{Hardware.detect().name} ({date.today().isoformat()})",
         reduction=tuple(shares),
         pack_flops=round(pack * step_flops / slope, 2),
-        split_head=1.0 if split is None else split,
+        split_head=split[0],
+        split_multiple=split[1],
     )
 
 
-def split_head(kernel: MicroKernel, rounds: int = 60) -> float | None:
-    """`Calibration.split_head` of `kernel`, or None where it has no wide block or the compiler
-    runs another kernel's for attention here: `SPLIT_CHAIN` with its value head whole, against
-    it tiled at half and three quarters of the head (interleaved, `timing.paired_ms`); the
-    second GEMM's speed that makes the model's time grow as the measured one did, the GEMM's
-    share of the time taken as its share of the flops."""
+def split_head(kernel: MicroKernel, rounds: int = 60) -> tuple[float, float] | None:
+    """`Calibration.split_head` and `split_multiple` of `kernel`, or None where it has no wide
+    block or the compiler runs another kernel's for attention here: `SPLIT_CHAIN` with a value
+    head of `nr` and of twice that, each compiled whole and tiled at half and three quarters of
+    the head, timed interleaved (`timing.paired_ms`); each share the second GEMM's speed that
+    makes the model's time grow as the measured one did (the GEMM's share of the time taken as
+    its share of the flops)."""
+    from chainfuse.builders import attention_chain
+    from chainfuse.model import kernel_of
+
+    batch, heads, queries, keys, _ = SPLIT_CHAIN
+    hw = Hardware.detect()
+    chosen = kernel_of(attention_chain(batch, heads, queries, keys, kernel.nr, kernel.nr), hw)
+    if kernel.wide is None or chosen is None or chosen.name != kernel.name:
+        return None
+    one = _split_share(attention_chain(batch, heads, queries, keys, kernel.nr, kernel.nr), rounds)
+    two = 2 * kernel.nr
+    several = _split_share(attention_chain(batch, heads // 2, queries, keys, two, two), rounds)
+    return one, several
+
+
+def _split_share(chain: Chain, rounds: int) -> float:
+    """The second GEMM's speed with its value head in parts, as a share of it whole (above)."""
     from chainfuse import reference
     from chainfuse.bench.fidelity import SAMPLE_S, _batch, _repeats
     from chainfuse.bench.timing import interleave, paired_ms
-    from chainfuse.builders import attention_chain
     from chainfuse.compiler import compile
-    from chainfuse.model import kernel_of
 
-    batch, heads, queries, keys, dims = SPLIT_CHAIN
-    chain = attention_chain(batch, heads, queries, keys, dims, dims)
     hw = Hardware.detect()
-    chosen = kernel_of(chain, hw)
-    if kernel.wide is None or chosen is None or chosen.name != kernel.name:
-        return None
     value = chain.contractions[1].output.loops[-1]
+    dims = chain.extents[value]
     inputs = reference.random_inputs(chain, seed=0)
     args = [inputs[t.name] for t in chain.inputs]
     out = np.empty(chain.outputs[0].shape, np.float32)
@@ -318,7 +332,7 @@ def split_head(kernel: MicroKernel, rounds: int = 60) -> float | None:
     ext = chain.extents
     flops = [math.prod(ext[n] for n in op.loops) for op in chain.contractions]
     share = flops[1] / sum(flops)  # the second GEMM's share of the whole head's time
-    return round(min(1.0, share / max(share, ratio - 1 + share)), 3)
+    return round(min(4.0, share / max(share / 4, ratio - 1 + share)), 3)
 
 
 def write(entries: list[Calibration], path: Path = PATH) -> None:

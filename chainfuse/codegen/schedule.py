@@ -28,6 +28,7 @@ from chainfuse.codegen.softmax import exponentiates_beside_op1
 from chainfuse.hardware import Hardware
 from chainfuse.ir import Chain, DType, Softmax
 from chainfuse.kernels import MicroKernel
+from chainfuse.kernels.calibration import calibration
 from chainfuse.model import code_level
 from chainfuse.planner import Plan
 
@@ -103,8 +104,10 @@ class CodeSchedule:
 
     @property
     def wide_head(self) -> bool:
-        """op2 holds the whole value head in registers (the kernel's wide blocks)."""
-        return bool(wide_heads(self.spec)) and holds_head(self.spec.kernel, self.sizes[3])
+        """op2 holds the whole value head in registers (the kernel's wide blocks): one n tile
+        (the generated code's `to_e` tests that too)."""
+        n, tile = self.sizes[3], self.tiles[3]
+        return bool(wide_heads(self.spec)) and tile >= n and holds_head(self.spec.kernel, n)
 
     def bd_bytes(self, keys: int | None = None, strides: tuple[int, ...] | None = None) -> float:
         """Bytes of all of B and D over the batch for `keys` of l (None: the compiled L), as a
@@ -229,7 +232,11 @@ def schedule_gemm_chain(
 
     wide = softmax and chain.dtype is DType.FLOAT32 and not shape.d_transposed
     if wide and kernel.nr != N and holds_head(kernel, N):
-        change(n, N, "a wide block holds the whole value head: one n block")
+        if calibration(kernel.name).split(N, kernel.nr) <= 1.0:
+            change(n, N, "a wide block holds the whole value head: one n block")
+        elif code[n] >= N:
+            change(n, kernel.nr, f"a head of {N // kernel.nr} blocks runs faster in parts than"
+                   " through the wide block here (calibration split_multiple)")  # fmt: skip
     elif softmax:
         change(n, softmax_n_tile(N, code[n], kernel.mr, kernel.part_rows),
                "even n blocks run fewer of the micro-kernel's rows")  # fmt: skip

@@ -10,7 +10,11 @@
 - ``split_head`` (kernels with wide blocks, `MicroKernel.wide`; else 1): an attention's second
   GEMM whose value head the code tiles in parts (T_N below the head) leaves the wide block,
   which holds the whole head in registers and writes the output's rows, for the Eᵀ path (an
-  accumulator tile and a transposing store): its speed there as a share of the wide block's;
+  accumulator tile and a transposing store): its speed there as a share of the wide block's,
+  for a head one wide block holds (``wide_cols``: 64, 80, 96 dims);
+- ``split_multiple``: the same for a head of several ``nr`` blocks (128, 256 dims), which the
+  wide block runs ``nr`` columns at a time, each pass over the scores again; above 1 where the
+  Eᵀ path is the faster one (the code then splits such heads: `codegen.schedule`);
 - ``measured_on``: the host class and date.
 
 A kernel without an entry of its own uses the ``"default"`` one (measured on the kernel named
@@ -41,6 +45,7 @@ class Calibration:
     reduction: tuple[tuple[int, float], ...]  # (steps per call, share of the best), ascending
     pack_flops: float
     split_head: float = 1.0
+    split_multiple: float = 1.0
 
     def __post_init__(self) -> None:
         steps = [s for s, _ in self.reduction]
@@ -50,8 +55,9 @@ class Calibration:
             raise ValueError(f"calibration {self.kernel}: shares must lie in (0, 1]")
         if not math.isfinite(self.pack_flops) or self.pack_flops < 0:
             raise ValueError(f"calibration {self.kernel}: pack_flops must be >= 0")
-        if not 0 < self.split_head <= 1:
-            raise ValueError(f"calibration {self.kernel}: split_head must lie in (0, 1]")
+        for name in ("split_head", "split_multiple"):
+            if not 0 < getattr(self, name) <= 4:
+                raise ValueError(f"calibration {self.kernel}: {name} must lie in (0, 4]")
 
     def speed(self, steps: int) -> float:
         """The kernel's speed at `steps` k steps a call, as a share of its best."""
@@ -64,14 +70,19 @@ class Calibration:
                 return v0 + w * (v1 - v0)
         return points[-1][1]
 
+    def split(self, head: int, nr: int) -> float:
+        """`split_head` or `split_multiple` for a value head of `head` dims (blocks of `nr`)."""
+        return self.split_multiple if head > nr and head % nr == 0 else self.split_head
+
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
             "measured_on": self.measured_on,
             "reduction": [list(p) for p in self.reduction],
             "pack_flops": self.pack_flops,
         }
-        if self.split_head != 1.0:
+        if self.split_head != 1.0 or self.split_multiple != 1.0:
             out["split_head"] = self.split_head
+            out["split_multiple"] = self.split_multiple
         return out
 
 
@@ -84,6 +95,7 @@ def _parse(name: str, entry: dict[str, object]) -> Calibration:
         reduction=tuple((int(s), float(v)) for s, v in reduction),
         pack_flops=float(entry["pack_flops"]),  # type: ignore[arg-type]
         split_head=float(entry.get("split_head", 1.0)),  # type: ignore[arg-type]
+        split_multiple=float(entry.get("split_multiple", 1.0)),  # type: ignore[arg-type]
     )
 
 

@@ -20,9 +20,10 @@ put into the compute time:
 
 - *a split value head*: an attention's second GEMM runs the kernel's wide block (the whole
   value head in registers, `MicroKernel.wide`) where the code tile of the head's loop holds the
-  head; tiled in parts it takes the Eᵀ path, at `Calibration.split_head` of that speed. Not
-  where the softmax is causal or its mask varies along the rows: their row blocks measured no
-  slower split (docs/tuning.md#calibration).
+  head; tiled in parts it takes the Eᵀ path, at `Calibration.split` of that speed (below 1:
+  the wide block is faster; above 1, measured for heads of several blocks on some hosts: the
+  Eᵀ path is). Not for a head of one block where the softmax is causal: its row blocks
+  measured no difference (docs/tuning.md#calibration).
 
 An online softmax's rescale per tile is the fourth term (`softmax.rescale_factors`). Other chips
 (GPU, NPU presets) and chains with no contraction keep the plain flops.
@@ -30,7 +31,7 @@ An online softmax's rescale per tile is the fourth term (`softmax.rescale_factor
     compute(op) = flops(op) * calls(op) / peak * rescale(op)
                   + moved_into_code_level(op) / itemsize * pack_flops / peak
     calls(op)   = sum over its calls of steps / speed(steps), over the reduction's extent
-                  (/ split_head for an attention's second GEMM with its value head split)
+                  (/ Calibration.split: an attention's second GEMM with its value head split)
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Efficiency:
     packs: bool = True  # whether the code packs what each load brings in (module docstring)
     rows: str = ""  # the loop of the code's row blocks (a GEMM chain's m), for `in_place`
     direct: tuple[tuple[str, int], ...] = ()  # (tensor, most rows of a block reading it in place)
-    head: tuple[int, str] | None = None  # (op, loop): the GEMM a split value head slows
+    head: tuple[int, str, float] | None = None  # (op, loop, `Calibration.split`): split head
     memo: dict[tuple[int, ...], tuple[float, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -94,13 +95,13 @@ class Efficiency:
             tile = dict(zip(loops, key, strict=True))
             calls = [self._calls(red, tile, extents) for red in self.steps]
             if self.head is not None and tile[self.head[1]] < extents[self.head[1]]:
-                calls[self.head[0]] /= self.calibration.split_head
+                calls[self.head[0]] /= self.head[2]
             found = self.memo[key] = tuple(calls)
         return found
 
     @functools.cached_property
     def _loops(self) -> tuple[str, ...]:
-        head = (self.head[1],) if self.head is not None else ()
+        head = (self.head[1],) if self.head is not None else ()  # (its tile decides)
         return tuple(dict.fromkeys((*(n for red in self.steps for n in red), *head)))
 
     def _calls(
@@ -161,8 +162,9 @@ def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
     )
     packs = not (softmax or windowed)
     rows, direct = _direct(chain, kernel) if packs else ("", ())
-    return Efficiency(calibration(kernel.name), steps, chain.dtype.itemsize, packs, rows, direct,
-                      _wide_head(chain, kernel))  # fmt: skip
+    cal = calibration(kernel.name)
+    return Efficiency(cal, steps, chain.dtype.itemsize, packs, rows, direct,
+                      _wide_head(chain, kernel, cal))  # fmt: skip
 
 
 def code_flops(
@@ -184,24 +186,26 @@ def code_flops(
     return flops + terms.pack_flops(moved)
 
 
-def _wide_head(chain: Chain, kernel: MicroKernel) -> tuple[int, str] | None:
-    """(op index, value loop) of an attention whose second GEMM the code runs on the kernel's
-    wide block when its value head is whole (`codegen.gemm_spec.holds_head`: float32, V's
-    rows dense along the head), or None: no such block, or a softmax that is causal or masked
-    along its rows (module docstring)."""
+def _wide_head(
+    chain: Chain, kernel: MicroKernel, cal: Calibration
+) -> tuple[int, str, float] | None:
+    """(op index, value loop, `Calibration.split`) of an attention whose second GEMM the code
+    runs on the kernel's wide block when its value head is whole (`codegen.gemm_spec.holds_head`:
+    float32, V's rows dense along the head), or None: no such block, or a head of one block
+    under a causal softmax (module docstring)."""
     softmax = [op for op in chain.ops if isinstance(op, Softmax)]
     if kernel.wide is None or chain.dtype is not DType.FLOAT32 or len(softmax) != 1:
         return None
-    if len(chain.contractions) != 2 or softmax[0].causal:
-        return None
-    mask, rows = softmax[0].mask, softmax[0].input.loops[:-1]
-    if mask is not None and any(n in mask.loops for n in rows[-1:]):
+    if len(chain.contractions) != 2:
         return None
     op2 = chain.contractions[1]
     value, v = op2.output.loops[-1], op2.inputs[1]
-    if not v.loops or v.loops[-1] != value or not holds_head(kernel, chain.extents[value]):
+    head = chain.extents[value]
+    if not v.loops or v.loops[-1] != value or not holds_head(kernel, head):
         return None
-    return chain.ops.index(op2), value
+    if softmax[0].causal and head <= kernel.nr:
+        return None
+    return chain.ops.index(op2), value, cal.split(head, kernel.nr)
 
 
 def _direct(chain: Chain, kernel: MicroKernel) -> tuple[str, tuple[tuple[str, int], ...]]:

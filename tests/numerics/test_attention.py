@@ -1259,8 +1259,9 @@ def _check_e_rows(chain: chainfuse.Chain, dv: int, seed: int) -> compiler.Kernel
     """`chain` (a value head of `dv` dims, l tiles of 12) against the reference on inputs up to
     [1, 100, 1e4][seed % 3] and, bit for bit, against the Eᵀ accumulator (an n tile below dv),
     with V as a view of a wider array (rows further apart) and into an `out` whose rows lie
-    further apart (nothing written past the rows' ends). Returns the kernel it compiled."""
-    k = compile(chain, tiles={"l": 12})
+    further apart (nothing written past the rows' ends). Returns the kernel it compiled (n in
+    one tile: a head of several nr blocks may run faster split, `calibration.split_multiple`)."""
+    k = compile(chain, tiles={"l": 12, "n": dv})
     inputs = reference.random_inputs(chain, seed=seed, scale=[1.0, 100.0, 1e4][seed % 3])
     names = [t.name for t in chain.inputs]
     dense = k(*[inputs[n] for n in names])
@@ -1305,7 +1306,7 @@ def test_a_wide_value_head_goes_into_e_bit_for_bit_with_the_transposed_accumulat
     kernel: MicroKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a value head of a wide block's width (`MicroKernel.wide`), or a multiple of nr where nr is
-    # one (nr columns at a time): the plan keeps n whole and op2 writes E's rows with the head
+    # one (nr columns at a time): n whole, op2 writes E's rows with the head
     # in registers, V's rows in place; against the reference and the Eᵀ accumulator bit for
     # bit (`_check_e_rows`): over several l tiles (the rescales act on E's rows), last strips
     # whose last block keeps 1..wide_mr rows, masks, causal, scores up to 1e4, strided V and out

@@ -94,3 +94,36 @@ def test_a_packed_whole_or_per_block_is_the_schedules() -> None:
     whole = compile(chain, tiles={"k": 64}).schedule
     assert whole.a_k == 300 and "Aᵀ packed whole" in whole.describe()
     assert whole.arguments(1)[SCHEDULE.index("a_k")] == 300
+
+
+@pytest.mark.parametrize("split_multiple", [0.9, 1.3])
+def test_a_head_of_several_wide_blocks_is_split_where_that_measured_faster(
+    split_multiple: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value head of two of the kernel's nr-column blocks runs through the wide block, a
+    pass over the scores per block, where the calibration measured that faster than the Eᵀ
+    path (`split_multiple` <= 1: n kept whole); where the Eᵀ path measured faster, n runs in
+    parts (blocks of nr where the plan had it whole, with the reason said). Either way the result is the reference's."""
+    import dataclasses
+
+    from chainfuse.codegen import schedule
+    from chainfuse.kernels import calibration
+
+    chain = chainfuse.attention_chain(1, 2, 96, 80, 32, 128)
+    kernel = compile(chain, threads=1)
+    nr = kernel.spec.kernel.nr
+    if kernel.spec.kernel.wide is None or nr != 64:
+        pytest.skip(f"{kernel.spec.kernel.name} has no wide block of 64 columns")
+    entry = dataclasses.replace(calibration.calibration(kernel.spec.kernel.name),
+                                split_multiple=split_multiple)  # fmt: skip
+    monkeypatch.setattr(schedule, "calibration", lambda name: entry)
+    kernel = compile(chain, threads=1)
+    split = [c for c in kernel.schedule.changes if c.tile == "T_N" and "in parts" in c.reason]
+    if split_multiple <= 1:
+        assert kernel.schedule.tiles[3] == 128 and not split and kernel.schedule.wide_head
+    else:  # (the planner may split it itself: the model charges the wide block too)
+        tile_n, planned_n = kernel.schedule.tiles[3], kernel.schedule.planned[3]
+        assert tile_n < 128 and not kernel.schedule.wide_head
+        assert bool(split) == (planned_n == 128) and (not split or tile_n == nr)
+        assert not split or "split_multiple" in split[0].reason
+    _run(kernel, chain)

@@ -427,11 +427,15 @@ def test_calibration_interpolates_and_holds_its_ends() -> None:
             Calibration("k", "here", bad, 4.0)
     with pytest.raises(ValueError, match="pack_flops"):
         Calibration("k", "here", ((16, 1.0),), -1.0)
-    for bad_split in (0.0, 1.5, math.nan):
+    for bad_split in (0.0, 4.5, math.nan):
         with pytest.raises(ValueError, match="split_head"):
             Calibration("k", "here", ((16, 1.0),), 1.0, bad_split)
-    split = Calibration("k", "here", ((16, 1.0),), 1.0, 0.9)
+        with pytest.raises(ValueError, match="split_multiple"):
+            Calibration("k", "here", ((16, 1.0),), 1.0, 1.0, bad_split)
+    split = Calibration("k", "here", ((16, 1.0),), 1.0, 0.9, 1.3)
     assert split.to_dict()["split_head"] == 0.9 and "split_head" not in cal.to_dict()
+    assert split.split(64, 64) == split.split(80, 64) == 0.9  # one wide block holds these
+    assert split.split(128, 64) == split.split(256, 64) == 1.3  # nr columns at a time
 
 
 def test_every_cpu_kernel_has_a_calibration() -> None:
@@ -498,10 +502,11 @@ def test_efficiency_charges_packing_where_the_code_packs_per_load() -> None:
     assert attention.pack_flops(1000) == 0  # V packed once a head (`DT_PANELS`)
 
 
-def test_a_split_value_head_slows_the_second_gemm_where_a_wide_block_holds_it() -> None:
+def test_a_split_value_head_is_charged_where_a_wide_block_holds_it_whole() -> None:
     """An attention whose code runs its second GEMM on the wide block (the whole value head in
-    registers) charges a value tile below the head at the kernel's `split_head`; chains whose
-    code has no such block, or whose rows are masked or causal, do not."""
+    registers) charges a value tile below the head at the kernel's measured `Calibration.split`
+    for that head (one block: `split_head`; several: `split_multiple`); chains whose code has no
+    such block, or a head of one block under a causal softmax, are not charged."""
     import dataclasses
 
     from chainfuse.kernels import available
@@ -509,27 +514,27 @@ def test_a_split_value_head_slows_the_second_gemm_where_a_wide_block_holds_it() 
 
     wide = next(k for k in available() if k.wide is not None)
     xeon = dataclasses.replace(Hardware.preset("xeon-gold-6240"), isa=frozenset(wide.isa))
-    chain = attention_chain(1, 4, 256, 256, 64, 64)
-    terms = efficiency(chain, xeon)
-    assert terms is not None and terms.head == (2, "n")
-    ext = chain.extents
-    whole = terms.stretch({"m": 64, "l": 256, "k": 64, "n": 64}, ext)
-    split = terms.stretch({"m": 64, "l": 256, "k": 64, "n": 32}, ext)
-    assert split[0] == whole[0] and split[1] == whole[1]  # the scores and the softmax
-    assert split[2] == pytest.approx(whole[2] / terms.calibration.split_head)
+    nr = wide.nr
+    for dv, causal, mask in ((nr, False, None), (nr, False, (1, 1, 256, 256)),
+                             (2 * nr, False, None), (2 * nr, True, None)):  # fmt: skip
+        kind = None if mask is None else "additive"
+        chain = attention_chain(1, 4, 256, 256, 64, dv, causal=causal, mask=kind, mask_shape=mask)
+        terms = efficiency(chain, xeon)
+        assert terms is not None and terms.head is not None and terms.head[:2] == (2, "n")
+        assert terms.head[2] == terms.calibration.split(dv, nr)
+        ext = chain.extents
+        whole = terms.stretch({"m": 64, "l": 256, "k": 64, "n": dv}, ext)
+        split = terms.stretch({"m": 64, "l": 256, "k": 64, "n": dv // 2}, ext)
+        assert split[0] == whole[0] and split[1] == whole[1]  # the scores and the softmax
+        assert split[2] == pytest.approx(whole[2] / terms.head[2])
     for other in (
-        attention_chain(1, 4, 256, 256, 64, 64, causal=True),
-        attention_chain(1, 4, 256, 256, 64, 64, mask="additive", mask_shape=(1, 1, 256, 256)),
-        attention_chain(1, 4, 256, 256, 64, 48),  # a head no wide block holds
+        attention_chain(1, 4, 256, 256, 64, nr, causal=True),
+        attention_chain(1, 4, 256, 256, 64, nr - 16),  # a head no wide block holds
         gemm_chain(1, 256, 64, 64, 256, "relu"),  # no softmax: no wide block
-        attention_chain(1, 4, 256, 256, 64, 64, dtype="bfloat16"),
+        attention_chain(1, 4, 256, 256, 64, nr, dtype="bfloat16"),
     ):
         t = efficiency(other, xeon)
         assert t is None or t.head is None
-    masked_keys = attention_chain(1, 4, 256, 256, 64, 64, mask="additive",
-                                  mask_shape=(1, 1, 1, 256))  # fmt: skip
-    t = efficiency(masked_keys, xeon)
-    assert t is not None and t.head == (2, "n")  # a padding mask: the rows alike
 
 
 def test_online_softmax_rescale_counts_a_tail_tile_as_a_call() -> None:
