@@ -231,9 +231,8 @@ def calibrate(kernel: MicroKernel, seconds: float = 0.04, repeat: int = 25) -> C
     of `CALIBRATION_STEPS` k steps a call (best of `repeat` interleaved rounds) as a share of the
     longest, and a packed element's cost in its flops at that speed. The machine may be shared:
     each point is its least time over the rounds, and a point below a shorter one's speed takes
-    that speed. (A line through the points, a call costing `kc + overhead` steps, put the
-    6x64 kernel's 64 steps at 0.93-0.96 where every point measured 0.98-1.0: out-of-order
-    execution hides a long call's overhead; docs/tuning.md#calibration.)"""
+    that speed. (A line through the points, a call costing `kc + overhead` steps, overstated a
+    long call's overhead, which out-of-order execution hides: docs/tuning.md#calibration.)"""
     lib = load(build(source(kernel), f"bench_{kernel.name}", kernel.cflags).path)
     f32p = ctypes.POINTER(ctypes.c_float)
     lib.bench_sweep.restype = ctypes.c_double

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PATH", "Calibration", "calibration", "table"]
+__all__ = ["PATH", "Calibration", "calibration", "several_blocks", "table"]
 
 PATH = Path(__file__).with_name("calibration.json")
 
@@ -72,7 +72,7 @@ class Calibration:
 
     def split(self, head: int, nr: int) -> float:
         """`split_head` or `split_multiple` for a value head of `head` dims (blocks of `nr`)."""
-        return self.split_multiple if head > nr and head % nr == 0 else self.split_head
+        return self.split_multiple if several_blocks(head, nr) else self.split_head
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -84,6 +84,12 @@ class Calibration:
             out["split_head"] = self.split_head
             out["split_multiple"] = self.split_multiple
         return out
+
+
+def several_blocks(head: int, nr: int) -> bool:
+    """Whether a wide block runs a value head of `head` dims `nr` columns at a time (twice or
+    more), not in one pass."""
+    return head > nr and head % nr == 0
 
 
 def _parse(name: str, entry: dict[str, object]) -> Calibration:

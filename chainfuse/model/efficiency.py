@@ -46,7 +46,7 @@ from chainfuse.hardware import DeviceKind, Hardware
 from chainfuse.ir import Chain, Contraction, DType, Softmax
 from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.amx import AMX_BF16_32X32
-from chainfuse.kernels.calibration import Calibration, calibration
+from chainfuse.kernels.calibration import Calibration, calibration, several_blocks
 from chainfuse.kernels.packing import DIRECT_ROW_STRIPS
 
 __all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
@@ -203,7 +203,7 @@ def _wide_head(
     head = chain.extents[value]
     if not v.loops or v.loops[-1] != value or not holds_head(kernel, head):
         return None
-    if softmax[0].causal and head <= kernel.nr:
+    if softmax[0].causal and not several_blocks(head, kernel.nr):
         return None
     return chain.ops.index(op2), value, cal.split(head, kernel.nr)
 

@@ -529,6 +529,7 @@ def test_a_split_value_head_is_charged_where_a_wide_block_holds_it_whole() -> No
         assert split[2] == pytest.approx(whole[2] / terms.head[2])
     for other in (
         attention_chain(1, 4, 256, 256, 64, nr, causal=True),
+        attention_chain(1, 4, 256, 256, 64, max(wide.wide_cols), causal=True),  # (one block)
         attention_chain(1, 4, 256, 256, 64, nr - 16),  # a head no wide block holds
         gemm_chain(1, 256, 64, 64, 256, "relu"),  # no softmax: no wide block
         attention_chain(1, 4, 256, 256, 64, nr, dtype="bfloat16"),
