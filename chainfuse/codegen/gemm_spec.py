@@ -19,6 +19,7 @@ from chainfuse.ir import (
     Softmax,
 )
 from chainfuse.kernels import MicroKernel
+from chainfuse.kernels.contract import holds_head, named_heads, wide_multiples
 
 __all__ = [
     "ACTIVATIONS",
@@ -291,24 +292,6 @@ def wide_heads(spec: GemmChainSpec) -> tuple[int, ...]:
     if not softmax_writes_e(spec) or kernel.wide is None:
         return ()
     return kernel.wide_cols
-
-
-def wide_multiples(kernel: MicroKernel) -> bool:
-    """Whether a value head of any multiple of `nr` dims goes into E's rows as well, `nr`
-    columns at a time (`wide_heads` has `nr`: its wide block, once per block of columns)."""
-    return kernel.wide is not None and kernel.nr in kernel.wide_cols
-
-
-def named_heads(kernel: MicroKernel) -> tuple[int, ...]:
-    """The wide blocks' widths that the generated code tests for by name (`N == w`): all of
-    them, but those `wide_multiples` covers with its `N % NR == 0`."""
-    return tuple(c for c in kernel.wide_cols if not (wide_multiples(kernel) and c % kernel.nr == 0))
-
-
-def holds_head(kernel: MicroKernel, n: int) -> bool:
-    """Whether a wide block of `kernel` holds a value head of `n` dims (the generated code's
-    run-time test, `wide_test`, in Python: the plan keeps such an n whole)."""
-    return n in named_heads(kernel) or (wide_multiples(kernel) and n % kernel.nr == 0)
 
 
 def wide_test(spec: GemmChainSpec) -> str:

@@ -45,7 +45,15 @@ from dataclasses import dataclass, field
 from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import DType
 
-__all__ = ["MicroKernel", "Problem", "Score", "scores_exp_parts"]
+__all__ = [
+    "MicroKernel",
+    "Problem",
+    "Score",
+    "holds_head",
+    "named_heads",
+    "scores_exp_parts",
+    "wide_multiples",
+]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -444,3 +452,22 @@ def scores_exp_parts(mr: int) -> tuple[int, ...]:
     past a strip's whole blocks (lc mod mr of them) run the smallest that holds them, its rows
     past theirs repeating their last: at most a row of FMAs more, not a whole block's."""
     return tuple(sorted({r for r in (mr // 3, 2 * mr // 3, mr - 1) if 0 < r < mr}))
+
+
+def wide_multiples(kernel: MicroKernel) -> bool:
+    """Whether a value head of any multiple of `nr` dims goes into E's rows as well, `nr`
+    columns at a time (`codegen.gemm_spec.wide_heads` has `nr`: its wide block, once per block
+    of columns)."""
+    return kernel.wide is not None and kernel.nr in kernel.wide_cols
+
+
+def named_heads(kernel: MicroKernel) -> tuple[int, ...]:
+    """The wide blocks' widths that the generated code tests for by name (`N == w`): all of
+    them, but those `wide_multiples` covers with its `N % NR == 0`."""
+    return tuple(c for c in kernel.wide_cols if not (wide_multiples(kernel) and c % kernel.nr == 0))
+
+
+def holds_head(kernel: MicroKernel, n: int) -> bool:
+    """Whether a wide block of `kernel` holds a value head of `n` dims (the generated code's
+    run-time test, `codegen.gemm_spec.wide_test`, in Python)."""
+    return n in named_heads(kernel) or (wide_multiples(kernel) and n % kernel.nr == 0)

@@ -41,12 +41,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from chainfuse.codegen.gemm_spec import holds_head
 from chainfuse.hardware import DeviceKind, Hardware
 from chainfuse.ir import Chain, Contraction, DType, Softmax
 from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.kernels.calibration import Calibration, calibration, several_blocks
+from chainfuse.kernels.contract import holds_head
 from chainfuse.kernels.packing import DIRECT_ROW_STRIPS
 
 __all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
@@ -190,7 +190,7 @@ def _wide_head(
     chain: Chain, kernel: MicroKernel, cal: Calibration
 ) -> tuple[int, str, float] | None:
     """(op index, value loop, `Calibration.split`) of an attention whose second GEMM the code
-    runs on the kernel's wide block when its value head is whole (`codegen.gemm_spec.holds_head`:
+    runs on the kernel's wide block when its value head is whole (`kernels.contract.holds_head`:
     float32, V's rows dense along the head), or None: no such block, or a head of one block
     under a causal softmax (module docstring)."""
     softmax = [op for op in chain.ops if isinstance(op, Softmax)]
