@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -439,9 +439,10 @@ def rerank(records: Sequence[Fidelity], hardware: Hardware | None = None) -> lis
             key = cost(tiles, fit=False)
             assert key is not None
             keys.append(key)
-        out.append(Fidelity(f.suite, f.workload, f.variant, list(f.tiles),
-                            [k[0] * 1e3 for k in keys], [k[1] * 1e3 for k in keys],
-                            list(f.measured_ms), [k[2] * 1e3 for k in keys], f.repeat_rho))  # fmt: skip
+        ms = [[k[i] * 1e3 for k in keys] for i in range(3)]
+        out.append(
+            replace(f, predicted_ms=ms[0], predicted_memory_ms=ms[1], predicted_plain_ms=ms[2])
+        )
     return out
 
 
@@ -461,7 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     what.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                       help="results.json of `chainfuse bench ... --top 10` runs")  # fmt: skip
     what.add_argument("--rerank", metavar="RESULTS",
-                      help="one such run's timings against this model's ranking of its plans")  # fmt: skip
+                      help="one such run's timings against this model's ranking of its "
+                      "plans")  # fmt: skip
     args = parser.parse_args(argv)
     flag = "--compare" if args.compare else "--rerank"
     try:

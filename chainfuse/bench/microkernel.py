@@ -297,11 +297,11 @@ def split_head(kernel: MicroKernel, rounds: int = 60) -> tuple[float, float] | N
     from chainfuse.model import kernel_of
 
     batch, heads, queries, keys, _ = SPLIT_CHAIN
-    hw = Hardware.detect()
-    chosen = kernel_of(attention_chain(batch, heads, queries, keys, kernel.nr, kernel.nr), hw)
+    single = attention_chain(batch, heads, queries, keys, kernel.nr, kernel.nr)
+    chosen = kernel_of(single, Hardware.detect())
     if kernel.wide is None or chosen is None or chosen.name != kernel.name:
         return None
-    one = _split_share(attention_chain(batch, heads, queries, keys, kernel.nr, kernel.nr), rounds)
+    one = _split_share(single, rounds)
     two = 2 * kernel.nr
     several = _split_share(attention_chain(batch, heads // 2, queries, keys, two, two), rounds)
     return one, several
