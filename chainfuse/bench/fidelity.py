@@ -45,13 +45,14 @@ from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain
 from chainfuse.model import Nest, code_level, estimate
 from chainfuse.planner import USABLE
+from chainfuse.runtime import requested_num_threads, set_num_threads
 
 __all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman", "split_half_rho"]
 
 _FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
 #: interleaved rounds each workload's plans are timed in (at most 60 s in all): plans 1-2 %
-#: apart need many (docs/performance.md#fidelity)
-ROUNDS = 40
+#: apart need many (docs/performance.md#fidelity: the measurement's own split-half rho)
+ROUNDS = 100
 
 
 @dataclass
@@ -258,17 +259,23 @@ def _time_ranked(
     rounds: int,
     progress: Callable[[str], None] | None,
 ) -> Fidelity:
-    """Check every kernel against the reference, time them interleaved, make the record."""
+    """Check every kernel against the reference, time them interleaved on one thread (the
+    count they were planned for, whatever the caller's), make the record."""
     want = reference.run(chain, inputs)[chain.outputs[0].name]
     calls: list[Callable[[], object]] = []
-    for kernel in kernels:
-        call, result = bind(kernel)
-        call()
-        reference.assert_close(np.asarray(result()), want, chain)
-        calls.append(call)
-    reps = _repeats(calls[0], SAMPLE_S)
-    fns = {str(i): _batch(call, reps) for i, call in enumerate(calls)}
-    timing = interleave(fns, rounds, budget_s=60.0)
+    before = requested_num_threads()
+    set_num_threads(1)
+    try:
+        for kernel in kernels:
+            call, result = bind(kernel)
+            call()
+            reference.assert_close(np.asarray(result()), want, chain)
+            calls.append(call)
+        reps = _repeats(calls[0], SAMPLE_S)
+        fns = {str(i): _batch(call, reps) for i, call in enumerate(calls)}
+        timing = interleave(fns, rounds, budget_s=60.0)
+    finally:
+        set_num_threads(before)
     if progress is not None:
         progress(f"fidelity {names[1]} {names[2]}")
     return Fidelity(

@@ -29,11 +29,11 @@ from chainfuse.hardware import Hardware
 from chainfuse.ir import Chain, DType, Softmax
 from chainfuse.kernels import MicroKernel
 from chainfuse.kernels.calibration import calibration
+from chainfuse.kernels.packing import keeps_a_whole
 from chainfuse.model import code_level
 from chainfuse.planner import Plan
 
 __all__ = [
-    "AT_WHOLE",
     "DT_PANELS",
     "NARROW_ROWS",
     "SCHEDULE",
@@ -51,8 +51,6 @@ __all__ = [
 #: A softmax chain keeps up to this many packed n blocks of D (all of it) for the row blocks of
 #: its batch that follow (`row_block`: reuse_d) (docs/tuning.md)
 DT_PANELS = 4
-#: Floats of Aᵀ a thread keeps packed whole: all of k, for every l block (docs/tuning.md)
-AT_WHOLE = 1 << 20
 #: A causal 16-bit chain's least row block (docs/tuning.md)
 WIDE_ROWS = 64
 #: A mask that varies along the rows runs in row blocks of at most this many rows: the keys it
@@ -273,7 +271,6 @@ def schedule_gemm_chain(
         gated=shape.gate is not None,
     )
     TK = min(K, spec.T_K)
-    MPN = -(-spec.T_M // kernel.nr) * kernel.nr
     nb = [1] * (2 - len(shape.batch)) + [ext[b] for b in shape.batch]
     return CodeSchedule(
         spec=spec,
@@ -282,7 +279,7 @@ def schedule_gemm_chain(
         planned=(planned[m], planned[l_], planned[k], planned[n]),
         changes=tuple(changes),
         outer_m=outer_m,
-        a_k=K if K == TK or MPN * K <= AT_WHOLE else TK,
+        a_k=K if keeps_a_whole(K, TK, spec.T_M, kernel.nr) else TK,
         d_blocks=-(-N // spec.T_N) if softmax and spec.T_N < N <= DT_PANELS * spec.T_N else 1,
         cache_bytes=last_cache_bytes(hardware),
     )

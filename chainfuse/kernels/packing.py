@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from chainfuse.kernels.contract import MicroKernel
 
-__all__ = ["DIRECT_ROW_STRIPS", "emit_with_packing", "pack_a", "pack_b"]
+__all__ = [
+    "AT_WHOLE",
+    "DIRECT_ROW_STRIPS",
+    "emit_with_packing",
+    "keeps_a_whole",
+    "pack_a",
+    "pack_b",
+]
 
 #: A GEMM chain's code reads the fp32 slivers of a weight stored transposed (rows contiguous
 #: along the reduction: nn.Linear's weights, attention's K) in place, not packed, in row blocks
@@ -13,6 +20,16 @@ __all__ = ["DIRECT_ROW_STRIPS", "emit_with_packing", "pack_a", "pack_b"]
 #: packing it is a pass of its own (docs/tuning.md). Here, below both, because the code
 #: (`codegen.row_block`) and the model's packing term (`model.efficiency`) follow it alike.
 DIRECT_ROW_STRIPS = 16
+#: Floats of Aᵀ a GEMM chain's thread keeps packed whole: all of k, packed once per row block
+#: for every l block (docs/tuning.md#at_whole); the code schedule and the model's packing term
+#: read it alike.
+AT_WHOLE = 1 << 20
+
+
+def keeps_a_whole(k: int, tile_k: int, tile_m: int, nr: int) -> bool:
+    """Whether a GEMM chain's code packs Aᵀ's row block whole (all `k`, once for every l
+    block; `AT_WHOLE`) rather than one k block at a time, packed again for each l block."""
+    return min(k, tile_k) == k or -(-tile_m // nr) * nr * k <= AT_WHOLE
 
 
 def pack_a(kernel: MicroKernel, *, transposed: bool = False) -> str:

@@ -16,7 +16,9 @@ put into the compute time:
   code packs by its bands, so there the term would order plans by loads that pack nothing
   (re-ranked against measured plans it lowered rho; docs/tuning.md#calibration). Nor does a
   GEMM chain pack weights stored transposed in row blocks of up to `DIRECT_ROW_STRIPS` strips,
-  whose slivers its code reads in place (`in_place`).
+  whose slivers its code reads in place (`in_place`). A GEMM chain's Aᵀ, which the code packs
+  whole once per row block for every l block (`kernels.packing.keeps_a_whole`), is charged
+  once per row block, however often the level's tiles bring it in (`packed_bytes`).
 
 - *a split value head*: an attention's second GEMM runs the kernel's wide block (the whole
   value head in registers, `MicroKernel.wide`) where the code tile of the head's loop holds the
@@ -47,7 +49,7 @@ from chainfuse.kernels import MicroKernel, Problem, select
 from chainfuse.kernels.amx import AMX_BF16_32X32
 from chainfuse.kernels.calibration import Calibration, calibration, several_blocks
 from chainfuse.kernels.contract import holds_head
-from chainfuse.kernels.packing import DIRECT_ROW_STRIPS
+from chainfuse.kernels.packing import DIRECT_ROW_STRIPS, keeps_a_whole
 
 __all__ = ["Efficiency", "code_flops", "efficiency", "kernel_of"]
 
@@ -82,6 +84,8 @@ class Efficiency:
     rows: str = ""  # the loop of the code's row blocks (a GEMM chain's m), for `in_place`
     direct: tuple[tuple[str, int], ...] = ()  # (tensor, most rows of a block reading it in place)
     head: tuple[int, str, float] | None = None  # (op, loop, `Calibration.split`): split head
+    # (A, its reduction loop, nr, its elements per row of m, batches included): `_kept_a`
+    a: tuple[str, str, int, int] | None = None
     memo: dict[tuple[int, ...], tuple[float, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -133,11 +137,28 @@ class Efficiency:
         """Per op, the bytes of `moved` ((op, tensor, bytes) into the code level) that the code
         packs: all but those of the tensors it reads in place (`in_place`)."""
         skip = self.in_place(tiles, extents)
+        kept = self._kept_a(tiles, extents)
         out = [0] * n_ops
         for i, name, b in moved:
             if name not in skip:
-                out[i] += b
+                out[i] += kept[1] if kept is not None and name == kept[0] else b
         return out
+
+    def _kept_a(
+        self, tiles: Mapping[str, int], extents: Mapping[str, int]
+    ) -> tuple[str, int] | None:
+        """(A, the bytes the code packs of it) where it packs each row block of Aᵀ whole, once
+        for every l block: every row of A once, its row blocks padded to whole nr-strips."""
+        if self.a is None:
+            return None
+        name, k, nr, per_row = self.a
+        rows = extents[self.rows]
+        tile_m = min(tiles.get(self.rows, rows), rows)
+        if not keeps_a_whole(extents[k], tiles.get(k, extents[k]), tile_m, nr):
+            return None
+        whole, rest = divmod(rows, tile_m)
+        padded = whole * -(-tile_m // nr) * nr + -(-rest // nr) * nr
+        return name, padded * per_row * self.itemsize
 
     def pack_flops(self, moved_bytes: int) -> float:
         """The flops' worth of packing what the code level's tiles bring in."""
@@ -164,7 +185,7 @@ def efficiency(chain: Chain, hardware: Hardware) -> Efficiency | None:
     rows, direct = _direct(chain, kernel) if packs else ("", ())
     cal = calibration(kernel.name)
     return Efficiency(cal, steps, chain.dtype.itemsize, packs, rows, direct,
-                      _wide_head(chain, kernel, cal))  # fmt: skip
+                      _wide_head(chain, kernel, cal), _packed_a(chain, kernel, rows))  # fmt: skip
 
 
 def code_flops(
@@ -206,6 +227,18 @@ def _wide_head(
     if softmax[0].causal and not several_blocks(head, kernel.nr):
         return None
     return chain.ops.index(op2), value, cal.split(head, kernel.nr)
+
+
+def _packed_a(chain: Chain, kernel: MicroKernel, rows: str) -> tuple[str, str, int, int] | None:
+    """`Efficiency.a` of a GEMM chain whose code packs A's row blocks (`_direct` found its row
+    loop): A, the first GEMM's reduction loop, the kernel's nr, A's elements per row."""
+    if not rows:
+        return None
+    first = chain.contractions[0]
+    a = first.inputs[0]
+    ext = chain.extents
+    per_row = math.prod(ext[n] for n in a.loops if n != rows)
+    return a.tensor, first.reduction[0], kernel.nr, per_row
 
 
 def _direct(chain: Chain, kernel: MicroKernel) -> tuple[str, tuple[tuple[str, int], ...]]:

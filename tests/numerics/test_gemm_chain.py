@@ -455,10 +455,10 @@ def test_a_packed_whole_or_block_by_block_over_several_k_and_l_blocks(
 ) -> None:
     # Aᵀ kept packed for every l block (all of k), or, past AT_WHOLE floats, one k block at a
     # time packed again for each l block: both give the reference's result (tails in m, k, l)
-    from chainfuse.codegen import schedule
+    from chainfuse.kernels import packing
 
     if not whole:
-        monkeypatch.setattr(schedule, "AT_WHOLE", 16)
+        monkeypatch.setattr(packing, "AT_WHOLE", 16)
     chain = chainfuse.gemm_chain(2, 37, 13, 45, 29, between)
     kernel = compile(chain, tiles={"m": 20, "l": 7, "k": 8, "n": 6})
     assert kernel.schedule.a_k == (45 if whole else 8)  # all of k, or one block of it

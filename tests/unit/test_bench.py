@@ -113,6 +113,31 @@ def test_fidelity_measures_every_plan_against_the_chosen_one_round_by_round() ->
     assert measured[2] == pytest.approx(1.5 * 1500.0)
 
 
+def test_fidelity_times_its_plans_on_the_one_thread_they_were_planned_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plans are planned for one thread, so they are timed on one whatever the caller set
+    (a direct call of `measure` ran them on every core); the caller's count comes back."""
+    import chainfuse
+    from chainfuse import gemm_chain
+
+    seen: list[int] = []
+
+    def fake(fns: dict[str, object], rounds: int, budget_s: float = 20.0) -> dict[str, Timing]:
+        seen.append(chainfuse.get_num_threads())
+        return {name: _timing([1e-3, 1.1e-3, 0.9e-3, 1e-3]) for name in fns}
+
+    monkeypatch.setattr(fidelity, "interleave", fake)
+    chainfuse.set_num_threads(2)
+    try:
+        record = fidelity.measure(gemm_chain(1, 48, 32, 32, 40, "relu"), "gemm-chain", "tiny",
+                                  "relu", top=2, rounds=4)  # fmt: skip
+        assert seen == [1] and chainfuse.get_num_threads() == 2
+    finally:
+        chainfuse.set_num_threads(None)
+    assert len(record.measured_ms) == len(record.tiles) == 2
+
+
 def test_result_speedup_is_against_the_fastest_baseline() -> None:
     r = _result()
     assert r.best_baseline() == "numpy"

@@ -580,3 +580,29 @@ def test_weights_stored_transposed_are_not_charged_packing_where_read_in_place()
         t, p = estimate(nest_t, tiles, xeon), estimate(nest_p, tiles, xeon)
         assert t.bytes_per_level == p.bytes_per_level and t.flops == p.flops
         assert (t.compute_s < p.compute_s) is cheaper
+
+
+def test_a_packed_whole_is_charged_once_per_row_block_whatever_the_l_tiles() -> None:
+    """The code packs each row block of Aᵀ whole, once for every l block
+    (`kernels.packing.keeps_a_whole`): the packing term charges A's rows once, padded to whole
+    nr-strips, not once per load of the level's tiles; past `AT_WHOLE` it packs a k block for
+    each l block, charged per load."""
+    from chainfuse.kernels import packing
+    from chainfuse.model import efficiency, kernel_of
+
+    xeon = Hardware.preset("xeon-gold-6240")
+    chain = gemm_chain(2, 100, 256, 512, 1024, "relu")
+    terms, kernel = efficiency(chain, xeon), kernel_of(chain, xeon)
+    assert terms is not None and kernel is not None and terms.a is not None
+    assert terms.a == ("A", "k", kernel.nr, 2 * 512)
+    ext = chain.extents
+    moved = [(0, "A", 10**9), (0, "B", 7), (1, "D", 5)]
+    rows = -(-64 // kernel.nr) * kernel.nr + -(-36 // kernel.nr) * kernel.nr  # blocks 64 + 36
+    a_bytes = rows * 2 * 512 * 4
+    for l_tile in (96, 384):
+        tiles = {"m": 64, "l": l_tile, "k": 64, "n": 256}
+        assert terms.packed_bytes(moved, 2, tiles, ext) == [a_bytes + 7, 5]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packing, "AT_WHOLE", 16)
+        tiles = {"m": 64, "l": 96, "k": 64, "n": 256}
+        assert terms.packed_bytes(moved, 2, tiles, ext) == [10**9 + 7, 5]
