@@ -45,7 +45,7 @@ from chainfuse.hardware import Hardware, resolve
 from chainfuse.ir import Chain
 from chainfuse.model import Nest, code_level, estimate
 from chainfuse.planner import USABLE
-from chainfuse.runtime import requested_num_threads, set_num_threads
+from chainfuse.runtime import num_threads
 
 __all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman", "split_half_rho"]
 
@@ -263,9 +263,7 @@ def _time_ranked(
     count they were planned for, whatever the caller's), make the record."""
     want = reference.run(chain, inputs)[chain.outputs[0].name]
     calls: list[Callable[[], object]] = []
-    before = requested_num_threads()
-    set_num_threads(1)
-    try:
+    with num_threads(1):
         for kernel in kernels:
             call, result = bind(kernel)
             call()
@@ -274,8 +272,6 @@ def _time_ranked(
         reps = _repeats(calls[0], SAMPLE_S)
         fns = {str(i): _batch(call, reps) for i, call in enumerate(calls)}
         timing = interleave(fns, rounds, budget_s=60.0)
-    finally:
-        set_num_threads(before)
     if progress is not None:
         progress(f"fidelity {names[1]} {names[2]}")
     return Fidelity(

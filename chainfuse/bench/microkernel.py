@@ -43,7 +43,7 @@ from chainfuse.hardware import Hardware, Isa
 from chainfuse.ir import Chain, DType
 from chainfuse.kernels import MicroKernel, Problem, available, emit_with_packing, select
 from chainfuse.kernels.calibration import PATH, Calibration
-from chainfuse.runtime import build, load
+from chainfuse.runtime import build, load, num_threads
 
 __all__ = [
     "CALIBRATION_STEPS",
@@ -324,8 +324,9 @@ def _split_share(chain: Chain, rounds: int) -> float:
     for tile in (dims, dims // 2, dims * 3 // 4):
         built = compile(chain, hw, threads=1, tiles={value: tile})
         calls[str(tile)] = functools.partial(built, *args, out=out)
-    reps = _repeats(calls[str(dims)], SAMPLE_S)
-    timing = interleave({k: _batch(c, reps) for k, c in calls.items()}, rounds, budget_s=60.0)
+    with num_threads(1):  # (planned for one thread)
+        reps = _repeats(calls[str(dims)], SAMPLE_S)
+        timing = interleave({k: _batch(c, reps) for k, c in calls.items()}, rounds, budget_s=60.0)
     paired = paired_ms(timing, str(dims))
     ratio = statistics.mean(paired[k] / paired[str(dims)] for k in calls if k != str(dims))
     ext = chain.extents

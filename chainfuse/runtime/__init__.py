@@ -16,7 +16,12 @@ from chainfuse.runtime.cache import (
     files_fingerprint,
 )
 from chainfuse.runtime.files import write_atomic
-from chainfuse.runtime.threads import get_num_threads, requested_num_threads, set_num_threads
+from chainfuse.runtime.threads import (
+    get_num_threads,
+    num_threads,
+    requested_num_threads,
+    set_num_threads,
+)
 from chainfuse.runtime.toolchain import (
     BASE_FLAGS,
     INSTALL_HINT,
@@ -46,6 +51,7 @@ __all__ = [
     "flags",
     "get_num_threads",
     "load",
+    "num_threads",
     "requested_num_threads",
     "set_num_threads",
     "write_atomic",

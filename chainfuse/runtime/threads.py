@@ -9,16 +9,19 @@ on one).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 
 from chainfuse import config
 
 __all__ = [
     "call_threads",
     "get_num_threads",
+    "num_threads",
     "requested_num_threads",
     "reset_call_threads",
     "set_num_threads",
@@ -61,6 +64,18 @@ def set_num_threads(n: int | None) -> None:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"number of threads must be a positive int or None, not {n!r}")
     _num_threads = n
+
+
+@contextlib.contextmanager
+def num_threads(n: int | None) -> Iterator[None]:
+    """`set_num_threads(n)` for the block, then the count set before it back (a benchmark that
+    times kernels planned for `n` threads, whatever its caller set)."""
+    before = _num_threads
+    set_num_threads(n)
+    try:
+        yield
+    finally:
+        set_num_threads(before)
 
 
 def requested_num_threads() -> int | None:

@@ -420,3 +420,20 @@ def test_attention_headline_figures_keep_the_extra_cases_out_of_the_paper_set() 
     assert attention.LONG[0][0] in names and attention.LONG[0][0] not in (
         c[0] for c in attention.cases(quick=True)
     )
+
+
+def test_num_threads_sets_the_count_for_a_block_and_puts_the_callers_back() -> None:
+    import chainfuse
+    from chainfuse.runtime import num_threads, requested_num_threads
+
+    for before in (None, 3):
+        chainfuse.set_num_threads(before)
+        try:
+            with num_threads(1):
+                assert chainfuse.get_num_threads() == 1
+            assert requested_num_threads() == before
+            with pytest.raises(RuntimeError), num_threads(2):
+                raise RuntimeError
+            assert requested_num_threads() == before
+        finally:
+            chainfuse.set_num_threads(None)
