@@ -20,7 +20,10 @@ Each record also keeps the model's time without the micro-kernel's efficiency te
 (`Cost.plain_s`, `model.efficiency`) and `rho_plain`, that ranking's rho against the same
 measured times: the before/after of those terms within one run. The planner's choice, and so
 the tuning gap, differs between model versions: ``python -m chainfuse.bench.fidelity --compare
-BEFORE.json AFTER.json`` sets two bench runs' `results.json` side by side, per suite.
+BEFORE.json AFTER.json`` sets two bench runs' `results.json` side by side, per suite, with
+the runs' own agreement: rho between their measured times of the plans both timed
+(`run_agreement`). Two runs of one model on one host give the ceiling a model's rho can reach
+there: plans a few per cent apart reorder from one process to the next (docs/tuning.md).
 """
 
 from __future__ import annotations
@@ -47,12 +50,22 @@ from chainfuse.model import Nest, code_level, estimate
 from chainfuse.planner import USABLE
 from chainfuse.runtime import num_threads
 
-__all__ = ["Fidelity", "conv_candidates", "measure", "measure_conv", "spearman", "split_half_rho"]
+__all__ = [
+    "Fidelity",
+    "conv_candidates",
+    "measure",
+    "measure_conv",
+    "run_agreement",
+    "spearman",
+    "split_half_rho",
+]
 
 _FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
 #: interleaved rounds each workload's plans are timed in (at most 60 s in all): plans 1-2 %
-#: apart need many (docs/performance.md#fidelity: the measurement's own split-half rho)
+#: apart need many (docs/performance.md#model-and-planner: the measurement's own split-half rho)
 ROUNDS = 100
+#: plans two runs must both have timed for `run_agreement` to compare their orderings
+AGREE_PLANS = 4
 
 
 @dataclass
@@ -303,7 +316,7 @@ def split_half_rho(timing: Mapping[str, Timing], base: str) -> float:
 
 
 #: each timed sample runs a plan back to back for about this long (one short call alone carries
-#: the timer's and the previous plan's cache state; docs/performance.md#fidelity)
+#: the timer's and the previous plan's cache state; docs/performance.md#model-and-planner)
 SAMPLE_S = 0.02
 
 
@@ -401,18 +414,40 @@ def compare(before: Sequence[Fidelity], after: Sequence[Fidelity]) -> list[str]:
 
     lines = ["| suite | workloads (before / after) | mean rho before | mean rho after | "
              "after, without kernel terms | measurement's own rho (after) | "
-             "mean tuning gap before | after |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "the runs' agreement (workloads) | mean tuning gap before | after |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for suite in dict.fromkeys(f.suite for f in (*before, *after)):
         b = [f for f in before if f.suite == suite]
         a = [f for f in after if f.suite == suite]
+        agree = run_agreement(b, a)
         lines.append(
             f"| {suite} | {len(b)} / {len(a)} | {mean([f.rho for f in b]):.2f} | "
             f"{mean([f.rho for f in a]):.2f} | {mean([f.rho_plain for f in a]):.2f} | "
             f"{mean([f.repeat_rho for f in a]):.2f} | "
+            f"{mean(list(agree.values())):.2f} ({len(agree)}) | "
             f"{mean([f.tuning_gap for f in b]):.1%} | {mean([f.tuning_gap for f in a]):.1%} |"
         )
     return lines
+
+
+def run_agreement(before: Sequence[Fidelity], after: Sequence[Fidelity]) -> dict[str, float]:
+    """Per workload (`suite/workload/variant`) both runs timed: Spearman's rho between the two
+    runs' measured times of the plans (tile labels) both timed, where there are at least
+    `AGREE_PLANS` of them and the rho is defined."""
+    first = {(f.suite, f.workload, f.variant): f for f in before}
+    out: dict[str, float] = {}
+    for f in after:
+        g = first.get((f.suite, f.workload, f.variant))
+        if g is None:
+            continue
+        common = [t for t in f.tiles if t in g.tiles]
+        if len(common) < AGREE_PLANS:
+            continue
+        rho = spearman([g.measured_ms[g.tiles.index(t)] for t in common],
+                       [f.measured_ms[f.tiles.index(t)] for t in common])  # fmt: skip
+        if not math.isnan(rho):
+            out[f"{f.suite}/{f.workload}/{f.variant}"] = rho
+    return out
 
 
 def rerank(records: Sequence[Fidelity], hardware: Hardware | None = None) -> list[Fidelity]:

@@ -215,8 +215,32 @@ def test_fidelity_compares_the_model_without_its_kernel_terms_and_two_runs(
         (tmp_path / name).write_text(json.dumps({"fidelity": [f.to_dict() for f in fids]}))
     table = fidelity.compare(fidelity.load(str(tmp_path / "before")),
                              fidelity.load(str(tmp_path / "after")))  # fmt: skip
-    assert table[2] == "| gemm-chain | 1 / 1 | 0.50 | 1.00 | -1.00 | 0.50 | 100.0% | 0.0% |"
+    # (three plans in common: too few for the runs' agreement)
+    assert (
+        table[2] == "| gemm-chain | 1 / 1 | 0.50 | 1.00 | -1.00 | 0.50 | nan (0) | 100.0% | 0.0% |"
+    )
     assert fidelity.main(["--compare", str(tmp_path / "before"), str(tmp_path / "after")]) == 0
+
+
+def test_two_runs_agree_on_the_plans_both_timed_only() -> None:
+    def run(tiles: list[str], measured: list[float], workload: str = "w") -> Fidelity:
+        n = len(tiles)
+        return Fidelity("gemm-chain", workload, "relu", tiles, predicted_ms=[1.0] * n,
+                        predicted_memory_ms=[0.0] * n, measured_ms=measured)  # fmt: skip
+
+    first = run(["a", "b", "c", "d", "e"], [1.0, 2.0, 3.0, 4.0, 5.0])
+    # the second run timed "e" in another plan's place and lists the plans in another order:
+    # matched by label, its a..d measured in the reverse order
+    second = run(["d", "c", "x", "b", "a"], [1.0, 2.0, 9.0, 3.0, 4.0])
+    assert fidelity.run_agreement([first], [second]) == {"gemm-chain/w/relu": pytest.approx(-1.0)}
+    same = run(["a", "b", "c", "d"], [1.0, 1.5, 2.0, 9.0])
+    assert fidelity.run_agreement([first], [same]) == {"gemm-chain/w/relu": pytest.approx(1.0)}
+    # fewer plans in common than AGREE_PLANS, another workload, a constant run: nothing
+    assert fidelity.run_agreement([first], [run(["a", "b", "c", "y"], [1, 2, 3, 4])]) == {}
+    assert fidelity.run_agreement([first], [run(["a", "b", "c", "d"], [1, 2, 3, 4], "v")]) == {}
+    assert fidelity.run_agreement([first], [run(["a", "b", "c", "d"], [2.0] * 4)]) == {}
+    table = fidelity.compare([first], [second])
+    assert table[2].split(" | ")[6] == "-1.00 (1)"
 
 
 def test_report_writes_markdown_json_and_plots(tmp_path: Path) -> None:
