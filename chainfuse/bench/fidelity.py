@@ -23,7 +23,8 @@ the tuning gap, differs between model versions: ``python -m chainfuse.bench.fide
 BEFORE.json AFTER.json`` sets two bench runs' `results.json` side by side, per suite, with
 the runs' own agreement: rho between their measured times of the plans both timed
 (`run_agreement`). Two runs of one model on one host give the ceiling a model's rho can reach
-there: plans a few per cent apart reorder from one process to the next (docs/tuning.md).
+there: plans a few per cent apart reorder from one process to the next
+(docs/performance.md#model-and-planner).
 """
 
 from __future__ import annotations
