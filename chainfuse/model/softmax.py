@@ -41,8 +41,9 @@ def rescale_factors(
     """Per op of a fused nest: what its compute time is stretched by around an online softmax,
     `tiles` being the code level's (`code_level`): 1 + RESCALE_STEPS x (its calls: tiles of its
     reduction, a tail tile included) / (the reduction's extent) for the GEMMs of a softmax
-    chain (`rescaled`, or `fed` when the caller has it), 1 for every other op; and, with a causal softmax, every op times the share of the scores
-    its row blocks compute (`causal_share`)."""
+    chain (`rescaled`, or `fed` when the caller has it), 1 for every other op; and, with a
+    causal softmax, every op times the share of the scores its row blocks compute
+    (`causal_share`)."""
     ext = chain.extents
     fed = rescaled(chain) if fed is None else fed
     share = computed_share(chain, tiles)

@@ -70,7 +70,7 @@ def set_num_threads(n: int | None) -> None:
 def num_threads(n: int | None) -> Iterator[None]:
     """`set_num_threads(n)` for the block, then the count set before it back (a benchmark that
     times kernels planned for `n` threads, whatever its caller set)."""
-    before = _num_threads
+    before = requested_num_threads()
     set_num_threads(n)
     try:
         yield
