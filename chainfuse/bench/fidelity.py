@@ -62,9 +62,13 @@ __all__ = [
 ]
 
 _FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)
-#: interleaved rounds each workload's plans are timed in (at most 60 s in all): plans 1-2 %
-#: apart need many (docs/performance.md#model-and-planner: the measurement's own split-half rho)
-ROUNDS = 100
+#: interleaved rounds each workload's plans are timed in (at most `BUDGET_S`): plans 1-2 % apart
+#: need many (docs/performance.md#model-and-planner: two runs of 250 agree at rho 0.86 on GEMM
+#: chains, a run of 40 and one of 100 at 0.54); `QUICK_ROUNDS` for the bench's quick set
+ROUNDS = 250
+QUICK_ROUNDS = 100
+#: seconds one workload's plans may be timed for (the rounds stop there, at least three in)
+BUDGET_S = 90.0
 #: plans two runs must both have timed for `run_agreement` to compare their orderings
 AGREE_PLANS = 4
 
@@ -285,7 +289,7 @@ def _time_ranked(
             calls.append(call)
         reps = _repeats(calls[0], SAMPLE_S)
         fns = {str(i): _batch(call, reps) for i, call in enumerate(calls)}
-        timing = interleave(fns, rounds, budget_s=60.0)
+        timing = interleave(fns, rounds, budget_s=BUDGET_S)
     if progress is not None:
         progress(f"fidelity {names[1]} {names[2]}")
     return Fidelity(

@@ -232,21 +232,22 @@ def _main(argv: Sequence[str] | None) -> int:
     fids: list[Fidelity] = []
     if args.top > 0:
         set_threads(1)
+        rounds = fidelity.QUICK_ROUNDS if args.quick else fidelity.ROUNDS
         if "gemm-chain" in suites:
             for name in fid_gemm:
                 chain = workloads.chain_of(name, FIDELITY_VARIANT)
                 fids.append(fidelity.measure(chain, "gemm-chain", name, FIDELITY_VARIANT,
-                                             args.top, progress=progress))  # fmt: skip
+                                             args.top, rounds, progress=progress))  # fmt: skip
         if "attention" in suites:
             for name in fid_att:
                 fids.append(fidelity.measure(attention.chain_of(name), "attention", name,
-                                             attention.variant(name), args.top,
+                                             attention.variant(name), args.top, rounds,
                                              progress=progress))  # fmt: skip
         if "conv-chain" in suites:
             for name in fid_conv:
                 chain = workloads.chain_of(name, FIDELITY_VARIANT)
                 fids.append(fidelity.measure_conv(chain, "conv-chain", name, FIDELITY_VARIANT,
-                                                  args.top, progress=progress))  # fmt: skip
+                                                  args.top, rounds, progress=progress))  # fmt: skip
 
     command = "chainfuse bench " + " ".join(argv if argv is not None else sys.argv[1:])
     files = report.write(Path(args.out), results, fids, machine, extra, command.strip(), peaks)
